@@ -1,0 +1,26 @@
+"""shardlm: train Hugging Face causal LMs with tensor parallelism x FSDP2 on PyTorch's own engine."""
+
+from shardlm.config import Config, DataConfig, ParallelConfig, TrainConfig, load_config
+from shardlm.errors import ConfigError
+from shardlm.mesh import Mesh, build_mesh, init_distributed
+from shardlm.parallelize import parallelize
+from shardlm.plan import infer_tp_plan
+from shardlm.trainer import Trainer, run
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "Mesh",
+    "ParallelConfig",
+    "TrainConfig",
+    "Trainer",
+    "build_mesh",
+    "infer_tp_plan",
+    "init_distributed",
+    "load_config",
+    "parallelize",
+    "run",
+]
+
+__version__ = "0.1.0"

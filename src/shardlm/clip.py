@@ -1,0 +1,59 @@
+"""Gradient clipping on the global L2 norm of every parameter, whatever its placement or mesh.
+
+``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms with ``_foreach_norm``; with
+some gradients DTensors and some plain, or DTensors on different meshes, it raises
+``aten._foreach_norm.Scalar got mixed torch.Tensor and DTensor`` (transformers' TP loop and
+other trainers hit this). Here each rank sums the squares of the gradient pieces it holds,
+dividing a piece by the number of ranks that hold an identical copy of it (replicated mesh
+dims, ranks outside the tensor's mesh, plain tensors everywhere), and one all-reduce over the
+world adds it up. Uneven shards need no special case. Call it after gradients are reduced
+across data-parallel ranks and before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+
+def _copies(grad: torch.Tensor, world_size: int) -> int:
+    """How many ranks of the world hold an identical copy of this rank's piece of ``grad``."""
+    if not isinstance(grad, DTensor):
+        return world_size
+    mesh = grad.device_mesh
+    copies = world_size // mesh.size()
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Partial):
+            raise ValueError("clip_grad_norm_: gradient is still Partial; reduce it before clipping")
+        if isinstance(placement, Replicate):
+            copies *= mesh.size(dim)
+    return copies
+
+
+@torch.no_grad()
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of ``grads`` (fp32 scalar, identical on every rank)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    device = grads[0].device if grads else torch.device("cpu")
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        acc += local.float().pow(2).sum() / _copies(g, world_size)
+    if world_size > 1:
+        dist.all_reduce(acc)
+    return acc.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients in place to global norm ``max_norm`` (no-op if <= 0); return the norm before."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = total_norm(grads)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm

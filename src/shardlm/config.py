@@ -1,0 +1,193 @@
+"""The run configuration: YAML file + dotted ``KEY=VALUE`` overrides -> validated dataclasses.
+
+Names follow Hugging Face ``TrainingArguments`` where one exists, so a user of the HF Trainer
+recognises every key. Everything that can be checked without starting a process is checked
+here (unknown keys, types, paths, sizes against the model config), so bad input fails before
+any rank is spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from shardlm.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    seq_len: int = 128
+    packing: bool = True
+    text_field: str = "text"
+    prompt_field: str | None = None
+    response_field: str | None = None
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first)."""
+
+    tp: int = 1
+    fsdp: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.fsdp * self.dp_replicate
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many different micro-batches are processed at once."""
+        return self.fsdp * self.dp_replicate
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/x"
+    max_steps: int = 100
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3.0e-4
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1.0e-8
+    max_grad_norm: float = 1.0
+    bf16: bool = False
+    seed: int = 0
+    logging_steps: int = 1
+    save_steps: int = 0
+    resume: bool | str = False
+
+
+@dataclass
+class Config:
+    model: str = ""
+    tokenizer: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: dict | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step; the data order depends on this and the seed only."""
+        t = self.train
+        return t.per_device_train_batch_size * self.parallel.dp_size * t.gradient_accumulation_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEDULERS = ("constant", "linear", "cosine")
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys and wrong types by name."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' must be a mapping of keys, got {values!r}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key '{name}'; valid keys here: {', '.join(known)}")
+        f = known[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            kwargs[key] = _build(f.default_factory, value, f"{name}.")
+        else:
+            kwargs[key] = _coerce(f, value, name)
+    return cls(**kwargs)
+
+
+def _coerce(f: dataclasses.Field, value: Any, name: str) -> Any:
+    """Check a leaf value against the field's declared type (ints accept whole floats, floats ints)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"config key '{name}' must not be null")
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"config key '{name}' must be an integer, got {value!r}")
+        return int(value)
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{name}' must be a number, got {value!r}")
+        return float(value)
+    if kind == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"config key '{name}' must be true or false, got {value!r}")
+    if kind.startswith("str") and not isinstance(value, str):
+        raise ConfigError(f"config key '{name}' must be a string, got {value!r}")
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` strings to a nested dict; values are parsed as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like KEY=VALUE, e.g. parallel.tp=2")
+        key, _, text = item.partition("=")
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    return raw
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, raw: dict | None = None) -> Config:
+    """Read a YAML file (or take ``raw``), apply overrides, build and validate the config."""
+    if raw is None:
+        if path is None or not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' not found; pass the path of a YAML config")
+        with open(path) as fh:
+            try:
+                raw = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                line = getattr(getattr(exc, "problem_mark", None), "line", None)
+                where = f" at line {line + 1}" if line is not None else ""
+                raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+    raw = apply_overrides(dict(raw), overrides or [])
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group: values, paths, and the layout against the model."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    for key in ("tp", "fsdp", "dp_replicate"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if t.lr_scheduler_type not in SCHEDULERS:
+        raise ConfigError(f"train.lr_scheduler_type must be one of {', '.join(SCHEDULERS)}, got '{t.lr_scheduler_type}'")
+    if not cfg.model:
+        raise ConfigError("config key 'model' is required: a Hugging Face model directory")
+    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        raise ConfigError(f"model: '{cfg.model}' has no config.json; point 'model' at a Hugging Face model directory")
+    if not d.path:
+        raise ConfigError("config key 'data.path' is required: a .txt file with one document per line")
+    if not os.path.exists(d.path):
+        raise ConfigError(f"data.path: '{d.path}' does not exist")
+    if cfg.lora is not None:
+        raise ConfigError("lora: LoRA training is not supported yet; remove the 'lora' section")
+    from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
+
+    check_geometry(cfg.model, p.tp)

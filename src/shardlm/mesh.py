@@ -1,0 +1,89 @@
+"""Process group and DeviceMesh for a ``ParallelConfig``.
+
+The world is one 3-D mesh ``(dp_replicate, fsdp, tp)``: TP innermost so its frequent
+collectives stay between neighbouring ranks (the same GPU node), data parallelism outside.
+gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1) mesh so every code path
+is the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardlm.config import ParallelConfig
+from shardlm.errors import ConfigError
+
+MESH_DIMS = ("dp_replicate", "fsdp", "tp")
+
+
+@dataclass
+class Mesh:
+    """The world mesh and the views of it the rest of the code needs."""
+
+    world: DeviceMesh
+    parallel: ParallelConfig
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def dp(self) -> DeviceMesh:
+        """Mesh that FSDP2 shards over: 1-D ``fsdp``, or 2-D ``(dp_replicate, fsdp)`` for HSDP."""
+        if self.parallel.dp_replicate > 1:
+            return self.world["dp_replicate", "fsdp"]
+        return self.world["fsdp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """One group over every data-parallel rank (both dp dims), for loss and token counts."""
+        if self.parallel.dp_replicate > 1:
+            return self.world["dp_replicate", "fsdp"]._flatten("dp").get_group()
+        return self.world["fsdp"].get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.world["dp_replicate"].get_local_rank() * self.parallel.fsdp + self.world["fsdp"].get_local_rank()
+
+    @property
+    def device(self) -> torch.device:
+        if self.world.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the process group described by the environment (torchrun / our launcher), or make a
+    one-process group when there is none."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def build_mesh(parallel: ParallelConfig) -> Mesh:
+    """Mesh for ``parallel``; refuses a layout whose product is not the world size."""
+    world_size = dist.get_world_size()
+    if parallel.world_size != world_size:
+        raise ConfigError(
+            f"parallel: dp_replicate*fsdp*tp = {parallel.dp_replicate}*{parallel.fsdp}*{parallel.tp} = "
+            f"{parallel.world_size} but the world has {world_size} processes; make the product equal the process count"
+        )
+    shape = (parallel.dp_replicate, parallel.fsdp, parallel.tp)
+    return Mesh(init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS), parallel)
