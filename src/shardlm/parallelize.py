@@ -101,6 +101,22 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | N
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter registered in more than one place (tied embeddings), as (module, name) lists."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
+def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """``to_empty`` allocates each registration separately; point them back at one tensor."""
+    for (owner, name), *others in shared:
+        for module, other in others:
+            setattr(module, other, getattr(owner, name))
+
+
 def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     for name, buf in model.named_buffers():
         if name in buffers:
@@ -150,7 +166,9 @@ def parallelize(
         apply_tp(model, mesh, infer_tp_plan(model, mesh.parallel.tp))
     if mesh.parallel.dp_size > 1:
         apply_fsdp(model, mesh, mp_policy)
+    shared = _shared_parameters(model)
     model.to_empty(device=mesh.device)
+    _retie(shared)
     with torch.no_grad():
         _restore_buffers(model, buffers)
     if has_weights(model_path):

@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Both run `make setup` first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.shardlm-installed
+PYTHON ?= python3
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. Without a GPU, torch==2.13.0 (a CPU
+# build) is installed first so pip never pulls a multi-GB CUDA wheel on a CPU machine.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q 'torch>=2.13'; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) -m shardlm.demo
+
+bench: setup
+	$(PY) benchmarks/bench.py
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+clean:
+	rm -rf runs .pytest_cache
