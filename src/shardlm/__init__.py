@@ -1,4 +1,8 @@
-"""shardlm: train Hugging Face causal LMs with tensor parallelism x FSDP2 on PyTorch's own engine."""
+"""shardlm: train Hugging Face causal LMs with tensor parallelism x FSDP2 on PyTorch's own engine.
+
+Imports are eager on purpose: ``shardlm.parallelize`` is both a submodule and the function it
+exports, and a lazy (PEP 562) package would hand out the module once any code imported it.
+"""
 
 from shardlm.config import Config, DataConfig, ParallelConfig, TrainConfig, load_config
 from shardlm.errors import ConfigError

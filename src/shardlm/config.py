@@ -8,10 +8,11 @@ any rank is spawned.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -20,12 +21,39 @@ from shardlm.errors import ConfigError
 
 @dataclass
 class DataConfig:
+    """Where the training text is and how it becomes samples (see ``data.py`` for every row kind).
+
+    ``path``: a .txt (one document per line), .jsonl, .json or .parquet file, or a directory of
+    them. Rows are plain text (``text_field``), a prompt/response pair (``prompt_field`` and
+    ``response_field``: only the response is trained) or a chat (``messages_field``: a list of
+    ``{role, content}`` rendered with the tokenizer's chat template; only assistant turns are
+    trained). ``cache_dir``: where tokenized data is kept (default: the Hugging Face datasets cache).
+    """
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = (".txt", ".jsonl", ".json", ".parquet")
+
     path: str = ""
     seq_len: int = 128
     packing: bool = True
     text_field: str = "text"
     prompt_field: str | None = None
     response_field: str | None = None
+    messages_field: str | None = None
+    cache_dir: str | None = None
+
+    def check(self) -> None:
+        """Checks of the data section that need no tokenizer: path, extension, field combination."""
+        kinds = ", ".join(self.EXTENSIONS)
+        if not self.path:
+            raise ConfigError(f"config key 'data.path' is required: a {kinds} file or a directory of them")
+        if not os.path.exists(self.path):
+            raise ConfigError(f"data.path: '{self.path}' does not exist")
+        if os.path.isfile(self.path) and not self.path.lower().endswith(self.EXTENSIONS):
+            raise ConfigError(f"data.path: '{self.path}' is not a {kinds} file; convert it or point at a directory")
+        if (self.prompt_field is None) != (self.response_field is None):
+            raise ConfigError("data.prompt_field and data.response_field go together: set both or neither")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ConfigError("data.messages_field excludes data.prompt_field/response_field: set one kind of row")
 
 
 @dataclass
@@ -63,8 +91,9 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 0
     logging_steps: int = 1
-    save_steps: int = 0
-    resume: bool | str = False
+    save_steps: int = 0  # checkpoint every N steps and at the end; 0: no checkpoints
+    save_total_limit: int | None = None  # keep the newest N complete checkpoints; None: all
+    resume: bool | str = False  # true: newest complete checkpoint of output_dir; or a checkpoint path
 
 
 @dataclass
@@ -94,7 +123,8 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        raise ConfigError(f"'{prefix.rstrip('.')}' must be a mapping of keys, got {values!r}")
+        where = f"'{prefix.rstrip('.')}'" if prefix else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys, got {values!r}")
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in values.items():
@@ -140,10 +170,15 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         node = raw
         parts = key.strip().split(".")
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty section (``data:`` with nothing under it)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"override '{item}': the value is not valid YAML; put it in YAML quotes") from None
     return raw
 
 
@@ -159,7 +194,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, raw
                 line = getattr(getattr(exc, "problem_mark", None), "line", None)
                 where = f" at line {line + 1}" if line is not None else ""
                 raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
-    raw = apply_overrides(dict(raw), overrides or [])
+    if not isinstance(raw, dict):
+        where = f"config file '{path}'" if path else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys (model, data, parallel, train)")
+    raw = apply_overrides(copy.deepcopy(raw), overrides or [])  # the caller's ``raw`` stays as it was
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg
@@ -182,12 +220,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'model' is required: a Hugging Face model directory")
     if not os.path.isfile(os.path.join(cfg.model, "config.json")):
         raise ConfigError(f"model: '{cfg.model}' has no config.json; point 'model' at a Hugging Face model directory")
-    if not d.path:
-        raise ConfigError("config key 'data.path' is required: a .txt file with one document per line")
-    if not os.path.exists(d.path):
-        raise ConfigError(f"data.path: '{d.path}' does not exist")
+    d.check()
+    _validate_checkpointing(t)
     if cfg.lora is not None:
         raise ConfigError("lora: LoRA training is not supported yet; remove the 'lora' section")
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
 
     check_geometry(cfg.model, p.tp)
+
+
+def _validate_checkpointing(t: TrainConfig) -> None:
+    """Checkpoint keys (``checkpoint.py``): counts, and that a resume path exists before spawning."""
+    if t.save_steps < 0:
+        raise ConfigError(f"train.save_steps must be >= 0 (0 turns checkpoints off), got {t.save_steps}")
+    if t.save_total_limit is not None and t.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
+    if not isinstance(t.resume, (bool, str)):
+        raise ConfigError(f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    if isinstance(t.resume, str) and not os.path.isdir(t.resume):
+        raise ConfigError(f"train.resume: '{t.resume}' is not a directory; pass a checkpoint step-N or an output_dir")

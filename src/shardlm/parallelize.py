@@ -22,12 +22,14 @@ import torch.nn as nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
-from shardlm.plan import infer_tp_plan
-from shardlm.styles import make_style
+from shardlm.plan import Plan, infer_plan
+from shardlm.styles import localize_geometry, make_style, tp_partial_grad_params
 
 
 @contextmanager
@@ -75,11 +77,13 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def apply_tp(model: nn.Module, mesh: Mesh, plan: dict[str, str]) -> None:
+def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
     """Apply the plan on the TP mesh; keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    parallelize_module(model, mesh.tp, {fqn: make_style(s) for fqn, s in plan.items()}, src_data_rank=None)
+    styles = {fqn: make_style(s, plan.parts.get(fqn)) for fqn, s in plan.styles.items()}
+    parallelize_module(model, mesh.tp, styles, src_data_rank=None)
+    localize_geometry(model, plan, mesh.parallel.tp)
     if tied:
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
@@ -123,25 +127,100 @@ def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None
             buf.copy_(buffers[name])
 
 
-def load_hf_weights(model: nn.Module, model_path: str) -> None:
+def _tied_keys(model: nn.Module) -> set[str]:
+    """State-dict keys that name a parameter already named by an earlier key (tied embeddings)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for key, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(key)
+        seen.setdefault(id(param), key)
+    return tied
+
+
+def _packed_keys(model: nn.Module, plan: Plan) -> list[str]:
+    """Parameters of packed_colwise modules: their strided layout is filled tensor by tensor,
+    because DCP and ``set_model_state_dict`` address shards as single contiguous boxes."""
+    return [
+        f"{fqn}.{name}"
+        for fqn, style in plan.styles.items()
+        if style == "packed_colwise"
+        for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)
+    ]
+
+
+def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for ``param``, without communication.
+
+    Placements are applied right to left, TP first, then FSDP's chunking of the TP-local
+    tensor, which is how FSDP2 shards a TP DTensor. On the TP dim a ``_StridedShard`` is a
+    packed projection: each of its parts is chunked on its own.
+    """
+    if not isinstance(param, DTensor):
+        return full
+    mesh, piece = param.device_mesh, full
+    for dim in reversed(range(mesh.ndim)):
+        placement, n, coord = param.placements[dim], mesh.size(dim), mesh.get_local_rank(dim)
+        strided = isinstance(placement, _StridedShard)  # not a Shard subclass in torch 2.13
+        if not (strided or placement.is_shard()):
+            continue
+        d = placement.dim
+        if strided and mesh.mesh_dim_names[dim] == "tp":
+            parts = piece.chunk(placement.split_factor, d)
+            piece = torch.cat([part.chunk(n, d)[coord] for part in parts], d)
+        else:
+            chunks = piece.chunk(n, d)
+            piece = chunks[coord] if coord < len(chunks) else piece.narrow(d, 0, 0)
+    return piece
+
+
+@torch.no_grad()
+def _fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's piece of ``full`` into ``param`` (any placements; no communication)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.copy_(local_piece(param, full.to(local.dtype)))
+
+
+def _read_hf_tensor(model_path: str, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as fh:
+            if key in fh.keys():
+                return fh.get_tensor(key)
+    raise ConfigError(f"model: '{model_path}' lacks weights for {key}")
+
+
+def load_hf_weights(model: nn.Module, model_path: str, plan: Plan) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader)."""
     reader = HuggingFaceStorageReader(model_path)
     available = set(reader.read_metadata().state_dict_metadata)
-    state = model.state_dict()
-    tied = {k for k, v in state.items() for k2, v2 in state.items() if k != k2 and v is v2}
-    missing = [k for k in state if k not in available and k not in tied]
+    packed = set(_packed_keys(model, plan))
+    state = {k: v for k, v in model.state_dict().items() if k not in _tied_keys(model)}
+    missing = [k for k in state if k not in available]
     if missing:
         raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
-    dcp.load({k: v for k, v in state.items() if k in available}, storage_reader=reader)
+    dcp.load({k: v for k, v in state.items() if k not in packed}, storage_reader=reader)
+    for key in packed:
+        _fill_from_full(model.get_parameter(key), _read_hf_tensor(model_path, key))
 
 
-def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
+def init_from_seed(model: nn.Module, model_path: str, seed: int, plan: Plan) -> None:
     """Random init that is identical for every layout: rank 0 builds the full model from the
     seed, exactly as one process would, and every rank takes its shard of the broadcast."""
     full = {}
+    packed = _packed_keys(model, plan)
     if dist.get_rank() == 0:
         full = reference_model(model_path, seed).state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    packed_full = {k: full.pop(k, None) for k in packed}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not packed)
+    set_model_state_dict(model, full, options=options)
+    for key in packed:
+        param = model.get_parameter(key)
+        tensor = packed_full[key] if dist.get_rank() == 0 else torch.empty(param.shape, dtype=param.dtype)
+        tensor = tensor.to(param.device)
+        dist.broadcast(tensor, src=0)
+        _fill_from_full(param, tensor)
 
 
 def reference_model(model_path: str, seed: int) -> nn.Module:
@@ -162,8 +241,9 @@ def parallelize(
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``."""
     model = build_meta_model(model_path)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    plan = infer_plan(model, mesh.parallel.tp)
     if mesh.parallel.tp > 1:
-        apply_tp(model, mesh, infer_tp_plan(model, mesh.parallel.tp))
+        apply_tp(model, mesh, plan)
     if mesh.parallel.dp_size > 1:
         apply_fsdp(model, mesh, mp_policy)
     shared = _shared_parameters(model)
@@ -172,8 +252,10 @@ def parallelize(
     with torch.no_grad():
         _restore_buffers(model, buffers)
     if has_weights(model_path):
-        load_hf_weights(model, model_path)
+        load_hf_weights(model, model_path, plan)
     else:
-        init_from_seed(model, model_path, seed)
+        init_from_seed(model, model_path, seed, plan)
     model.train()
+    model.shardlm_plan = plan
+    model.shardlm_tp_partial_grads = tp_partial_grad_params(model, plan)
     return model

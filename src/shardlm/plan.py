@@ -1,90 +1,286 @@
-"""Tensor-parallel plan: which style each module of a Hugging Face causal LM gets.
+"""AutoTP: derive a tensor-parallel plan for a Hugging Face causal LM from its dataflow.
 
-A plan is ``{module_fqn: style}`` with styles from a small vocabulary (see ``styles.py``):
+A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
 
-* ``colwise``  - Linear sharded by output features (reads the replicated block input)
-* ``rowwise``  - Linear sharded by input features (its output is all-reduced into the residual)
-* ``embedding`` - token embedding sharded by vocabulary rows (vocab-parallel)
-* ``lm_head``  - output projection sharded by vocabulary; logits stay sharded for the loss
-* ``replicate`` - every other module that owns parameters (norms): replicated DTensors on the
-  TP mesh, so every parameter of the model lives on one mesh
+``colwise``  Linear/Conv1D sharded by output features: it reads a replicated activation
+``rowwise``  Linear/Conv1D sharded by input features: it reads a sharded activation and its
+             output is all-reduced (back into the residual stream)
+``packed_colwise``  a fused colwise projection (qkv, gate_up, GPT-2's c_attn) whose output is
+             split into parts downstream: each part is sharded on its own, so every rank holds
+             whole heads / matching halves
+``embedding`` token embedding sharded by vocabulary rows
+``lm_head``  output projection sharded by vocabulary; the loss runs on the vocab shards
+``replicate_grad_allreduce``  parameters acting on sharded activations per head (Qwen3's
+             q_norm/k_norm): replicated, gradients summed over the TP group
+``replicate`` every other module owning parameters (norms, learned positions)
 
-The decoder-block projections come from the model config's ``base_model_tp_plan`` (Llama,
-Mistral, Qwen2 and any family whose plan is plain colwise/rowwise entries); embedding and head
-are found through ``get_input_embeddings`` / ``get_output_embeddings``, not by name.
+The algorithm (no table of model names): run one forward of the model on the meta device
+under a ``TorchFunctionMode`` that tracks which tensors are *sharded* across TP ranks. A
+linear layer that reads an unsharded tensor becomes column-parallel and its output is
+sharded; every op propagates shardedness from inputs to outputs; a linear that reads a
+sharded tensor becomes row-parallel and its output, all-reduced, is unsharded again. This is
+the Megatron pairing (q/k/v/gate/up/fc1 -> o/down/fc2) found from the dataflow, so parallel
+attention+MLP blocks (GPT-NeoX, Falcon) and models with no hand-written plan (OPT, GPT-2)
+need nothing special. The first op that consumes a colwise output tells whether the
+projection is fused: a split/chunk/slice of the last dim means packed parts (GPT-2 c_attn,
+Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving (GPT-NeoX),
+which plain column sharding already keeps whole. A module with parameters that reads a
+sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
+width (OLMo-2's full-width q/k norm), which is refused. The model's own
+``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import re
+from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
 
-STYLES = ("colwise", "rowwise", "embedding", "lm_head", "replicate")
+STYLES = ("colwise", "rowwise", "packed_colwise", "embedding", "lm_head", "replicate_grad_allreduce", "replicate")
+# torch ops by which a consumer cuts a fused projection's output into parts along the last dim
+_SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
+# answers for data-dependent questions asked of meta tensors during the trace
+_DATA_DEPENDENT = {"item": 0, "__bool__": False, "tolist": []}
 
 
-def _module_name(model: nn.Module, target: nn.Module) -> str:
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or transformers' Conv1D (GPT-2's transposed linear, weight ``[in, out]``)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def out_features(module: nn.Module) -> int:
+    return module.weight.shape[1] if type(module).__name__ == "Conv1D" else module.weight.shape[0]
+
+
+@dataclass
+class Plan:
+    """The inferred plan plus what was learned on the way (packed part sizes, attention modules)."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
+    attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
+    agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
+
+
+class _ShardTracker(TorchFunctionMode):
+    """Propagates 'sharded across TP ranks' through every torch op of a meta forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sharded: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
+        self.first_consumer: dict[int, tuple[str, tuple]] = {}
+        self.slices: dict[int, set[int]] = {}
+
+    def mark(self, t: torch.Tensor, sharded: bool) -> None:
+        self.keep.append(t)
+        (self.sharded.add if sharded else self.sharded.discard)(id(t))
+
+    def is_sharded(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.sharded
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            # mask helpers ask data questions ("is this a packed sequence?"); meta has no data
+            return _DATA_DEPENDENT[name]
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in inputs:
+            self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
+        if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
+            self._record_slice(args[0], args[1])
+        if any(id(t) in self.sharded for t in inputs):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.mark(t, True)
+        return out
+
+    def _record_slice(self, tensor: torch.Tensor, index) -> None:
+        index = index if isinstance(index, tuple) else (index,)
+        if index and index[0] is Ellipsis and len(index) == 2 and isinstance(index[1], slice):
+            bounds = self.slices.setdefault(id(tensor), set())
+            for b in (index[1].start, index[1].stop):
+                if isinstance(b, int):
+                    bounds.add(b)
+
+
+def _parts_from_consumer(tracker: _ShardTracker, out: torch.Tensor) -> list[int] | None:
+    """Part sizes if the projection output is cut along its last dim right away, else None."""
+    width = out.shape[-1]
+    if id(out) in tracker.slices:
+        bounds = sorted({0, width} | {b % width if b < 0 else b for b in tracker.slices[id(out)]})
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    name, rest = tracker.first_consumer.get(id(out), ("", ()))
+    if name not in _SPLIT_OPS or not rest:
+        return None
+    dim = rest[1] if len(rest) > 1 else -1
+    if dim not in (-1, out.dim() - 1):
+        return None
+    arg = rest[0]
+    if name == "chunk":
+        return [width // arg] * arg
+    if isinstance(arg, int):
+        return [arg] * (width // arg)
+    return list(arg)
+
+
+def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Directions of every linear inside the decoder blocks, and packed parts, from one meta forward."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    tracker = _ShardTracker()
+    styles: dict[str, str] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
+
+    def pre(name):
+        def hook(module, args):
+            if not args or not isinstance(args[0], torch.Tensor):
+                return
+            sharded_in = tracker.is_sharded(args[0])
+            if is_linear(module) and name.startswith(block_prefixes):
+                styles[name] = "rowwise" if sharded_in else "colwise"
+            elif sharded_in and any(True for _ in module.parameters(recurse=False)):
+                width = args[0].shape[-1]
+                if any(p.shape[-1] == width and p.numel() == width for p in module.parameters(recurse=False)) and (
+                    width not in _head_widths(meta.config)
+                ):
+                    raise ConfigError(
+                        f"parallel.tp: {name} ({type(module).__name__}) normalizes across the tensor-parallel "
+                        f"width {width}; this model cannot be split with tp > 1 yet, use parallel.fsdp instead"
+                    )
+                styles[name] = "replicate_grad_allreduce"
+
+        return hook
+
+    def post(name):
+        def hook(module, args, out):
+            if name in styles and styles[name] in ("colwise", "rowwise"):
+                tracker.mark(out, styles[name] == "colwise")
+                outputs[name] = out
+
+        return hook
+
+    for name, module in meta.named_modules():
+        hooks.append(module.register_forward_pre_hook(pre(name)))
+        hooks.append(module.register_forward_hook(post(name)))
+    try:
+        with tracker:
+            meta(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
+    finally:
+        for h in hooks:
+            h.remove()
+    parts = {}
+    for name, style in styles.items():
+        if style == "colwise":
+            found = _parts_from_consumer(tracker, outputs[name])
+            if found and len(found) > 1:
+                styles[name], parts[name] = "packed_colwise", found
+    return styles, parts
+
+
+def _head_widths(config) -> set[int]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {head_dim}
+
+
+def _hf_directions(model: nn.Module) -> dict[str, str]:
+    """The model's own ``base_model_tp_plan`` reduced to colwise/rowwise per FQN, for the cross-check."""
+    raw = getattr(model.config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "model")
+    out = {}
+    for pattern, style in raw.items():
+        direction = "colwise" if style.startswith(("colwise", "packed_colwise")) else "rowwise" if style.startswith("rowwise") else None
+        if direction is None:
+            continue
+        regex = re.compile(re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
+        for name, _ in model.named_modules():
+            if regex.match(name):
+                out[name] = direction
+    return out
+
+
+def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
     for name, module in model.named_modules():
         if module is target:
             return name
-    raise ValueError("module not found in model")
+    return None
 
 
-def _hf_block_plan(model: nn.Module) -> dict[str, str]:
-    """Expand the config's ``base_model_tp_plan`` patterns (``layers.*.mlp.up_proj``) to FQNs."""
-    raw = getattr(model.config, "base_model_tp_plan", None) or {}
-    unsupported = {k: v for k, v in raw.items() if v not in ("colwise", "rowwise")}
-    if not raw or unsupported:
-        what = f"entries {unsupported}" if unsupported else "no base_model_tp_plan"
-        raise ConfigError(
-            f"parallel.tp: {type(model).__name__} has {what}; only plain colwise/rowwise plans "
-            "(Llama, Mistral, Qwen2, ...) are supported so far; use parallel.tp=1"
-        )
-    prefix = getattr(model, "base_model_prefix", "model")
-    patterns = [(re.compile(fnmatch.translate(f"{prefix}.{k}")), v) for k, v in raw.items()]
-    plan = {}
+def infer_plan(model: nn.Module, tp: int) -> Plan:
+    """The full plan for ``model`` (meta or real) at TP degree ``tp``."""
+    check_config_geometry(model.config, tp)
+    plan = Plan()
+    if tp == 1:
+        return plan
+    styles, plan.parts = _trace(model)
+    emb = _module_name(model, model.get_input_embeddings())
+    head = _module_name(model, model.get_output_embeddings())
+    styles[emb] = "embedding"
+    if head is not None:
+        styles[head] = "lm_head"
     for name, module in model.named_modules():
-        for regex, style in patterns:
-            if isinstance(module, nn.Linear) and regex.match(name):
-                plan[name] = style
+        if name not in styles and any(True for _ in module.parameters(recurse=False)):
+            styles[name] = "replicate"
+    plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
+    for fqn, direction in _hf_directions(model).items():
+        ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
+        plan.agrees_with_hf[fqn] = ours == direction
+    # modules whose forward reshapes sharded activations into heads: parents of colwise layers
+    sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
+    plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
+    for fqn, parts in plan.parts.items():
+        bad = [p for p in parts if p % tp]
+        if bad:
+            raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
     return plan
 
 
 def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
-    """The plan for ``model`` at TP degree ``tp`` (works on a meta-device model)."""
-    if tp == 1:
-        return {}
-    check_config_geometry(model.config, tp)
-    plan = _hf_block_plan(model)
-    plan[_module_name(model, model.get_input_embeddings())] = "embedding"
-    plan[_module_name(model, model.get_output_embeddings())] = "lm_head"
-    styled = set(plan)
-    for name, module in model.named_modules():
-        owns_params = any(True for _ in module.parameters(recurse=False))
-        if owns_params and name not in styled:
-            plan[name] = "replicate"
-    return plan
+    """``{module_fqn: style}`` for ``model`` at TP degree ``tp`` (empty for tp=1)."""
+    return infer_plan(model, tp).styles
 
 
 def _valid_tps(*sizes: int) -> list[int]:
-    limit = min(sizes)
-    return [t for t in range(1, limit + 1) if all(s % t == 0 for s in sizes)]
+    return [t for t in range(1, min(sizes) + 1) if all(s % t == 0 for s in sizes)]
+
+
+def _geometry(config) -> dict[str, int]:
+    """Sizes that TP must divide, read under the names different families use."""
+    aliases = {
+        "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+        "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
+        "vocab_size": ("vocab_size",),
+        "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
+    }
+    found = {}
+    for key, names in aliases.items():
+        for n in names:
+            v = getattr(config, n, None)
+            if isinstance(v, int) and v > 0:
+                found[key] = v
+                break
+    return found
 
 
 def check_config_geometry(config, tp: int) -> None:
     """Refuse a TP degree the model's shapes cannot be split by, naming the numbers."""
     if tp == 1:
         return
-    checks = {
-        "num_attention_heads": getattr(config, "num_attention_heads", None),
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-        "vocab_size": getattr(config, "vocab_size", None),
-        "intermediate_size": getattr(config, "intermediate_size", None),
-    }
-    present = {k: v for k, v in checks.items() if isinstance(v, int)}
+    present = _geometry(config)
     for key, size in present.items():
         if size % tp:
             valid = _valid_tps(*present.values())

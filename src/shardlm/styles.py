@@ -1,37 +1,95 @@
-"""Style names -> DTensor ``ParallelStyle`` objects.
+"""Style names -> DTensor ``ParallelStyle`` objects, plus the local head geometry they need.
 
-Every style is torch's own except ``replicate``, which torch lacks for the case without
-sequence parallelism: a module (an RMSNorm) whose parameters must be DTensors on the TP mesh
-while the activations flowing through it are plain tensors. It wraps its inputs as replicated
-DTensors and hands plain tensors back, so the module's math runs unchanged and its gradients
-are replicated DTensors that FSDP2 and clipping treat like every other parameter.
+``colwise``/``rowwise``/``embedding``/``lm_head`` are torch's own styles; for GPT-2's
+``Conv1D`` (weight stored ``[in, out]``) the same styles shard the transposed dimension, so
+checkpoints keep their HF layout. Three styles are ours:
+
+* ``replicate``: a module (a norm) whose parameters must be DTensors on the TP mesh while the
+  activations through it are plain tensors: inputs enter as replicated DTensors and leave
+  local, so its gradients are replicated DTensors like everything else.
+* ``replicate_grad_allreduce``: the same, for a module applied per head to a *sharded*
+  activation (Qwen3's q_norm/k_norm): each rank's gradient covers only its heads, so the
+  trainer sums these gradients over the TP group (``sum_tp_partial_grads``).
+* ``packed_colwise``: a fused projection of P equal parts (GPT-2 c_attn, Phi-3 gate_up) is
+  sharded part by part with ``_StridedShard(dim, split_factor=P)``: rank r holds rows
+  ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global view stays in HF
+  order (consolidation and resharding need no permutation). The matmul runs on local tensors.
+
+After TP, attention modules that read head counts from attributes (``self.num_heads``,
+``self.split_size``, ``self.config.num_attention_heads``) get those set to the local values.
 """
 
 from __future__ import annotations
 
+import copy
+import types
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardlm.plan import Plan
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+class _Conv1DAware:
+    """Mixin: run torch's Linear partitioning on Conv1D with the weight's dims swapped."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        colwise = isinstance(self, ColwiseParallel)
+        if not colwise:
+            self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for nn.Linear
+        placements = {"weight": Shard(1) if colwise else Shard(0), "bias": Shard(0) if colwise else Replicate()}
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _shard_params(mod, mesh, placements, self.src_data_rank),
+            lambda mod, inputs, mesh: self._prepare_input_fn(
+                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
+            ),
+            lambda mod, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, mod, outputs, mesh),
+        )
+
+
+class Colwise(_Conv1DAware, ColwiseParallel):
+    pass
+
+
+class Rowwise(_Conv1DAware, RowwiseParallel):
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        # to_local() returns a view made inside an autograd Function; models that add into it
+        # in place (Falcon's ``mlp_output += attention_output``) need a tensor of their own
+        return out.clone() if use_local_output else out
 
 
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the TP mesh; inputs enter as replicated DTensors, outputs leave local."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+        _shard_params(module, mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank)
 
     @staticmethod
-    def _wrap_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        return tuple(
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-            else x
-            for x in inputs
-        )
+    def _wrap(x, mesh: DeviceMesh):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return x
 
     @staticmethod
     def _unwrap_outputs(module: nn.Module, outputs, mesh: DeviceMesh):
@@ -42,21 +100,114 @@ class ReplicateParallel(ParallelStyle):
         return outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._wrap_inputs, self._unwrap_outputs)
+        # inputs may come as keyword arguments (OPT's positions): wrap those too
+        def wrap_inputs(mod, args, kwargs):
+            args = tuple(self._wrap(a, device_mesh) for a in args)
+            return args, {k: self._wrap(v, device_mesh) for k, v in kwargs.items()}
+
+        distribute_module(module, device_mesh, self._partition, None, self._unwrap_outputs)
+        module.register_forward_pre_hook(wrap_inputs, with_kwargs=True)
+        return module
 
 
-def make_style(style: str) -> ParallelStyle:
+def _local_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part).
+
+    The input is replicated; its gradient from this rank covers only this rank's output
+    columns, so it is declared Partial and summed over TP on the way back (as ColwiseParallel does).
+    """
+    x = DTensor.from_local(x, self.weight.device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    weight = self.weight.to_local()
+    bias = self.bias.to_local() if self.bias is not None else None
+    if _is_conv1d(self):
+        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
+        return out.view(*x.shape[:-1], weight.shape[1])
+    return nn.functional.linear(x, weight, bias)
+
+
+class PackedColwiseParallel(ParallelStyle):
+    """Fused projection of ``num_parts`` equal parts, each sharded on its own (see module docstring)."""
+
+    def __init__(self, num_parts: int):
+        super().__init__()
+        self.num_parts = num_parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        out_dim = 1 if _is_conv1d(module) else 0
+        placements = {"weight": _StridedShard(out_dim, split_factor=self.num_parts), "bias": _StridedShard(0, split_factor=self.num_parts)}
+        _shard_params(module, device_mesh, placements, self.src_data_rank)
+        module.forward = types.MethodType(_local_linear_forward, module)
+        return module
+
+
+def make_style(style: str, parts: list[int] | None = None) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (see ``plan.STYLES``)."""
     if style == "colwise":
-        return ColwiseParallel()
+        return Colwise()
     if style == "rowwise":
-        return RowwiseParallel()
+        return Rowwise()
+    if style == "packed_colwise":
+        return PackedColwiseParallel(len(parts))
     if style == "embedding":
         # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced
         return RowwiseParallel(input_layouts=Replicate())
     if style == "lm_head":
         # logits stay sharded over the vocabulary: the loss runs under loss_parallel
-        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    if style == "replicate":
+        return Colwise(output_layouts=Shard(-1), use_local_output=False)
+    if style in ("replicate", "replicate_grad_allreduce"):
         return ReplicateParallel()
     raise ValueError(f"unknown TP style '{style}'")
+
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
+_WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
+
+
+def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
+    """Set head counts and head-concatenation widths of attention modules to their local values.
+
+    Only modules that own a head-count attribute and hold column-parallel children are touched;
+    a module reading ``self.config`` for head counts gets its own localized copy of the config.
+    """
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    for name in plan.attention:
+        module = model.get_submodule(name)
+        if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS + _KV_ATTRS):
+            continue
+        for attr in _HEAD_ATTRS + _KV_ATTRS + _WIDTH_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue
+            if (attr in _HEAD_ATTRS and value == heads) or (attr in _KV_ATTRS and value == kv) or (
+                attr in _WIDTH_ATTRS and value == heads * head_dim
+            ):
+                setattr(module, attr, value // tp)
+        if getattr(module, "config", None) is config:
+            local = copy.copy(config)
+            for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
+                if isinstance(getattr(config, attr, None), int):
+                    setattr(local, attr, getattr(config, attr) // tp)
+            module.config = local
+
+
+def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
+    """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``)."""
+    return [
+        f"{fqn}.{pname}"
+        for fqn, style in plan.styles.items()
+        if style == "replicate_grad_allreduce"
+        for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
+    ]
+
+
+@torch.no_grad()
+def sum_tp_partial_grads(model: nn.Module, names: list[str], tp_group: dist.ProcessGroup) -> None:
+    """All-reduce over TP the gradients that each rank computed from its own heads only."""
+    for name in names:
+        grad = model.get_parameter(name).grad
+        if grad is not None:
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=tp_group)

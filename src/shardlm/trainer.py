@@ -22,12 +22,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from shardlm import checkpoint
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config
 from shardlm.data import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
 from shardlm.loss import as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
 from shardlm.parallelize import parallelize
+from shardlm.styles import sum_tp_partial_grads
 
 log = logging.getLogger("shardlm")
 
@@ -105,6 +107,9 @@ class Trainer:
                 (micro_loss / denom).backward()
             loss_sum += as_local(micro_loss).detach()
         loss = self._all_reduce_dp(loss_sum) / denom
+        partial = getattr(self.model, "shardlm_tp_partial_grads", [])
+        if partial:
+            sum_tp_partial_grads(self.model, partial, self.mesh.tp.get_group())
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -126,9 +131,11 @@ class Trainer:
         t = self.config.train
         is_main = dist.get_rank() == 0
         metrics_path = os.path.join(t.output_dir, "metrics.jsonl")
+        resumed = checkpoint.maybe_resume(self)  # checkpoint: model, optimizer, scheduler, RNG, step
         if is_main:
             os.makedirs(t.output_dir, exist_ok=True)
-            open(metrics_path, "w").close()
+            if not resumed:  # a resumed run appends to its metrics
+                open(metrics_path, "w").close()
         while self.step < t.max_steps:
             record = self.train_step()
             log.info(json.dumps(record))
@@ -142,6 +149,8 @@ class Trainer:
                         f"grad_norm {record['grad_norm']:.4f}  lr {record['learning_rate']:.2e}  "
                         f"tok/s {record['tokens_per_second']:.0f}"
                     )
+            if checkpoint.should_save(self.step, t.save_steps, t.max_steps):
+                checkpoint.save_checkpoint(self)
         return self.history
 
 
@@ -158,7 +167,7 @@ def run(cfg: Config) -> list[dict]:
     _setup_rank_log(cfg.train.output_dir)
     log.info("rank %d of %d, layout %s", dist.get_rank(), dist.get_world_size(), cfg.parallel)
     dataset = build_dataset(cfg.data, load_tokenizer(cfg))
-    print0(f"data: {len(dataset)} samples of {cfg.data.seq_len} tokens ({dataset.skipped_rows} empty rows skipped)")
+    print0(f"data: {len(dataset)} samples of {cfg.data.seq_len} tokens ({dataset.skipped_rows} rows skipped)")
     model = parallelize(cfg.model, mesh, seed=cfg.train.seed)
     history = Trainer(model, cfg, dataset, mesh).train()
     return history

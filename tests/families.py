@@ -1,0 +1,41 @@
+"""Tiny random configs of every model family shardlm's AutoTP is tested on (dropout off: parity needs it)."""
+
+from __future__ import annotations
+
+import os
+
+VOCAB = 64
+
+
+def family_config(family: str, **overrides):
+    import transformers as tf
+
+    base = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
+    specs = {
+        "llama": (tf.LlamaConfig, dict(intermediate_size=64, num_key_value_heads=2)),
+        "mistral": (tf.MistralConfig, dict(hidden_size=48, intermediate_size=64, num_key_value_heads=2)),
+        "qwen2": (tf.Qwen2Config, dict(intermediate_size=64, num_key_value_heads=2)),
+        "qwen3": (tf.Qwen3Config, dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
+        "gemma": (tf.GemmaConfig, dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
+        "granite": (tf.GraniteConfig, dict(intermediate_size=64, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
+        "phi3": (tf.Phi3Config, dict(intermediate_size=64, num_key_value_heads=4, pad_token_id=0)),
+        "gpt2": (tf.GPT2Config, dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
+        "gpt_neox": (tf.GPTNeoXConfig, dict(intermediate_size=64, rotary_pct=0.5, bos_token_id=0, eos_token_id=0)),
+        "opt": (tf.OPTConfig, dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=1)),
+        "falcon": (tf.FalconConfig, dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0, eos_token_id=0)),
+        "stablelm": (tf.StableLmConfig, dict(intermediate_size=64, num_key_value_heads=2, bos_token_id=0, eos_token_id=0)),
+        "phi": (tf.PhiConfig, dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, intermediate_size=64, bos_token_id=0, eos_token_id=0)),
+        "olmo": (tf.OlmoConfig, dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=0)),
+    }
+    cls, extra = specs[family]
+    kwargs = {**base, **extra, **overrides}
+    if family == "gpt2":
+        for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            kwargs.pop(k)
+    return cls(**kwargs)
+
+
+def write_family_dir(path: str, family: str, **overrides) -> str:
+    os.makedirs(path, exist_ok=True)
+    family_config(family, **overrides).save_pretrained(path)
+    return path
