@@ -1,4 +1,4 @@
-"""``shardlm`` command line: ``train`` (and ``plan``).
+"""``shardlm`` command line: ``train``, ``plan`` and ``consolidate``.
 
 Every check that can fail on bad input runs here, before any process is spawned; a
 ``ConfigError`` becomes one line ``error: ...`` and exit code 2.
@@ -23,6 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("model", help="Hugging Face model directory")
     plan.add_argument("--tp", type=int, required=True)
     plan.add_argument("--json", action="store_true", help="print only {module: style} as JSON")
+    cons = sub.add_parser("consolidate", help="sharded checkpoint -> Hugging Face model directory, verified exactly")
+    cons.add_argument("checkpoint", help="a checkpoint step-N directory, or an output_dir (its newest checkpoint)")
+    cons.add_argument("out", help="new directory for the Hugging Face model")
+    cons.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
+    cons.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    cons.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights")
     return parser
 
 
@@ -34,6 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.trainer import run
 
     cfg = load_config(args.config, args.overrides)
+    from shardlm.checkpoint import precheck_resume
+
+    precheck_resume(cfg)  # a checkpoint that cannot be resumed fails here, not in every rank
     world = cfg.parallel.world_size
     if under_torchrun():
         have = int(os.environ["WORLD_SIZE"])
@@ -72,10 +81,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from shardlm.consolidate import VerificationError, consolidate
+
+    try:
+        consolidate(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.merge)
+    except VerificationError as exc:
+        print(f"error: save correctness check failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "plan": cmd_plan}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan, "consolidate": cmd_consolidate}[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
