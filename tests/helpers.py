@@ -116,9 +116,9 @@ def plain_reference(model_path: str, global_batch: int, steps: int = 5, seed: in
     return out
 
 
-def assert_parity(got: list, ref: list, loss_rtol: float = 1e-5, norm_rtol: float = 1e-4) -> None:
-    assert len(got) == len(ref), (len(got), len(ref))
+def assert_parity(got: list, ref: list, loss_rtol: float = 1e-5, norm_rtol: float = 1e-4, label: str = "") -> None:
+    assert len(got) == len(ref), (label, len(got), len(ref))
     for step, ((loss, norm), (rloss, rnorm)) in enumerate(zip(got, ref), start=1):
-        assert math.isfinite(loss) and math.isfinite(norm)
-        assert abs(loss - rloss) <= loss_rtol * abs(rloss), f"step {step}: loss {loss} vs reference {rloss}"
-        assert abs(norm - rnorm) <= norm_rtol * abs(rnorm), f"step {step}: grad_norm {norm} vs reference {rnorm}"
+        assert math.isfinite(loss) and math.isfinite(norm), label
+        assert abs(loss - rloss) <= loss_rtol * abs(rloss), f"{label} step {step}: loss {loss} vs reference {rloss}"
+        assert abs(norm - rnorm) <= norm_rtol * abs(rnorm), f"{label} step {step}: grad_norm {norm} vs {rnorm}"

@@ -37,8 +37,11 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.errors import ConfigError
+from shardlm.parallelize import fill_from_full
 
 log = logging.getLogger("shardlm")
 
@@ -258,6 +261,23 @@ def prune(output_dir: str, keep: int | None, current: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _dcp_view(state: dict) -> tuple[dict, dict]:
+    """``state`` with packed-projection DTensors (``_StridedShard`` on TP) as full tensors.
+
+    DCP addresses a shard as one contiguous box, which a strided shard is not; those
+    parameters (and their optimizer state) are written whole, once, and each rank takes its
+    piece back on load (``fill_from_full``). Returns the view and ``{(section, key): original}``.
+    """
+    view, strided = {}, {}
+    for section, sd in state.items():
+        view[section] = dict(sd)
+        for key, value in sd.items():
+            if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+                view[section][key] = value.full_tensor()
+                strided[(section, key)] = value
+    return view, strided
+
+
 def save_checkpoint(trainer) -> str:
     """Collective: every rank writes its shards of model, optimizer and RNG into one step dir."""
     cfg, t = trainer.config, trainer.config.train
@@ -269,7 +289,8 @@ def save_checkpoint(trainer) -> str:
         _copy_hf_files(cfg, os.path.join(tmp, "hf"))
     dist.barrier()
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(tmp))
+    state, _ = _dcp_view({"model": model_sd, "optim": optim_sd})
+    dcp.save(state, storage_writer=FileSystemWriter(tmp))
     from safetensors.torch import save_file
 
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.safetensors"))
@@ -362,7 +383,15 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
     metadata = read_metadata(step_dir)
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
     _check_shapes(step_dir, metadata, model_sd)
-    load_dcp({"model": model_sd, "optim": optim_sd}, step_dir)
+    originals = {"model": model_sd, "optim": optim_sd}
+    state, strided = _dcp_view(originals)
+    load_dcp(state, step_dir)
+    for section, loaded in state.items():  # DCP replaces non-tensor entries (lr, betas) in the view
+        for key, value in loaded.items():
+            if (section, key) in strided:
+                fill_from_full(strided[(section, key)], value)
+            else:
+                originals[section][key] = value
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=OPTIONS)
     trainer.scheduler.load_state_dict(marker["scheduler"])

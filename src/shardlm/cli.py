@@ -1,4 +1,4 @@
-"""``shardlm`` command line: ``train``, ``plan`` and ``consolidate``.
+"""``shardlm`` command line: ``train``, ``plan``, ``consolidate`` and ``estimate``.
 
 Every check that can fail on bad input runs here, before any process is spawned; a
 ``ConfigError`` becomes one line ``error: ...`` and exit code 2.
@@ -29,6 +29,18 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     cons.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     cons.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights")
+    est = sub.add_parser("estimate", help="memory per rank of a layout: parameters, gradients, optimizer, activations")
+    est.add_argument("model", help="Hugging Face model directory (only config.json is read)")
+    est.add_argument("--tp", type=int, default=1)
+    est.add_argument("--fsdp", type=int, default=1)
+    est.add_argument("--dp-replicate", type=int, default=1)
+    est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
+    est.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
+    est.add_argument("--lora-r", type=int, default=None, help="LoRA rank: only adapters on q/k/v/o_proj train")
+    est.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
+    est.add_argument("--memory", type=float, default=None, help="memory per rank in GiB: say whether it fits")
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
 
 
@@ -68,16 +80,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from shardlm.parallelize import build_meta_model
-    from shardlm.plan import check_geometry, infer_tp_plan
+    from shardlm.plan import check_geometry, describe_plan, infer_plan
 
+    if args.tp < 2:
+        raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
     check_geometry(args.model, args.tp)
-    plan = infer_tp_plan(build_meta_model(args.model), args.tp)
+    model = build_meta_model(args.model)
+    plan = infer_plan(model, args.tp)
     if args.json:
-        print(json.dumps(plan, indent=2))
-    else:
-        width = max((len(k) for k in plan), default=10)
-        for fqn, style in plan.items():
-            print(f"{fqn:<{width}}  {style}")
+        print(json.dumps(plan.styles, indent=2))
+        return 0
+    rows = describe_plan(model, plan, args.tp)
+    width = max(len(r["module"]) for r in rows)
+    print(f"{'module':<{width}}  {'style':<24}  {'global shape':<16}  {'local shape':<16}  {'MB/rank':>8}  source")
+    for r in rows:
+        shape = lambda d: " ".join("x".join(map(str, s)) for s in d.values())  # noqa: E731
+        print(
+            f"{r['module']:<{width}}  {r['style']:<24}  {shape(r['global']):<16}  {shape(r['local']):<16}  "
+            f"{r['bytes_per_rank'] / 2**20:>8.3f}  {r['source']}"
+        )
+    total, per_rank = sum(r["bytes_global"] for r in rows), sum(r["bytes_per_rank"] for r in rows)
+    print(f"total fp32 parameters: {total / 2**20:.3f} MB, per TP rank {per_rank / 2**20:.3f} MB "
+          f"({per_rank / total:.3f} of the model at tp={args.tp}; 1/tp = {1 / args.tp:.3f})")
+    for fqn, parts in plan.parts.items():
+        print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
     return 0
 
 
@@ -92,10 +118,21 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from shardlm.estimate import estimate, format_table
+
+    est = estimate(args.model, args.tp, args.fsdp, args.dp_replicate, args.batch, args.seq, args.bf16, args.lora_r,
+                   args.gradient_checkpointing, args.memory)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "plan": cmd_plan, "consolidate": cmd_consolidate}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan, "consolidate": cmd_consolidate, "estimate": cmd_estimate}[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -175,7 +174,7 @@ def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's piece of ``full`` into ``param`` (any placements; no communication)."""
     local = param.to_local() if isinstance(param, DTensor) else param
     local.copy_(local_piece(param, full.to(local.dtype)))
@@ -202,25 +201,24 @@ def load_hf_weights(model: nn.Module, model_path: str, plan: Plan) -> None:
         raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
     dcp.load({k: v for k, v in state.items() if k not in packed}, storage_reader=reader)
     for key in packed:
-        _fill_from_full(model.get_parameter(key), _read_hf_tensor(model_path, key))
+        fill_from_full(model.get_parameter(key), _read_hf_tensor(model_path, key))
 
 
-def init_from_seed(model: nn.Module, model_path: str, seed: int, plan: Plan) -> None:
+def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     """Random init that is identical for every layout: rank 0 builds the full model from the
-    seed, exactly as one process would, and every rank takes its shard of the broadcast."""
-    full = {}
-    packed = _packed_keys(model, plan)
-    if dist.get_rank() == 0:
-        full = reference_model(model_path, seed).state_dict()
-    packed_full = {k: full.pop(k, None) for k in packed}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not packed)
-    set_model_state_dict(model, full, options=options)
-    for key in packed:
-        param = model.get_parameter(key)
-        tensor = packed_full[key] if dist.get_rank() == 0 else torch.empty(param.shape, dtype=param.dtype)
-        tensor = tensor.to(param.device)
-        dist.broadcast(tensor, src=0)
-        _fill_from_full(param, tensor)
+    seed, exactly as one process would; tensor by tensor, in state-dict order, it is broadcast
+    and every rank keeps its piece (``local_piece`` knows every placement, packed ones too)."""
+    full = reference_model(model_path, seed).state_dict() if dist.get_rank() == 0 else {}
+    seen: set[int] = set()
+    for key, target in model.state_dict(keep_vars=True).items():
+        if id(target) in seen:
+            continue  # tied
+        seen.add(id(target))
+        tensor = full[key] if dist.get_rank() == 0 else torch.empty(target.shape, dtype=target.dtype)
+        tensor = tensor.to(device=target.device, dtype=target.dtype)
+        if dist.get_world_size() > 1:
+            dist.broadcast(tensor, src=0)
+        fill_from_full(target, tensor)
 
 
 def reference_model(model_path: str, seed: int) -> nn.Module:
@@ -238,7 +236,12 @@ def has_weights(model_path: str) -> bool:
 def parallelize(
     model_path: str, mesh: Mesh, seed: int = 0, mp_policy: MixedPrecisionPolicy | None = None
 ) -> nn.Module:
-    """Build, parallelize and fill the model at ``model_path`` for ``mesh``."""
+    """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
+
+    ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it
+    computes in is kept as ``model.shardlm_fsdp_param_dtype`` so the trainer knows whether it
+    must autocast itself (``trainer.mixed_precision_policy``).
+    """
     model = build_meta_model(model_path)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
@@ -254,8 +257,10 @@ def parallelize(
     if has_weights(model_path):
         load_hf_weights(model, model_path, plan)
     else:
-        init_from_seed(model, model_path, seed, plan)
+        init_from_seed(model, model_path, seed)
     model.train()
     model.shardlm_plan = plan
     model.shardlm_tp_partial_grads = tp_partial_grad_params(model, plan)
+    fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
+    model.shardlm_fsdp_param_dtype = mp_policy.param_dtype if fsdp_on else None
     return model

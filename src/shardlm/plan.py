@@ -93,6 +93,10 @@ class _ShardTracker(TorchFunctionMode):
             return _DATA_DEPENDENT[name]
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
+        # freed tensor's id can be reused (that made packed detection nondeterministic)
+        self.keep.extend(inputs)
+        self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
             self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
@@ -252,6 +256,51 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
 def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     """``{module_fqn: style}`` for ``model`` at TP degree ``tp`` (empty for tp=1)."""
     return infer_plan(model, tp).styles
+
+
+def _local_shape(shape: tuple[int, ...], name: str, style: str, conv1d: bool, tp: int) -> tuple[int, ...]:
+    """Shape of one rank's piece of a parameter of a module with ``style``."""
+    dim = None
+    if style in ("colwise", "packed_colwise", "lm_head", "embedding"):
+        dim = 0 if name != "weight" or not conv1d else 1
+    elif style == "rowwise" and name == "weight":
+        dim = 0 if conv1d else 1
+    if dim is None or len(shape) <= dim:
+        return shape
+    return tuple(s // tp if i == dim else s for i, s in enumerate(shape))
+
+
+def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
+    """One row per styled module: style, global and local parameter shapes, fp32 bytes per
+    rank, and where the decision came from (cross-checked against the model's own plan or not)."""
+    rows, seen = [], {}
+    for fqn, style in plan.styles.items():
+        module = model.get_submodule(fqn)
+        conv1d = type(module).__name__ == "Conv1D"
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
+        seen.update({id(p): f"{fqn}.{n}" for n, p in params})
+        local = {n: _local_shape(tuple(p.shape), n, style, conv1d, tp) for n, p in params}
+        source = f"inferred, tied to {tied[0]}" if tied else "inferred"
+        if fqn in plan.agrees_with_hf:
+            source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
+        rows.append({
+            "module": fqn,
+            "style": style,
+            "global": {n: tuple(p.shape) for n, p in params},
+            "local": local,
+            "bytes_per_rank": sum(4 * _numel(s) for s in local.values()),
+            "bytes_global": sum(4 * p.numel() for _, p in params),
+            "source": source,
+        })
+    return rows
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _valid_tps(*sizes: int) -> list[int]:
