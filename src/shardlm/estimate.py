@@ -1,0 +1,284 @@
+"""Memory per rank of a training layout, before starting anything: ``shardlm estimate``.
+
+Why: the first question about a layout is whether it fits, and the answer should not cost a
+failed launch. Parameter shapes come from the meta model and the same TP plan ``parallelize``
+applies (``plan.infer_plan``), so the model-state numbers are what the ranks really hold:
+
+* TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
+  input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
+  ``replicate_grad_allreduce`` (norms) are whole on every TP rank.
+* FSDP2 then chunks dim 0 of each TP-local tensor over ``fsdp`` (the largest chunk, rank 0's,
+  is reported). ``dp_replicate`` holds full copies: it divides nothing.
+* Gradients: one per trainable parameter, same local shape and dtype (fp32 master weights),
+  except the TP embedding's (``replicated_embedding_grad``). AdamW: two fp32 states per
+  trainable parameter. With ``lora_r``, only the adapters train:
+  ``r*(in+out)`` per targeted linear, A/B placed like their base (colwise base: B sharded;
+  rowwise base: A sharded).
+
+Activations saved for backward, per decoder layer, in elements (T = batch*seq tokens per rank,
+h hidden, a heads, k kv heads, d head dim, f intermediate, t = tp; no sequence parallelism,
+flash/SDPA attention, so no T*seq score matrix)::
+
+    T * (6h + 2                   per RMSNorm (replicated over TP): input, normalized input,
+                                  output (the next linear's input), rstd
+         + (a + 2k) d / t         q, k (after RoPE) and v, kept by attention
+         + a d / t                attention output (o_proj input)
+         + 4 f / t                gate, act(gate), up, act*up (down_proj input)
+         + a / t)                 attention logsumexp
+
+With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
+while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
+really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
+and their gradient. ``bf16`` is shardlm's mixed precision (``train.bf16``): fp32 master weights,
+gradients and Adam states, activations in 2 bytes. ``compute_weights``: with FSDP, the gathered
+copies it computes with (root + two blocks with prefetch, in the compute dtype); without FSDP
+under bf16, autocast's bf16 copy of every local weight (cached for the forward, kept for the
+backward). The total is a sum of everything at once: an upper bound at the start of
+backward, without allocator fragmentation or framework buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from shardlm.errors import ConfigError
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head")
+GIB = 1024**3
+
+
+@dataclass
+class Estimate:
+    """Per-rank counts and bytes of one layout (``bytes`` keys are the table rows)."""
+
+    layout: dict
+    params_full: int
+    params_local: int
+    trainable_local: int
+    bytes: dict[str, int] = field(default_factory=dict)
+    memory_gib: float | None = None
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state: what a rank holds between steps."""
+        return self.bytes["parameters"] + self.bytes["gradients"] + self.bytes["optimizer"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_gib is None else self.bytes["total"] <= self.memory_gib * GIB
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "state_bytes": self.state_bytes, "fits": self.fits}
+
+
+def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
+    """Dim of parameter ``pname`` that TP shards, or None when it is whole on every TP rank."""
+    if style not in _TP_SHARDED:
+        return None
+    conv1d = type(module).__name__ == "Conv1D"  # weight stored [in, out]
+    if style == "embedding":
+        return 0
+    if style == "rowwise":
+        return None if pname == "bias" else (0 if conv1d else 1)
+    return 1 if conv1d and pname == "weight" else 0  # colwise, packed_colwise, lm_head: output features
+
+
+def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
+    """Elements of the largest local piece: TP chunk of ``tp_dim``, then FSDP's chunk of dim 0."""
+    dims = list(shape)
+    if tp_dim is not None:
+        dims[tp_dim] = math.ceil(dims[tp_dim] / tp)
+    if dims and fsdp > 1:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tuple[int, int], int | None]]:
+    """(shape, tp dim) of lora_A ``[r, in]`` and lora_B ``[out, r]`` for a targeted linear."""
+    w = module.weight
+    fan_in, fan_out = (w.shape[0], w.shape[1]) if type(module).__name__ == "Conv1D" else (w.shape[1], w.shape[0])
+    a_dim = 1 if style == "rowwise" else None
+    b_dim = 0 if style in ("colwise", "packed_colwise") else None
+    return [((r, fan_in), a_dim), ((fan_out, r), b_dim)]
+
+
+def count_params(
+    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, lora_r: int | None = None
+) -> tuple[int, int, int, int]:
+    """(full, local, trainable local, trainable tensors) parameter counts; tied parameters count once."""
+    seen: set[int] = set()
+    full = local = trainable = 0
+    targeted = tensors = 0
+    for mname, module in model.named_modules():
+        style = styles.get(mname)
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            n = local_numel(tuple(param.shape), _tp_dim(module, pname, style), tp, fsdp)
+            full += param.numel()
+            local += n
+            trainable += 0 if lora_r else n
+            tensors += 0 if lora_r else 1
+        if lora_r and mname.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(module, "weight"):
+            targeted += 1
+            for shape, dim in _lora_shapes(module, lora_r, style):
+                n = local_numel(shape, dim, tp, fsdp)
+                full += math.prod(shape)
+                local += n
+                trainable += n
+                tensors += 1
+    if lora_r and not targeted:
+        raise ConfigError(f"--lora-r: no linear layer of this model is named {'/'.join(LORA_TARGETS)}; LoRA has no target")
+    return full, local, trainable, tensors
+
+
+def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
+    """Extra gradient elements of a vocab-parallel embedding trained with TP and no FSDP wrapping.
+
+    torch's sharding rule for the embedding backward yields a ``Replicate`` gradient: the whole
+    ``[vocab, hidden]`` on every TP rank, not its ``Shard(0)`` piece. FSDP2 (any dp > 1) reshards
+    it, and a tied LM head's sharded gradient absorbs it; otherwise it costs ``(1 - 1/tp)`` of the
+    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``styles.py`` shards it.
+    """
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):
+        return 0
+    full = emb.weight.numel()
+    return full - local_numel(tuple(emb.weight.shape), 0, tp, 1)
+
+
+def _dims(config) -> dict[str, int]:
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(config, n, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return default
+
+    h = get("hidden_size", "n_embd", "d_model")
+    a = get("num_attention_heads", "n_head", "num_heads")
+    return {
+        "h": h, "a": a, "k": get("num_key_value_heads", "num_kv_heads", default=a),
+        "d": get("head_dim", default=h // a), "f": get("intermediate_size", "ffn_dim", "n_inner", default=4 * h),
+        "L": get("num_hidden_layers", "n_layer", "num_layers"), "V": get("vocab_size"),
+    }
+
+
+def activation_elements(config, tokens: int, tp: int, checkpointing: bool, lora_r: int | None = None) -> int:
+    """Elements saved for backward by the decoder stack (see the module docstring)."""
+    g = _dims(config)
+    h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
+    per_layer = tokens * (6 * h + 2 + (a + 2 * k) * d // t + a * d // t + 4 * f // t + a // t)
+    if lora_r:
+        per_layer += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
+    stack = g["L"] * tokens * h + per_layer if checkpointing else g["L"] * per_layer
+    return stack + tokens * (3 * h + 1)
+
+
+def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "") -> int:
+    """Elements ``model`` (or a submodule whose fqn is ``prefix``) holds per TP rank, before FSDP."""
+    seen: set[int] = set()
+    n = 0
+    for mname, sub in model.named_modules():
+        fqn = ".".join(x for x in (prefix, mname) if x)
+        for pname, p in sub.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += local_numel(tuple(p.shape), _tp_dim(sub, pname, styles.get(fqn)), tp, 1)
+    return n
+
+
+def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int) -> int:
+    """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
+    from shardlm.parallelize import decoder_blocks
+
+    blocks = decoder_blocks(model)
+    if not blocks:
+        return tp_local_elements(model, styles, tp)
+    names = {id(m): n for n, m in model.named_modules()}
+    block = tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])])
+    everything = tp_local_elements(model, styles, tp)
+    return everything - len(blocks) * block + 2 * block
+
+
+def _compute_weight_bytes(model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool) -> int:
+    """Weights in the compute dtype held beside the master shards (see the module docstring)."""
+    if fsdp > 1:
+        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp)
+    return 2 * tp_local_elements(model, styles, tp) if bf16 else 0
+
+
+def estimate(
+    model_path: str, tp: int = 1, fsdp: int = 1, dp_replicate: int = 1, batch: int = 4, seq: int = 128,
+    bf16: bool = False, lora_r: int | None = None, gradient_checkpointing: bool = False, memory_gib: float | None = None,
+) -> Estimate:
+    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank)."""
+    from shardlm.parallelize import build_meta_model
+    from shardlm.plan import check_geometry, infer_plan
+
+    for flag, value in (("--tp", tp), ("--fsdp", fsdp), ("--dp-replicate", dp_replicate), ("--batch", batch),
+                        ("--seq", seq)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if lora_r is not None and lora_r < 1:
+        raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
+    if memory_gib is not None and memory_gib <= 0:
+        raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
+    check_geometry(model_path, tp)
+    model = build_meta_model(model_path)
+    styles = infer_plan(model, tp).styles
+    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r)
+    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
+    act_bytes = 2 if bf16 else 4
+    tokens = batch * seq
+    vocab = _dims(model.config)["V"]
+    rows = {
+        "parameters": 4 * local,
+        "gradients": 4 * grads,
+        "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
+        "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),
+        "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
+        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16),
+    }
+    rows["total"] = sum(rows.values())
+    layout = {"tp": tp, "fsdp": fsdp, "dp_replicate": dp_replicate, "batch": batch, "seq": seq, "bf16": bf16,
+              "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
+    return Estimate(layout, full, local, trainable, rows, memory_gib)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(est: Estimate) -> str:
+    """The readable report ``shardlm estimate`` prints."""
+    lay = est.layout
+    lines = [
+        (
+            f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}, per rank: "
+            f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
+            f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
+            f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
+        ),
+        (
+            f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank, "
+            f"{est.trainable_local:,} trainable on each rank"
+        ),
+    ]
+    for key, value in est.bytes.items():
+        if key == "total":
+            lines.append(f"{'':-<16}  {'':->12}")
+        lines.append(f"{key:<16}  {_human(value):>12}")
+    if est.memory_gib is not None:
+        verdict = "fits" if est.fits else "does NOT fit"
+        lines.append(f"{verdict} in {est.memory_gib:g} GiB per rank ({_human(abs(est.memory_gib * GIB - est.bytes['total']))} "
+                     f"{'to spare' if est.fits else 'short'})")
+    return "\n".join(lines)
