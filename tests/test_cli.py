@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "examples" / "tiny-llama"
 CORPUS = REPO / "examples" / "data" / "corpus.txt"
-METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "step_time_s"}
+METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "step_time_s", "peak_memory_mb"}
 
 
 def _write_model(path: Path) -> Path:

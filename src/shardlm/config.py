@@ -76,10 +76,16 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
+    """Training settings; names follow Hugging Face ``TrainingArguments`` where one exists."""
+
+    OPTIMIZERS: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
+    REPORT_TO: ClassVar[tuple[str, ...]] = ("none", "tensorboard")
+
     output_dir: str = "runs/x"
     max_steps: int = 100
     per_device_train_batch_size: int = 4
     gradient_accumulation_steps: int = 1
+    optim: str = "adamw"  # adamw (foreach on CPU, fused on CUDA) | sgd; no weight decay on 1-D params
     learning_rate: float = 3.0e-4
     lr_scheduler_type: str = "cosine"
     warmup_steps: int = 0
@@ -87,13 +93,34 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1.0e-8
+    sgd_momentum: float = 0.0  # optim: sgd only
     max_grad_norm: float = 1.0
+    # bf16 compute, fp32 master weights, optimizer state and gradient reduction. With FSDP (dp > 1):
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); without: torch.autocast(bf16)
+    # around the forward. The loss is computed in fp32.
     bf16: bool = False
+    gradient_checkpointing: bool = False  # recompute each decoder block's activations in the backward
     seed: int = 0
     logging_steps: int = 1
+    report_to: str = "none"  # none | tensorboard (event files under output_dir/tensorboard)
     save_steps: int = 0  # checkpoint every N steps and at the end; 0: no checkpoints
     save_total_limit: int | None = None  # keep the newest N complete checkpoints; None: all
     resume: bool | str = False  # true: newest complete checkpoint of output_dir; or a checkpoint path
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss and perplexity during training (``trainer.py``).
+
+    ``path``: same formats as ``data.path``, tokenized with the ``data`` settings (seq_len, packing,
+    fields); empty: no evaluation. ``steps``: evaluate every N optimizer steps, and always at the
+    end (0: only at the end). ``max_batches``: at most N batches per data-parallel rank, each of
+    ``train.per_device_train_batch_size`` samples, taken in file order (null: the whole set).
+    """
+
+    path: str = ""
+    steps: int = 0
+    max_batches: int | None = None
 
 
 @dataclass
@@ -104,6 +131,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: dict | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def global_batch_size(self) -> int:
@@ -215,13 +243,15 @@ def validate(cfg: Config) -> None:
     if d.seq_len < 2:
         raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
     if t.lr_scheduler_type not in SCHEDULERS:
-        raise ConfigError(f"train.lr_scheduler_type must be one of {', '.join(SCHEDULERS)}, got '{t.lr_scheduler_type}'")
+        names = ", ".join(SCHEDULERS)
+        raise ConfigError(f"train.lr_scheduler_type must be one of {names}, got '{t.lr_scheduler_type}'")
     if not cfg.model:
         raise ConfigError("config key 'model' is required: a Hugging Face model directory")
     if not os.path.isfile(os.path.join(cfg.model, "config.json")):
         raise ConfigError(f"model: '{cfg.model}' has no config.json; point 'model' at a Hugging Face model directory")
     d.check()
     _validate_checkpointing(t)
+    _validate_training(t, cfg.eval)
     if cfg.lora is not None:
         raise ConfigError("lora: LoRA training is not supported yet; remove the 'lora' section")
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
@@ -239,3 +269,22 @@ def _validate_checkpointing(t: TrainConfig) -> None:
         raise ConfigError(f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
     if isinstance(t.resume, str) and not os.path.isdir(t.resume):
         raise ConfigError(f"train.resume: '{t.resume}' is not a directory; pass a checkpoint step-N or an output_dir")
+
+
+def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
+    """Optimizer, reporting and evaluation keys (``optim.py``, ``metrics.py``, ``trainer.py``)."""
+    if t.optim not in t.OPTIMIZERS:
+        raise ConfigError(f"train.optim must be one of {', '.join(t.OPTIMIZERS)}, got '{t.optim}'")
+    if t.sgd_momentum < 0:
+        raise ConfigError(f"train.sgd_momentum must be >= 0, got {t.sgd_momentum}")
+    if t.report_to not in t.REPORT_TO:
+        raise ConfigError(f"train.report_to must be one of {', '.join(t.REPORT_TO)}, got '{t.report_to}'")
+    if e.steps < 0:
+        raise ConfigError(f"eval.steps must be >= 0 (0: evaluate only at the end), got {e.steps}")
+    if e.max_batches is not None and e.max_batches < 1:
+        raise ConfigError(f"eval.max_batches must be >= 1 or null (the whole set), got {e.max_batches}")
+    if e.path:
+        if not os.path.exists(e.path):
+            raise ConfigError(f"eval.path: '{e.path}' does not exist")
+        if os.path.isfile(e.path) and not e.path.lower().endswith(DataConfig.EXTENSIONS):
+            raise ConfigError(f"eval.path: '{e.path}' is not a {', '.join(DataConfig.EXTENSIONS)} file")

@@ -1,33 +1,60 @@
-"""The training loop: micro-steps, token-weighted loss, global clipping, optimizer step, logging.
+"""The training loop: micro-steps, token-weighted loss, global clipping, optimizer step, eval, logging.
 
 One optimizer step:
-  1. every dp rank takes its micro-batches of the global batch (``data.py``);
+  1. every dp rank takes its micro-batches of the global batch (``data.py``); on the first step
+     and every logging step the TP ranks of each group compare a checksum of their batches, since
+     a TP group computing on different inputs trains garbage without any error;
   2. one all-reduce counts the labelled tokens of the whole global batch;
   3. each micro-step backpropagates ``sum of token losses / global count`` (``loss.py``);
      FSDP2 sums gradients across dp ranks;
   4. the global gradient norm is computed over every placement and clipped (``clip.py``);
-  5. optimizer and LR scheduler step; rank 0 logs the step.
+  5. optimizer and LR scheduler step (``optim.py``); rank 0 logs the step (``metrics.py``).
+
+Mixed precision (``train.bf16``): the forward and backward compute in bf16 while the master
+weights, their gradients and the optimizer state stay fp32 and the loss is computed in fp32
+(``loss.py`` upcasts the logits). With FSDP (dp > 1) the model is built with FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``mixed_precision_policy``): FSDP
+all-gathers bf16 copies of the fp32 shards and reduce-scatters gradients in fp32. Without FSDP
+(TP only, or one process) the forward runs under ``torch.autocast(device, bf16)``: autocast sits
+above DTensor in the dispatcher, so each matmul casts its (DTensor) weight to bf16 and its
+backward casts the gradient back to the fp32 parameter's dtype; nothing is downcast in place.
+
+Activation checkpointing (``train.gradient_checkpointing``) uses transformers' own per-layer
+checkpointing (``GradientCheckpointingLayer``, non-reentrant ``torch.utils.checkpoint``): it wraps
+each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the block stay outside
+the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
+working). The recompute replays the TP styles' hooks, so it produces the same numbers.
+
+Evaluation (``eval``): token-weighted loss over the eval set in file order, sharded over dp like
+training, under ``torch.no_grad`` and ``model.eval()``; logged as ``eval_loss`` and ``eval_ppl``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from shardlm import checkpoint
 from shardlm.clip import clip_grad_norm_
-from shardlm.config import Config
-from shardlm.data import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
-from shardlm.loss import as_local, loss_context, token_loss_sum
+from shardlm.config import Config, TrainConfig
+from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
+from shardlm.errors import ConfigError
+from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
+from shardlm.metrics import MetricsWriter, count_params, max_over_ranks, mfu, peak_memory_mb, peak_tflops
+from shardlm.optim import build_optimizer, build_scheduler
 from shardlm.parallelize import parallelize
 from shardlm.styles import sum_tp_partial_grads
 
@@ -49,59 +76,120 @@ def _setup_rank_log(output_dir: str) -> None:
     log.setLevel(logging.INFO)
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on 1-D parameters (norms, biases)."""
-    t = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon
+def mixed_precision_policy(t: TrainConfig) -> MixedPrecisionPolicy | None:
+    """What ``parallelize`` hands FSDP2 for ``train.bf16`` (used only where FSDP is on)."""
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.bf16 else None
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        name = type(model).__name__
+        raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def check_tp_batches(batches: list[Batch], tp_group: dist.ProcessGroup, step: int) -> None:
+    """Raise if the ranks of this TP group hold different batches (one all-reduce of a checksum)."""
+    parts = []
+    for b in batches:
+        parts += [b.input_ids.flatten(), b.labels.flatten()]
+    flat = torch.cat(parts).long()
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
+    mine = torch.stack([(flat * weights).sum(), flat.sum(), torch.tensor(flat.numel(), device=flat.device)])
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+    if torch.equal(both[:3], -both[3:]):
+        return
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, mine, group=tp_group)
+    ranks = dist.get_process_group_ranks(tp_group)
+    kinds: dict[tuple, list[int]] = {}
+    for rank, value in zip(ranks, gathered, strict=True):
+        kinds.setdefault(tuple(value.tolist()), []).append(rank)
+    groups = " vs ".join(str(r) for r in kinds.values())
+    raise RuntimeError(
+        f"tensor-parallel ranks {ranks} got different batches at step {step + 1} (ranks {groups}); every rank of "
+        "a TP group must read the same samples: give each rank the same dataset and seed"
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config):
-    from transformers import get_scheduler
-
-    name = {"constant": "constant_with_warmup"}.get(cfg.train.lr_scheduler_type, cfg.train.lr_scheduler_type)
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.train.warmup_steps, num_training_steps=cfg.train.max_steps)
+def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
+    """This dp rank's eval batches in file order; a rank past the end gets an all-ignored sample,
+    so every rank runs the same number of forwards (FSDP's collectives need them all)."""
+    count = math.ceil(len(ds) / (per_device * dp_size))
+    for b in range(min(count, max_batches) if max_batches else count):
+        start = (b * dp_size + dp_rank) * per_device
+        end = min(start + per_device, len(ds))
+        if start >= end:
+            yield Batch(ds.input_ids[:1], torch.full_like(ds.labels[:1], IGNORE_INDEX))
+        else:
+            yield Batch(ds.input_ids[start:end], ds.labels[start:end])
 
 
 @dataclass
 class Trainer:
-    """Trains a parallelized model on a token dataset with the settings of ``config``."""
+    """Trains a parallelized model on a token dataset with the settings of ``config``.
+
+    ``eval_dataset``: samples for ``evaluate``; by default built from ``config.eval.path``.
+    ``history`` collects the records of logging steps, ``eval_history`` those of evaluations.
+    """
 
     model: nn.Module
     config: Config
     dataset: TokenDataset
     mesh: Mesh
+    eval_dataset: TokenDataset | None = None
     history: list[dict] = field(default_factory=list)
+    eval_history: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        t = self.config.train
+        if t.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config)
-        self.order = GlobalBatchOrder(len(self.dataset), self.config.global_batch_size, self.config.train.seed)
+        self.order = GlobalBatchOrder(len(self.dataset), self.config.global_batch_size, t.seed)
         self.step = 0
+        # bf16 by FSDP2's policy when the model was built with one, else by autocast
+        self.autocast = t.bf16 and getattr(self.model, "shardlm_fsdp_param_dtype", None) != torch.bfloat16
+        if self.eval_dataset is None and self.config.eval.path:
+            self.eval_dataset = build_eval_dataset(self.config)
+        self.num_params = count_params(self.model)
+        self._tp_checked = False
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.mesh.parallel.dp_size > 1:
             dist.all_reduce(value, group=self.mesh.dp_group)
         return value
 
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
+        ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with ctx:
+            return self.model(input_ids=input_ids).logits
+
     def train_step(self) -> dict:
         t, p = self.config.train, self.mesh.parallel
         start = time.perf_counter()
         device = self.mesh.device
+        per_device, dp_rank = t.per_device_train_batch_size, self.mesh.dp_rank
         batches = [
-            micro_batch(self.dataset, self.order, self.step, m, self.mesh.dp_rank, p.dp_size, t.per_device_train_batch_size).to(device)
+            micro_batch(self.dataset, self.order, self.step, m, dp_rank, p.dp_size, per_device).to(device)
             for m in range(t.gradient_accumulation_steps)
         ]
-        count = self._all_reduce_dp(torch.stack([(b.labels != -100).sum() for b in batches]).sum().float())
+        if p.tp > 1 and (not self._tp_checked or (self.step + 1) % t.logging_steps == 0):
+            check_tp_batches(batches, self.mesh.tp.get_group(), self.step)
+            self._tp_checked = True
+        count = self._all_reduce_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            logits = self.model(input_ids=batch.input_ids).logits
+            logits = self.forward(batch.input_ids)
             with loss_context(isinstance(logits, DTensor)):
                 micro_loss = token_loss_sum(logits, batch.labels)
                 (micro_loss / denom).backward()
@@ -127,31 +215,76 @@ class Trainer:
             "step_time_s": elapsed,
         }
 
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Token-weighted loss and perplexity over the eval set (collective; the model is left in
+        the mode it was in)."""
+        if self.eval_dataset is None:
+            raise ConfigError("eval.path is not set: there is no eval data set to evaluate on")
+        p, e = self.mesh.parallel, self.config.eval
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
+        try:
+            per_device = self.config.train.per_device_train_batch_size
+            for batch in eval_batches(self.eval_dataset, self.mesh.dp_rank, p.dp_size, per_device, e.max_batches):
+                batch = batch.to(self.mesh.device)
+                logits = self.forward(batch.input_ids)
+                with loss_context(isinstance(logits, DTensor)):
+                    totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
+                totals[1] += (batch.labels != IGNORE_INDEX).sum()
+        finally:
+            self.model.train(was_training)
+            # a forward without backward leaves the FSDP root unsharded (its reshard waits for the
+            # backward): put the sharded fp32 parameters back before anything reads or saves them
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        self._all_reduce_dp(totals)
+        loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        ppl = math.exp(loss) if loss < 700 else float("inf")
+        return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": int(totals[1])}
+
+    def _log_record(self, record: dict) -> None:
+        """Add the whole-world numbers of a logging step: peak memory, and MFU on GPU."""
+        device = self.mesh.device
+        record["peak_memory_mb"] = max_over_ranks(peak_memory_mb(device), device)
+        peak = peak_tflops(device, self.config.train.bf16) if device.type == "cuda" else None
+        if peak:
+            record["mfu"] = mfu(self.num_params, record["tokens_per_second"], dist.get_world_size(), peak)
+
     def train(self) -> list[dict]:
-        t = self.config.train
-        is_main = dist.get_rank() == 0
-        metrics_path = os.path.join(t.output_dir, "metrics.jsonl")
+        t, e = self.config.train, self.config.eval
         resumed = checkpoint.maybe_resume(self)  # checkpoint: model, optimizer, scheduler, RNG, step
-        if is_main:
-            os.makedirs(t.output_dir, exist_ok=True)
-            if not resumed:  # a resumed run appends to its metrics
-                open(metrics_path, "w").close()
-        while self.step < t.max_steps:
-            record = self.train_step()
-            log.info(json.dumps(record))
-            if self.step % t.logging_steps == 0 or self.step == t.max_steps:
-                self.history.append(record)
-                if is_main:
-                    with open(metrics_path, "a") as fh:
-                        fh.write(json.dumps(record) + "\n")
-                    print0(
-                        f"step {record['step']:>5}/{t.max_steps}  loss {record['loss']:.4f}  "
-                        f"grad_norm {record['grad_norm']:.4f}  lr {record['learning_rate']:.2e}  "
-                        f"tok/s {record['tokens_per_second']:.0f}"
-                    )
-            if checkpoint.should_save(self.step, t.save_steps, t.max_steps):
-                checkpoint.save_checkpoint(self)
+        writer = MetricsWriter(t, self.step, append=bool(resumed), enabled=dist.get_rank() == 0)
+        evaluated_at = None
+        try:
+            while self.step < t.max_steps:
+                record = self.train_step()
+                log.info(json.dumps(record))
+                writer.step(record)
+                if self.step % t.logging_steps == 0 or self.step == t.max_steps:
+                    self._log_record(record)
+                    self.history.append(record)
+                    writer.log(record)
+                if self.eval_dataset is not None and e.steps and self.step % e.steps == 0:
+                    self._eval(writer)
+                    evaluated_at = self.step
+                if checkpoint.should_save(self.step, t.save_steps, t.max_steps):
+                    checkpoint.save_checkpoint(self)
+            if self.eval_dataset is not None and evaluated_at != self.step:
+                self._eval(writer)
+        except BaseException:
+            writer.close(plot=False)  # keep the original error in front; no plot of a failed run
+            raise
+        writer.close()
         return self.history
+
+    def _eval(self, writer: MetricsWriter) -> None:
+        record = self.evaluate()
+        log.info(json.dumps(record))
+        self.eval_history.append(record)
+        writer.log_eval(record)
 
 
 def load_tokenizer(cfg: Config):
@@ -160,14 +293,23 @@ def load_tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
 
 
+def build_eval_dataset(cfg: Config, tokenizer=None) -> TokenDataset:
+    """The samples of ``eval.path``, tokenized with the ``data`` settings (seq_len, packing, fields)."""
+    return build_dataset(dataclasses.replace(cfg.data, path=cfg.eval.path), tokenizer or load_tokenizer(cfg))
+
+
 def run(cfg: Config) -> list[dict]:
     """One rank's whole job: join the world, build everything, train. Returns the logged records."""
     init_distributed()
     mesh = build_mesh(cfg.parallel)
     _setup_rank_log(cfg.train.output_dir)
     log.info("rank %d of %d, layout %s", dist.get_rank(), dist.get_world_size(), cfg.parallel)
-    dataset = build_dataset(cfg.data, load_tokenizer(cfg))
+    tokenizer = load_tokenizer(cfg)
+    dataset = build_dataset(cfg.data, tokenizer)
     print0(f"data: {len(dataset)} samples of {cfg.data.seq_len} tokens ({dataset.skipped_rows} rows skipped)")
-    model = parallelize(cfg.model, mesh, seed=cfg.train.seed)
-    history = Trainer(model, cfg, dataset, mesh).train()
+    eval_dataset = build_eval_dataset(cfg, tokenizer) if cfg.eval.path else None
+    if eval_dataset is not None:
+        print0(f"eval data: {len(eval_dataset)} samples of {cfg.data.seq_len} tokens")
+    model = parallelize(cfg.model, mesh, seed=cfg.train.seed, mp_policy=mixed_precision_policy(cfg.train))
+    history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset).train()
     return history
