@@ -46,14 +46,36 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512}
+MODEL = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+}
 GLOBAL_BATCH, SEQ, WARMUP, LR, MAX_NORM = 4, 128, 2, 1e-4, 1.0
 LAYOUTS = {"tp2": {"tp": 2}, "fsdp2": {"fsdp": 2}, "tp2_fsdp2": {"tp": 2, "fsdp": 2}}
-_COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
-                "allreduce_", "_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_",
-                "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "broadcast_",
-                "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+_COLLECTIVES = {
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+    "allreduce_",
+    "_allgather_base_",
+    "_reduce_scatter_base_",
+    "allgather_",
+    "reduce_scatter_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_",
+    "alltoall_base_",
+    "broadcast_",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+}
 # profiler events (self time) counted as communication: collectives, their waits, FSDP's gather/reduce ranges
 _COMM_EVENTS = ("c10d::", "_c10d_functional::", "gloo:", "FSDP::all_gather", "FSDP::post_backward_reduce")
 
@@ -89,10 +111,15 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name, namespace = getattr(func, "_overloadpacket", func).__name__, getattr(func, "namespace", "")
-        if namespace in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d") and name in _COLLECTIVES:
+        if (
+            namespace in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
+            and name in _COLLECTIVES
+        ):
             groups = [*args, out]
-            size = max(sum(t.numel() * t.element_size() for t in tree_flatten(g)[0] if isinstance(t, torch.Tensor))
-                       for g in groups)
+            size = max(
+                sum(t.numel() * t.element_size() for t in tree_flatten(g)[0] if isinstance(t, torch.Tensor))
+                for g in groups
+            )
             self.ops[f"{namespace}.{name}"][0] += 1
             self.ops[f"{namespace}.{name}"][1] += size
         return out
@@ -106,8 +133,11 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """Bytes of the local pieces of parameters, gradients and optimizer state on this rank."""
     params = list({id(p): p for p in model.parameters()}.values())
     optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": local_bytes(optim)}
+    return {
+        "params": local_bytes(params),
+        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(optim),
+    }
 
 
 def _max_over_ranks(value: float) -> float:
@@ -182,8 +212,15 @@ def _profile(step, python: bool = True) -> dict:
     adam = next((e.cpu_time_total / 1e6 for e in events if e.key.startswith("Optimizer.step")), 0.0)
     comm = sum(s for k, s, _ in ops if k.startswith(_COMM_EVENTS))
     dtensor = sum(s for k, s, _ in ops if k == "PythonSubclass" or "TorchTensor" in k or "Redistribute" in k)
-    out = {"wall_s": wall, "aten_self_s": op_total, "python_and_dispatch_s": max(wall - op_total, 0.0),
-           "collectives_s": comm, "dtensor_s": dtensor, "optimizer_step_s": adam, "top_ops": ops[:12]}
+    out = {
+        "wall_s": wall,
+        "aten_self_s": op_total,
+        "python_and_dispatch_s": max(wall - op_total, 0.0),
+        "collectives_s": comm,
+        "dtensor_s": dtensor,
+        "optimizer_step_s": adam,
+        "top_ops": ops[:12],
+    }
     if python:
         pr = cProfile.Profile()
         pr.enable()
@@ -222,9 +259,15 @@ class ShardlmRun(Run):
 
         super().__init__()
         par = ParallelConfig(**layout)
-        train = TrainConfig(output_dir=tempfile.mkdtemp(prefix="bench-"), max_steps=10_000, learning_rate=LR,
-                            per_device_train_batch_size=GLOBAL_BATCH // par.dp_size, lr_scheduler_type="constant",
-                            weight_decay=0.0, max_grad_norm=MAX_NORM)
+        train = TrainConfig(
+            output_dir=tempfile.mkdtemp(prefix="bench-"),
+            max_steps=10_000,
+            learning_rate=LR,
+            per_device_train_batch_size=GLOBAL_BATCH // par.dp_size,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=MAX_NORM,
+        )
         mesh = build_mesh(par)
         self.trainer = Trainer(parallelize(path, mesh), Config(model=path, parallel=par, train=train), data, mesh)
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
@@ -313,10 +356,19 @@ def rank_main(path: str, layout: dict, steps: int, profile: bool) -> dict:
         run.keep_grads = False
         run.optimizer.zero_grad(set_to_none=True)
         best = min(times[run.name])
-        out[run.name] = {"step_s": times[run.name], "best_step_s": best, "tokens_per_s": GLOBAL_BATCH * SEQ / best,
-                         "cpu_s": cpu[run.name], "median_cpu_s": sorted(cpu[run.name])[len(cpu[run.name]) // 2],
-                         "comm": comm, "comm_bytes": int(_max_over_ranks(sum(v["bytes"] for v in comm.values()))),
-                         "state": state, "step_rss_mb": step_rss, "losses": run.losses, "clip": run.clip}
+        out[run.name] = {
+            "step_s": times[run.name],
+            "best_step_s": best,
+            "tokens_per_s": GLOBAL_BATCH * SEQ / best,
+            "cpu_s": cpu[run.name],
+            "median_cpu_s": sorted(cpu[run.name])[len(cpu[run.name]) // 2],
+            "comm": comm,
+            "comm_bytes": int(_max_over_ranks(sum(v["bytes"] for v in comm.values()))),
+            "state": state,
+            "step_rss_mb": step_rss,
+            "losses": run.losses,
+            "clip": run.clip,
+        }
         if profile:
             out[run.name]["profile"] = _profile(run.step, python=run.name == "shardlm")
     pairs = sorted(b / a for a, b in zip(times["shardlm"], times["transformers"], strict=True))
@@ -337,8 +389,11 @@ def param_counts(path: str, tp: int) -> dict[str, int]:
     styles = infer_plan(model, tp).styles
     names = {id(m): n for n, m in model.named_modules()}
     blocks = sum(tp_local_elements(b, styles, tp, names[id(b)]) for b in decoder_blocks(model))
-    return {"full": sum(p.numel() for p in model.parameters()), "tp_local": tp_local_elements(model, styles, tp),
-            "tp_local_blocks": blocks}
+    return {
+        "full": sum(p.numel() for p in model.parameters()),
+        "tp_local": tp_local_elements(model, styles, tp),
+        "tp_local_blocks": blocks,
+    }
 
 
 def analytic_comm_bytes(layout: dict, counts: dict[str, int]) -> int:
@@ -375,9 +430,13 @@ def checkpoint_io(repeats: int = 2) -> dict:
     script = os.path.join(HERE, "checkpoint_io.py")
     if not os.path.isfile(script):
         return {"skipped": "benchmarks/checkpoint_io.py not found"}
-    proc = subprocess.run([sys.executable, script, "--repeats", str(repeats)], capture_output=True, text=True, check=False)
-    rows = {m[1].strip(): {"ms": float(m[2]), "mb_per_s": float(m[3])}
-            for m in re.finditer(r"^\s+(.+?)\s+([\d.]+) ms\s+([\d.]+) MB/s$", proc.stdout, re.MULTILINE)}
+    proc = subprocess.run(
+        [sys.executable, script, "--repeats", str(repeats)], capture_output=True, text=True, check=False
+    )
+    rows = {
+        m[1].strip(): {"ms": float(m[2]), "mb_per_s": float(m[3])}
+        for m in re.finditer(r"^\s+(.+?)\s+([\d.]+) ms\s+([\d.]+) MB/s$", proc.stdout, re.MULTILINE)
+    }
     if proc.returncode or not rows:
         return {"skipped": f"checkpoint_io.py failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}"}
     return {"header": proc.stdout.strip().splitlines()[0], "rows": rows}
@@ -389,8 +448,13 @@ def run_layout(path: str, name: str, steps: int, profile: bool) -> dict:
     layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("fsdp", 1)
     counts = param_counts(path, layout.get("tp", 1))
-    out = {"layout": layout, "world": world, "params": counts["full"],
-           "ideal_state_bytes": 16 * counts["full"] // world, "analytic_comm_bytes": analytic_comm_bytes(layout, counts)}
+    out = {
+        "layout": layout,
+        "world": world,
+        "params": counts["full"],
+        "ideal_state_bytes": 16 * counts["full"] // world,
+        "analytic_comm_bytes": analytic_comm_bytes(layout, counts),
+    }
     start = time.perf_counter()
     try:
         out.update(spawn(rank_main, world, path, layout, steps, profile)[0])
@@ -409,22 +473,28 @@ def _row(name: str, key: str, r: dict, ratio: str) -> str:
     mfu_text = f", MFU {m['mfu']:.1%}" if m.get("mfu") else ""
     rss = f"{m['step_rss_mb']:.0f}" if m["step_rss_mb"] is not None else "-"
     clip = m["clip"].split(", need")[0].split(", but got")[0]
-    return (f"| {name} | {key} | {m['tokens_per_s']:,.0f} ({m['best_step_s'] * 1e3:.0f} ms{mfu_text}) "
-            f"| {m['median_cpu_s'] * 1e3:.0f} | {ratio} | {m['losses'][0]:.5f} | {clip} | {state / 1e6:.2f} "
-            f"| {state / r['ideal_state_bytes']:.3f} | {rss} | {m['comm_bytes'] / 1e6:.2f} "
-            f"| {m['comm_bytes'] / r['analytic_comm_bytes']:.2f} |")
+    return (
+        f"| {name} | {key} | {m['tokens_per_s']:,.0f} ({m['best_step_s'] * 1e3:.0f} ms{mfu_text}) "
+        f"| {m['median_cpu_s'] * 1e3:.0f} | {ratio} | {m['losses'][0]:.5f} | {clip} | {state / 1e6:.2f} "
+        f"| {state / r['ideal_state_bytes']:.3f} | {rss} | {m['comm_bytes'] / 1e6:.2f} "
+        f"| {m['comm_bytes'] / r['analytic_comm_bytes']:.2f} |"
+    )
 
 
 def markdown(results: dict) -> str:
     lines = [
-        (f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {results['params']:,} params, "
-         f"global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, {results['steps']} timed steps per framework "
-         f"(alternating) after {WARMUP} warm-up, {results['machine']}, torch {results['torch']}. tokens/s: best "
-         "step; speedup: transformers time / shardlm time, median over back-to-back step pairs (wall) and of "
-         "median CPU time per rank (CPU)"),
+        (
+            f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {results['params']:,} params, "
+            f"global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, {results['steps']} timed steps per framework "
+            f"(alternating) after {WARMUP} warm-up, {results['machine']}, torch {results['torch']}. tokens/s: best "
+            "step; speedup: transformers time / shardlm time, median over back-to-back step pairs (wall) and of "
+            "median CPU time per rank (CPU)"
+        ),
         "",
-        ("| layout | framework | tokens/s (best step) | CPU ms/step/rank | speedup wall, CPU | step-1 loss | clipping "
-         "| state MB/rank | vs ideal | step RSS +MB | comm MB/step/rank | vs minimum |"),
+        (
+            "| layout | framework | tokens/s (best step) | CPU ms/step/rank | speedup wall, CPU | step-1 loss "
+            "| clipping | state MB/rank | vs ideal | step RSS +MB | comm MB/step/rank | vs minimum |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
@@ -447,11 +517,13 @@ def markdown(results: dict) -> str:
             prof = r.get(key, {}).get("profile")
             if prof:
                 top = ", ".join(f"{k} {s * 1e3:.0f}" for k, s, _ in prof["top_ops"][:5])
-                lines.append(f"Profile {key} {name} (one step, rank 0, ms): wall {prof['wall_s'] * 1e3:.0f} = ops "
-                             f"{prof['aten_self_s'] * 1e3:.0f} (collectives {prof['collectives_s'] * 1e3:.0f}, DTensor "
-                             f"dispatch {prof['dtensor_s'] * 1e3:.0f}) + other Python "
-                             f"{prof['python_and_dispatch_s'] * 1e3:.0f}; AdamW step {prof['optimizer_step_s'] * 1e3:.0f}"
-                             f"; top: {top}")
+                lines.append(
+                    f"Profile {key} {name} (one step, rank 0, ms): wall {prof['wall_s'] * 1e3:.0f} = ops "
+                    f"{prof['aten_self_s'] * 1e3:.0f} (collectives {prof['collectives_s'] * 1e3:.0f}, DTensor "
+                    f"dispatch {prof['dtensor_s'] * 1e3:.0f}) + other Python "
+                    f"{prof['python_and_dispatch_s'] * 1e3:.0f}; AdamW step {prof['optimizer_step_s'] * 1e3:.0f}"
+                    f"; top: {top}"
+                )
     return "\n".join(lines)
 
 
@@ -467,14 +539,23 @@ def main() -> None:
     if unknown:
         sys.exit(f"error: unknown layout {unknown[0]}; choose from {', '.join(LAYOUTS)}")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    machine = (f"{torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU x{os.cpu_count()}, gloo")
+    machine = f"{torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU x{os.cpu_count()}, gloo"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardlm-bench-") as tmp:
         path = write_model(os.path.join(tmp, "model"))
         layouts = {n: run_layout(path, n, args.steps, not args.no_profile) for n in names}
-    results = {"model": MODEL, "params": next(iter(layouts.values()))["params"] if layouts else 0,
-               "global_batch": GLOBAL_BATCH, "seq": SEQ, "steps": args.steps, "warmup": WARMUP,
-               "machine": machine, "torch": torch.__version__, "layouts": layouts, "checkpoint_io": checkpoint_io()}
+    results = {
+        "model": MODEL,
+        "params": next(iter(layouts.values()))["params"] if layouts else 0,
+        "global_batch": GLOBAL_BATCH,
+        "seq": SEQ,
+        "steps": args.steps,
+        "warmup": WARMUP,
+        "machine": machine,
+        "torch": torch.__version__,
+        "layouts": layouts,
+        "checkpoint_io": checkpoint_io(),
+    }
     results["wall_s"] = time.perf_counter() - start
     print(markdown(results))
     os.makedirs(args.out, exist_ok=True)

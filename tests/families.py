@@ -17,15 +17,69 @@ def family_config(family: str, **overrides):
         "qwen2": (tf.Qwen2Config, dict(intermediate_size=64, num_key_value_heads=2)),
         "qwen3": (tf.Qwen3Config, dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
         "gemma": (tf.GemmaConfig, dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
-        "granite": (tf.GraniteConfig, dict(intermediate_size=64, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
+        "granite": (
+            tf.GraniteConfig,
+            dict(
+                intermediate_size=64,
+                num_key_value_heads=2,
+                embedding_multiplier=2.0,
+                residual_multiplier=0.5,
+                logits_scaling=2.0,
+            ),
+        ),
         "phi3": (tf.Phi3Config, dict(intermediate_size=64, num_key_value_heads=4, pad_token_id=0)),
-        "gpt2": (tf.GPT2Config, dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
+        "gpt2": (
+            tf.GPT2Config,
+            dict(
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
         "gpt_neox": (tf.GPTNeoXConfig, dict(intermediate_size=64, rotary_pct=0.5, bos_token_id=0, eos_token_id=0)),
-        "opt": (tf.OPTConfig, dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=1)),
-        "falcon": (tf.FalconConfig, dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0, eos_token_id=0)),
-        "stablelm": (tf.StableLmConfig, dict(intermediate_size=64, num_key_value_heads=2, bos_token_id=0, eos_token_id=0)),
-        "phi": (tf.PhiConfig, dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, intermediate_size=64, bos_token_id=0, eos_token_id=0)),
-        "olmo": (tf.OlmoConfig, dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=0)),
+        "opt": (
+            tf.OPTConfig,
+            dict(
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                ffn_dim=64,
+                word_embed_proj_dim=32,
+                max_position_embeddings=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=1,
+            ),
+        ),
+        "falcon": (
+            tf.FalconConfig,
+            dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0, eos_token_id=0),
+        ),
+        "stablelm": (
+            tf.StableLmConfig,
+            dict(intermediate_size=64, num_key_value_heads=2, bos_token_id=0, eos_token_id=0),
+        ),
+        "phi": (
+            tf.PhiConfig,
+            dict(
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attention_dropout=0.0,
+                intermediate_size=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "olmo": (
+            tf.OlmoConfig,
+            dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=0),
+        ),
     }
     cls, extra = specs[family]
     kwargs = {**base, **extra, **overrides}

@@ -24,8 +24,13 @@ def tiny_config(family: str = "llama", **overrides):
     from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig}[family]
     if family == "gemma":
@@ -56,9 +61,15 @@ def token_dataset(n: int = 24, seq: int = SEQ, seed: int = 1) -> TokenDataset:
 
 def train_config(model_path: str, layout: dict, per_device: int, accum: int, steps: int = 5, **train) -> Config:
     t = dict(
-        output_dir=os.path.join(os.path.dirname(model_path), "out"), max_steps=steps,
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=accum, learning_rate=1e-2,
-        weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, lr_scheduler_type="cosine",
+        output_dir=os.path.join(os.path.dirname(model_path), "out"),
+        max_steps=steps,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accum,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        warmup_steps=1,
+        lr_scheduler_type="cosine",
     )
     t.update(train)
     return Config(model=model_path, parallel=ParallelConfig(**layout), train=TrainConfig(**t))
@@ -84,9 +95,12 @@ def run_ranks(fn, world_size: int, *args):
     return spawn(fn, world_size, *args)[0]
 
 
-def plain_reference(model_path: str, global_batch: int, steps: int = 5, seed: int = 0) -> list[tuple[float, float]]:
+def plain_reference(
+    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None
+) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model, mean F.cross_entropy over the
-    whole global batch, torch's clip_grad_norm_, AdamW and the HF scheduler."""
+    whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
+    and the HF scheduler."""
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
@@ -98,7 +112,10 @@ def plain_reference(model_path: str, global_batch: int, steps: int = 5, seed: in
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    if optimizer is not None:
+        opt = optimizer(groups, t)
+    else:
+        opt = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
     sched = get_scheduler(t.lr_scheduler_type, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
     data = token_dataset()
     order = GlobalBatchOrder(len(data), global_batch, t.seed)

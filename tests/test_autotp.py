@@ -11,17 +11,31 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from families import write_family_dir
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q_norm/k_norm), Gemma (tied, scaled embeddings),
 # Granite (multipliers), Phi-3 (packed qkv and gate_up), GPT-2 (Conv1D, packed c_attn, learned
 # positions, tied), GPT-NeoX (per-head fused qkv, partial rotary), OPT (no plan anywhere),
 # Falcon (new decoder architecture, parallel attention/MLP), StableLM, Phi, OLMo
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "phi3", "gpt2", "gpt_neox", "opt",
-            "falcon", "stablelm", "phi", "olmo"]
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "granite",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "opt",
+    "falcon",
+    "stablelm",
+    "phi",
+    "olmo",
+]
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon"]
 
@@ -39,7 +53,8 @@ class CountCollectives(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor desugar into collectives first, then count them
         if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and func.overloadpacket.__name__ not in (
-            "wait_tensor", "_wrap_tensor_autograd"
+            "wait_tensor",
+            "_wrap_tensor_autograd",
         ):
             self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
@@ -116,8 +131,10 @@ def resume_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
     """Rank body (4 ranks): GPT-2 and Phi-3 saved at tp=2 (step 5) resumed at tp=2 x fsdp=2."""
     from test_checkpoint import train
 
-    return tuple(train(paths[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
-                 for f in ("gpt2", "phi3"))
+    return tuple(
+        train(paths[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
+        for f in ("gpt2", "phi3")
+    )
 
 
 def save_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:

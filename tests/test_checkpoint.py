@@ -19,8 +19,12 @@ from helpers import run_ranks, token_dataset, train_config, write_model_dir
 from shardlm import ConfigError, Trainer, build_mesh, init_distributed, parallelize
 from shardlm import checkpoint as ckpt
 
-LAYOUTS = {"tp2": ({"tp": 2}, 4, 1), "fsdp2": ({"fsdp": 2}, 1, 2), "tp2_fsdp2": ({"tp": 2, "fsdp": 2}, 2, 1),
-           "one": ({}, 2, 2)}
+LAYOUTS = {
+    "tp2": ({"tp": 2}, 4, 1),
+    "fsdp2": ({"fsdp": 2}, 1, 2),
+    "tp2_fsdp2": ({"tp": 2, "fsdp": 2}, 2, 1),
+    "one": ({}, 2, 2),
+}
 STEPS = 10
 
 
@@ -83,12 +87,25 @@ def shared_runs(tmp_path_factory) -> dict:
         model = write_model_dir(str(root / "llama"), "llama")
         tied = write_model_dir(str(root / "tied"), "llama", num_key_value_heads=4, tie_word_embeddings=True)
         step5, tied5 = (str(root / run / "checkpoints" / "step-5") for run in ("a", "t"))
-        jobs = [(model, "tp2", str(root / "a")), (tied, "tp2", str(root / "t")),
-                (model, "tp2", str(root / "b"), {"resume": step5}), (model, "fsdp2", str(root / "c"), {"resume": step5}),
-                (tied, "fsdp2", str(root / "tc"), {"resume": tied5})]
+        jobs = [
+            (model, "tp2", str(root / "a")),
+            (tied, "tp2", str(root / "t")),
+            (model, "tp2", str(root / "b"), {"resume": step5}),
+            (model, "fsdp2", str(root / "c"), {"resume": step5}),
+            (tied, "fsdp2", str(root / "tc"), {"resume": tied5}),
+        ]
         full, tied_full, same, fsdp, tied_fsdp = run_ranks(train_jobs, 2, jobs)
-        _SHARED.update(root=root, model=model, tied=tied, step5=step5, full=full, same=same, fsdp=fsdp,
-                       tied_full=tied_full, tied_fsdp=tied_fsdp)
+        _SHARED.update(
+            root=root,
+            model=model,
+            tied=tied,
+            step5=step5,
+            full=full,
+            same=same,
+            fsdp=fsdp,
+            tied_full=tied_full,
+            tied_fsdp=tied_fsdp,
+        )
     return _SHARED
 
 
@@ -112,8 +129,9 @@ def test_resume_on_other_layouts(tp2_runs, one_process):
     assert_close(tp2_runs["tied_fsdp"], tp2_runs["tied_full"][5:], 1e-5)
     one = train(tp2_runs["model"], "one", str(tp2_runs["root"] / "d"), resume=tp2_runs["step5"])
     assert_close(one, tp2_runs["full"][5:], 1e-5)
-    four = run_ranks(train_jobs, 4, [(tp2_runs["model"], "tp2_fsdp2", str(tp2_runs["root"] / "e"),
-                                      {"resume": tp2_runs["step5"]})])[0]
+    four = run_ranks(
+        train_jobs, 4, [(tp2_runs["model"], "tp2_fsdp2", str(tp2_runs["root"] / "e"), {"resume": tp2_runs["step5"]})]
+    )[0]
     assert_close(four, tp2_runs["full"][5:], 1e-5)
 
 
@@ -141,8 +159,14 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, one_process):
     model = write_model_dir(str(tmp_path / "llama"), "llama", tie_word_embeddings=True, num_key_value_heads=4)
     out = str(tmp_path / "out")
     code = f"import test_checkpoint as t; t.crash_run({model!r}, {out!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), capture_output=True, text=True, check=False,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(__file__),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     names = sorted(os.listdir(os.path.join(out, "checkpoints")), key=len)
     assert names[0] == "step-5" and names[1].startswith("step-10.tmp-") and len(names) == 2
@@ -216,9 +240,11 @@ def test_config_checks_before_spawning(tmp_path):
     model = write_model_dir(str(tmp_path / "llama"), "llama")
     (tmp_path / "data.txt").write_text("hello world\n")
     raw = {"model": model, "data": {"path": str(tmp_path / "data.txt")}}
-    for train_kw, message in [({"resume": str(tmp_path / "nope")}, "train.resume: '.*nope' is not a directory"),
-                              ({"save_total_limit": 0}, "train.save_total_limit must be >= 1"),
-                              ({"save_steps": -1}, "train.save_steps must be >= 0")]:
+    for train_kw, message in [
+        ({"resume": str(tmp_path / "nope")}, "train.resume: '.*nope' is not a directory"),
+        ({"save_total_limit": 0}, "train.save_total_limit must be >= 1"),
+        ({"save_steps": -1}, "train.save_steps must be >= 0"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(raw={**raw, "train": train_kw})
     assert load_config(raw={**raw, "train": {"resume": True, "save_total_limit": 2}}).train.save_total_limit == 2

@@ -29,8 +29,16 @@ def _write_model(path: Path) -> Path:
     from transformers import LlamaConfig
 
     LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     ).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, path / name)
@@ -51,7 +59,11 @@ def _start(config: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "shardlm.cli", "train", str(config), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=config.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=config.parent,
         start_new_session=True,  # its own process group, so a timeout can stop spawned ranks too
     )
 
@@ -89,7 +101,11 @@ BAD_INPUT = {
     "wrong_type": ("good", ["train.max_steps=abc"], ["train.max_steps", "integer", "abc"]),
     "missing_model_dir": ("good", ["model={root}/no-such-model"], ["model", "no-such-model", "config.json"]),
     "missing_data_path": ("good", ["data.path={root}/no-such.txt"], ["data.path", "no-such.txt", "does not exist"]),
-    "tp_not_dividing_heads": ("good", ["parallel.tp=3"], ["parallel.tp=3", "num_attention_heads=4", "valid tp", "1, 2"]),
+    "tp_not_dividing_heads": (
+        "good",
+        ["parallel.tp=3"],
+        ["parallel.tp=3", "num_attention_heads=4", "valid tp", "1, 2"],
+    ),
     "nproc_mismatch": ("good", ["parallel.tp=2", "--nproc", "3"], ["--nproc 3", "= 2"]),
     "invalid_yaml": ("bad_yaml", [], ["bad.yaml", "not valid YAML", "line"]),
     "override_without_equals": ("good", ["train.max_steps"], ["train.max_steps", "KEY=VALUE"]),
@@ -130,15 +146,17 @@ def test_train_tp2_matches_one_process_through_the_cli(tmp_path):
     model = _write_model(tmp_path / "model")
     outs = {tp: tmp_path / f"out-tp{tp}" for tp in (1, 2)}
     # both at once: the tp=1 process and the two tp=2 ranks share the cores
-    procs = {tp: _start(_write_config(tmp_path / f"tp{tp}.yaml", model, CORPUS, out), f"parallel.tp={tp}")
-             for tp, out in outs.items()}
+    procs = {
+        tp: _start(_write_config(tmp_path / f"tp{tp}.yaml", model, CORPUS, out), f"parallel.tp={tp}")
+        for tp, out in outs.items()
+    }
     metrics = {}
     for tp, (code, _, stderr) in _finish(procs, timeout=500).items():
         assert code == 0, stderr[-3000:]
         metrics[tp] = _metrics(outs[tp])
         assert (outs[tp] / "logs" / "rank0.log").exists()
     assert (outs[2] / "logs" / "rank1.log").exists() and not (outs[1] / "logs" / "rank1.log").exists()
-    for tp, records in metrics.items():
+    for records in metrics.values():
         assert [r["step"] for r in records] == [1, 2, 3], records
         for r in records:
             assert set(r) == METRIC_KEYS, r

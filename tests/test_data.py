@@ -158,8 +158,18 @@ def test_chat_template_trains_only_assistant_turns(tmp_path, tok):
 def test_bad_rows_are_skipped_and_counted(tmp_path, tok):
     good = ["one good row", "a much longer good row that will not fit in the window at all", "last"]
     rows = [
-        {"text": good[0]}, {"text": ""}, {"text": "   "}, '{"text": "broken', {"text": 5}, {"text": None},
-        {"other": "no text here"}, "[1, 2]", "", {"text": good[1], "id": 3}, {"text": ["a list"]}, {"text": good[2]},
+        {"text": good[0]},
+        {"text": ""},
+        {"text": "   "},
+        '{"text": "broken',
+        {"text": 5},
+        {"text": None},
+        {"other": "no text here"},
+        "[1, 2]",
+        "",
+        {"text": good[1], "id": 3},
+        {"text": ["a list"]},
+        {"text": good[2]},
     ]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     seq = 6

@@ -33,8 +33,15 @@ def _instruction_data(path: Path) -> Path:
     with open(path, "w") as fh:
         for i in range(16):
             who, where = names[i % 8], places[i % 4]
-            fh.write(json.dumps({"prompt": f"Where does {who} go in the morning?",
-                                 "response": f"{who} walks to {where} and stays until noon."}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": f"Where does {who} go in the morning?",
+                        "response": f"{who} walks to {where} and stays until noon.",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -57,11 +64,37 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path):
     port = _free_port()
     nodes = {}
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-               "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}",
-               "--rdzv_id", "shardlm-test", "-m", "shardlm.cli", "train", str(cfg), "parallel.tp=2", "parallel.fsdp=2"]
-        nodes[node] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"localhost:{port}",
+            "--rdzv_id",
+            "shardlm-test",
+            "-m",
+            "shardlm.cli",
+            "train",
+            str(cfg),
+            "parallel.tp=2",
+            "parallel.fsdp=2",
+        ]
+        nodes[node] = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
     results = _finish({"one": one, **nodes}, timeout=400)
     for key, (rc, _, err) in results.items():
         assert rc == 0, (key, err[-2000:])
@@ -77,9 +110,15 @@ def test_overfit_small_instruction_set_at_tp2(tmp_path):
     data = _instruction_data(tmp_path / "sft.jsonl")
     extra = "  packing: false\n  prompt_field: prompt\n  response_field: response\n"
     cfg = _config(tmp_path / "cfg.yaml", model, data, tmp_path / "out", extra)
-    proc = _start(cfg, "parallel.tp=2", "train.max_steps=60", "train.learning_rate=1.0e-2", "train.warmup_steps=5",
-                  "train.per_device_train_batch_size=8")
-    (rc, _, err), = _finish({"run": proc}, timeout=400).values()
+    proc = _start(
+        cfg,
+        "parallel.tp=2",
+        "train.max_steps=60",
+        "train.learning_rate=1.0e-2",
+        "train.warmup_steps=5",
+        "train.per_device_train_batch_size=8",
+    )
+    ((rc, _, err),) = _finish({"run": proc}, timeout=400).values()
     assert rc == 0, err[-2000:]
     losses = _losses(tmp_path / "out")
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])

@@ -39,8 +39,9 @@ def held_state_bytes(path: str, layouts: list[dict]) -> list[dict[str, float]]:
         trainer.train_step()
         params = list({id(p): p for p in trainer.model.parameters()}.values())
         state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        held = torch.tensor([nbytes(params), nbytes(p.grad for p in params if p.grad is not None), nbytes(state)],
-                            dtype=torch.float64)
+        held = torch.tensor(
+            [nbytes(params), nbytes(p.grad for p in params if p.grad is not None), nbytes(state)], dtype=torch.float64
+        )
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         out.append(dict(zip(("parameters", "gradients", "optimizer"), held.tolist(), strict=True)))
     return out
@@ -78,8 +79,13 @@ def test_activation_formula_matches_saved_tensors(shape):
     from transformers import AutoModelForCausalLM
 
     hidden, inter, heads, kv, layers, batch, seq = shape
-    config = tiny_config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                         num_key_value_heads=kv, num_hidden_layers=layers)
+    config = tiny_config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+    )
     model = AutoModelForCausalLM.from_config(config).float().train()
     got = _saved_activation_bytes(model, torch.randint(0, config.vocab_size, (batch, seq)))
     want = 4 * activation_elements(config, batch * seq, tp=1, checkpointing=False)
@@ -91,8 +97,10 @@ def test_lora_trainable_count_matches_peft(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = write_model_dir(str(tmp_path / "llama"), **MODEL)
-    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)),
-                           LoraConfig(r=4, target_modules=list(LORA_TARGETS)))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)),
+        LoraConfig(r=4, target_modules=list(LORA_TARGETS)),
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     est = estimate(path, lora_r=4)
     assert est.trainable_local == trainable

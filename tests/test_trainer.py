@@ -24,7 +24,7 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks, token_dataset, train_config, write_model_dir
+from helpers import plain_reference, run_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm import ConfigError, Trainer, build_mesh, init_distributed, load_config, parallelize
 from shardlm.metrics import Progress, mfu, peak_tflops
@@ -61,9 +61,13 @@ def precision_run(path, layout, per_device, accum, out):
     with torch.no_grad():
         logits = bf.forward(bf.dataset.input_ids[:1].to(bf.mesh.device))
     return {
-        "fp32": [h["loss"] for h in fp32], "bf16": [h["loss"] for h in bf16], "autocast": bf.autocast,
-        "logits": str(logits.dtype), "params": sorted({str(p.dtype) for p in local}),
-        "state": sorted({str(v.dtype) for v in state}), "n_state": len(state),
+        "fp32": [h["loss"] for h in fp32],
+        "bf16": [h["loss"] for h in bf16],
+        "autocast": bf.autocast,
+        "logits": str(logits.dtype),
+        "params": sorted({str(p.dtype) for p in local}),
+        "state": sorted({str(v.dtype) for v in state}),
+        "n_state": len(state),
     }
 
 
@@ -79,16 +83,23 @@ def checkpointing_run(path, layout, per_device, accum, out):
 
 def eval_run(path, layout, per_device, accum, out):
     """evaluate() before training (and with max_batches), then 4 steps with eval every 2."""
-    tr = trainer_for(path, layout, per_device, accum, 4, eval_dataset=eval_data(), eval_cfg={"steps": 2},
-                     output_dir=f"{out}/eval")
+    tr = trainer_for(
+        path, layout, per_device, accum, 4, eval_dataset=eval_data(), eval_cfg={"steps": 2}, output_dir=f"{out}/eval"
+    )
     first = tr.evaluate()
     tr.config.eval.max_batches = 2
     limited = tr.evaluate()
     tr.config.eval.max_batches = None
     params = sorted({(type(p).__name__, str(p.dtype)) for p in tr.model.parameters()})
     history = tr.train()
-    return {"first": first, "limited": limited, "train": pairs(history), "evals": tr.eval_history,
-            "training_after_eval": tr.model.training, "params_after_eval": params}
+    return {
+        "first": first,
+        "limited": limited,
+        "train": pairs(history),
+        "evals": tr.eval_history,
+        "training_after_eval": tr.model.training,
+        "params_after_eval": params,
+    }
 
 
 def tp2_body(path, out):
@@ -96,9 +107,11 @@ def tp2_body(path, out):
 
     from shardlm.trainer import check_tp_batches
 
-    result = {"precision": precision_run(path, {"tp": 2}, 4, 1, out),
-              "checkpointing": checkpointing_run(path, {"tp": 2}, 4, 1, out),
-              "eval": eval_run(path, {"tp": 2}, 4, 1, out)}
+    result = {
+        "precision": precision_run(path, {"tp": 2}, 4, 1, out),
+        "checkpointing": checkpointing_run(path, {"tp": 2}, 4, 1, out),
+        "eval": eval_run(path, {"tp": 2}, 4, 1, out),
+    }
     sgd = trainer_for(path, {"tp": 2}, 4, 1, 3, output_dir=f"{out}/sgd", optim="sgd", sgd_momentum=0.9)
     result["sgd"] = pairs(sgd.train())
     result["sgd_defaults"] = {k: sgd.optimizer.defaults[k] for k in ("momentum", "foreach")}
@@ -131,10 +144,12 @@ def tp2_body(path, out):
 
 
 def fsdp2_body(path, out):
-    return {"precision": precision_run(path, {"fsdp": 2}, 2, 1, out),
-            "checkpointing": checkpointing_run(path, {"fsdp": 2}, 2, 1, out),
-            "eval": eval_run(path, {"fsdp": 2}, 1, 2, out),
-            "no_eval": pairs(trainer_for(path, {"fsdp": 2}, 1, 2, 4, output_dir=f"{out}/noeval").train())}
+    return {
+        "precision": precision_run(path, {"fsdp": 2}, 2, 1, out),
+        "checkpointing": checkpointing_run(path, {"fsdp": 2}, 2, 1, out),
+        "eval": eval_run(path, {"fsdp": 2}, 1, 2, out),
+        "no_eval": pairs(trainer_for(path, {"fsdp": 2}, 1, 2, 4, output_dir=f"{out}/noeval").train()),
+    }
 
 
 def two_ranks_body(path, out):
@@ -163,29 +178,9 @@ def plain_eval_loss(path, n=None):
 
 def plain_sgd(path, steps=3, momentum=0.9):
     """Plain transformers + torch.optim.SGD over the same global batches of 4."""
-    from transformers import get_scheduler
-
-    from shardlm.data import GlobalBatchOrder
-
-    t = train_config(path, {}, 4, 1, steps).train
-    model = plain_model(path)
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.SGD(groups, lr=t.learning_rate, momentum=momentum)
-    sched = get_scheduler("cosine", opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    data, order, out = token_dataset(), GlobalBatchOrder(24, 4, t.seed), []
-    for step in range(steps):
-        idx = torch.tensor(order.indices(step))
-        logits = model(input_ids=data.input_ids[idx]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=-100)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        out.append((loss.item(), norm.item()))
-    return out
+    return plain_reference(
+        path, 4, steps, optimizer=lambda groups, t: torch.optim.SGD(groups, lr=t.learning_rate, momentum=momentum)
+    )
 
 
 def close(a, b, rtol):
@@ -289,8 +284,18 @@ def test_logging_outputs(model_path, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = str(tmp_path / "run")
-    tr = trainer_for(model_path, {}, 2, 2, 6, eval_dataset=eval_data(), eval_cfg={"steps": 4}, output_dir=out,
-                     logging_steps=2, report_to="tensorboard")
+    tr = trainer_for(
+        model_path,
+        {},
+        2,
+        2,
+        6,
+        eval_dataset=eval_data(),
+        eval_cfg={"steps": 4},
+        output_dir=out,
+        logging_steps=2,
+        report_to="tensorboard",
+    )
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         history = tr.train()

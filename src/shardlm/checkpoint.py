@@ -51,13 +51,27 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 HF_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 _SAFE_MODULES = {  # module -> the globals a DCP .metadata pickle may name (seen in torch 2.13 files)
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "StorageMeta",
+        "MetadataIndex",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -365,8 +379,12 @@ def _restore_rng(step_dir: str, saved_world: int) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != saved_world and rank == 0:
-        log.info("checkpoint saved by %d ranks, resuming on %d: rank r takes RNG of rank r %% %d", saved_world, world,
-                 saved_world)
+        log.info(
+            "checkpoint saved by %d ranks, resuming on %d: rank r takes RNG of rank r %% %d",
+            saved_world,
+            world,
+            saved_world,
+        )
     path = os.path.join(step_dir, "rng", f"rank{rank % saved_world}.safetensors")
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint '{step_dir}': '{path}' is missing")
@@ -392,8 +410,9 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
                 fill_from_full(strided[(section, key)], value)
             else:
                 originals[section][key] = value
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=OPTIONS)
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS
+    )
     trainer.scheduler.load_state_dict(marker["scheduler"])
     trainer.scheduler.last_epoch -= 1  # recompute this step's lr: same value, or the new schedule's
     trainer.scheduler.step()  # if train.max_steps changed on resume

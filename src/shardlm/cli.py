@@ -100,8 +100,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{r['bytes_per_rank'] / 2**20:>8.3f}  {r['source']}"
         )
     total, per_rank = sum(r["bytes_global"] for r in rows), sum(r["bytes_per_rank"] for r in rows)
-    print(f"total fp32 parameters: {total / 2**20:.3f} MB, per TP rank {per_rank / 2**20:.3f} MB "
-          f"({per_rank / total:.3f} of the model at tp={args.tp}; 1/tp = {1 / args.tp:.3f})")
+    print(
+        f"total fp32 parameters: {total / 2**20:.3f} MB, per TP rank {per_rank / 2**20:.3f} MB "
+        f"({per_rank / total:.3f} of the model at tp={args.tp}; 1/tp = {1 / args.tp:.3f})"
+    )
     for fqn, parts in plan.parts.items():
         print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
     return 0
@@ -123,8 +125,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from shardlm.estimate import estimate, format_table
 
-    est = estimate(args.model, args.tp, args.fsdp, args.dp_replicate, args.batch, args.seq, args.bf16, args.lora_r,
-                   args.gradient_checkpointing, args.memory)
+    est = estimate(
+        args.model,
+        args.tp,
+        args.fsdp,
+        args.dp_replicate,
+        args.batch,
+        args.seq,
+        args.bf16,
+        args.lora_r,
+        args.gradient_checkpointing,
+        args.memory,
+    )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0
 
@@ -132,7 +144,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "plan": cmd_plan, "consolidate": cmd_consolidate, "estimate": cmd_estimate}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan, "consolidate": cmd_consolidate, "estimate": cmd_estimate}[
+            args.command
+        ](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

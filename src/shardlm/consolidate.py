@@ -87,7 +87,7 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
         if id(tensor) in first:
             tied.add(name)
         first.setdefault(id(tensor), name)
-    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     extra = sorted(set(saved) - set(state))
     if extra:
         raise ConfigError(f"checkpoint '{step_dir}' has '{extra[0]}', which is not a parameter of the model in hf/")
@@ -100,12 +100,19 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
         if item is None or not hasattr(item, "size"):
             raise ConfigError(f"checkpoint '{step_dir}' has no tensor '{name}'; it was saved from another model")
         if tuple(item.size) != tuple(tensor.shape):
-            raise ConfigError(f"checkpoint '{step_dir}': '{name}' is {list(item.size)}, the model needs {list(tensor.shape)}")
+            raise ConfigError(
+                f"checkpoint '{step_dir}': '{name}' is {list(item.size)}, the model needs {list(tensor.shape)}"
+            )
         dtype = item.properties.dtype
         outs = unpack(name, torch.empty(tuple(item.size), dtype=dtype, device="meta"))
-        sources.append(Source(name, tuple(item.size), dtype, {
-            k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()
-        }))
+        sources.append(
+            Source(
+                name,
+                tuple(item.size),
+                dtype,
+                {k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()},
+            )
+        )
     produced = {k: v[0] for s in sources for k, v in s.outputs.items()}
     if produced != expected:
         wrong = sorted(set(produced) ^ set(expected)) or [k for k in produced if produced[k] != expected[k]]
@@ -227,9 +234,11 @@ def consolidate(
 def _write(step_dir: str, out: str, groups: list[list[Source]], target: torch.dtype, unpack: Unpack) -> int:
     from safetensors.torch import save_file
 
-    names = [SINGLE_FILE] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
-    ]
+    names = (
+        [SINGLE_FILE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     weight_map, total, count = {}, 0, 0
     for file, group in zip(names, groups):
         tensors = _read(step_dir, group, target, unpack)

@@ -162,7 +162,9 @@ def _build(cfg: DataConfig, tokenizer, files: list[str], key: str) -> tuple[Toke
     import datasets
 
     root = cache_root(cfg)
-    parts = [encode_file(f, cfg, tokenizer, hashlib.sha256(f"{key}\0{f}".encode()).hexdigest()[:24], root) for f in files]
+    parts = [
+        encode_file(f, cfg, tokenizer, hashlib.sha256(f"{key}\0{f}".encode()).hexdigest()[:24], root) for f in files
+    ]
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     status = np.asarray(rows.data.column("status").to_numpy(zero_copy_only=False), dtype=np.int64)
     counts = Counter(REASONS[s] for s in status.tolist())
@@ -181,7 +183,13 @@ def _build(cfg: DataConfig, tokenizer, files: list[str], key: str) -> tuple[Toke
     detail = ", ".join(f"{n} {reason}" for reason, n in counts.items() if n)
     log.info(
         "data: %d files, %d rows -> %d samples of %d tokens; %d rows skipped (%s), %d longer than seq_len+1",
-        len(files), len(status), len(ds), cfg.seq_len, ds.skipped_rows, detail or "none", ds.truncated_rows,
+        len(files),
+        len(status),
+        len(ds),
+        cfg.seq_len,
+        ds.skipped_rows,
+        detail or "none",
+        ds.truncated_rows,
     )
     if len(ds) == 0:
         raise ConfigError(
@@ -198,8 +206,12 @@ def _check_usable(cfg: DataConfig, rows, status: np.ndarray, counts: Counter) ->
     found = (status != MISSING) & (status != BAD_JSON)
     if counts[REASONS[MISSING]] and not found.any():
         missing = Counter(rows["missing"]).most_common(1)[0][0]
-        keys = {cfg.text_field: "text_field", cfg.prompt_field: "prompt_field", cfg.response_field: "response_field",
-                cfg.messages_field: "messages_field"}
+        keys = {
+            cfg.text_field: "text_field",
+            cfg.prompt_field: "prompt_field",
+            cfg.response_field: "response_field",
+            cfg.messages_field: "messages_field",
+        }
         seen = sorted({k for row_keys in rows["keys"] for k in row_keys})
         raise ConfigError(
             f"data.{keys.get(missing, 'text_field')}: no row of '{cfg.path}' has the field '{missing}'; "
@@ -254,8 +266,13 @@ def _save(ds: TokenDataset, where: str, counts: dict) -> None:
     )
     with _quiet():
         samples.save_to_disk(os.path.join(tmp, "samples"))
-    meta = {"samples": len(ds), "seq_len": ds.input_ids.shape[1], "skipped_rows": ds.skipped_rows,
-            "truncated_rows": ds.truncated_rows, "skipped": counts}
+    meta = {
+        "samples": len(ds),
+        "seq_len": ds.input_ids.shape[1],
+        "skipped_rows": ds.skipped_rows,
+        "truncated_rows": ds.truncated_rows,
+        "skipped": counts,
+    }
     with open(os.path.join(tmp, "meta.json"), "w") as fh:
         json.dump(meta, fh, indent=1)
     try:
@@ -288,8 +305,12 @@ def _load(where: str) -> TokenDataset:
     shape = (meta["samples"], meta["seq_len"])
     ids, _ = _flat(samples, "input_ids")
     labels, _ = _flat(samples, "labels")
-    return TokenDataset(torch.from_numpy(ids).view(shape), torch.from_numpy(labels).view(shape),
-                        skipped_rows=meta["skipped_rows"], truncated_rows=meta["truncated_rows"])
+    return TokenDataset(
+        torch.from_numpy(ids).view(shape),
+        torch.from_numpy(labels).view(shape),
+        skipped_rows=meta["skipped_rows"],
+        truncated_rows=meta["truncated_rows"],
+    )
 
 
 class GlobalBatchOrder:

@@ -133,7 +133,9 @@ def count_params(
                 trainable += n
                 tensors += 1
     if lora_r and not targeted:
-        raise ConfigError(f"--lora-r: no linear layer of this model is named {'/'.join(LORA_TARGETS)}; LoRA has no target")
+        raise ConfigError(
+            f"--lora-r: no linear layer of this model is named {'/'.join(LORA_TARGETS)}; LoRA has no target"
+        )
     return full, local, trainable, tensors
 
 
@@ -163,9 +165,13 @@ def _dims(config) -> dict[str, int]:
     h = get("hidden_size", "n_embd", "d_model")
     a = get("num_attention_heads", "n_head", "num_heads")
     return {
-        "h": h, "a": a, "k": get("num_key_value_heads", "num_kv_heads", default=a),
-        "d": get("head_dim", default=h // a), "f": get("intermediate_size", "ffn_dim", "n_inner", default=4 * h),
-        "L": get("num_hidden_layers", "n_layer", "num_layers"), "V": get("vocab_size"),
+        "h": h,
+        "a": a,
+        "k": get("num_key_value_heads", "num_kv_heads", default=a),
+        "d": get("head_dim", default=h // a),
+        "f": get("intermediate_size", "ffn_dim", "n_inner", default=4 * h),
+        "L": get("num_hidden_layers", "n_layer", "num_layers"),
+        "V": get("vocab_size"),
     }
 
 
@@ -214,15 +220,28 @@ def _compute_weight_bytes(model: nn.Module, styles: dict[str, str], tp: int, fsd
 
 
 def estimate(
-    model_path: str, tp: int = 1, fsdp: int = 1, dp_replicate: int = 1, batch: int = 4, seq: int = 128,
-    bf16: bool = False, lora_r: int | None = None, gradient_checkpointing: bool = False, memory_gib: float | None = None,
+    model_path: str,
+    tp: int = 1,
+    fsdp: int = 1,
+    dp_replicate: int = 1,
+    batch: int = 4,
+    seq: int = 128,
+    bf16: bool = False,
+    lora_r: int | None = None,
+    gradient_checkpointing: bool = False,
+    memory_gib: float | None = None,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank)."""
     from shardlm.parallelize import build_meta_model
     from shardlm.plan import check_geometry, infer_plan
 
-    for flag, value in (("--tp", tp), ("--fsdp", fsdp), ("--dp-replicate", dp_replicate), ("--batch", batch),
-                        ("--seq", seq)):
+    for flag, value in (
+        ("--tp", tp),
+        ("--fsdp", fsdp),
+        ("--dp-replicate", dp_replicate),
+        ("--batch", batch),
+        ("--seq", seq),
+    ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if lora_r is not None and lora_r < 1:
@@ -246,8 +265,16 @@ def estimate(
         "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16),
     }
     rows["total"] = sum(rows.values())
-    layout = {"tp": tp, "fsdp": fsdp, "dp_replicate": dp_replicate, "batch": batch, "seq": seq, "bf16": bf16,
-              "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
+    layout = {
+        "tp": tp,
+        "fsdp": fsdp,
+        "dp_replicate": dp_replicate,
+        "batch": batch,
+        "seq": seq,
+        "bf16": bf16,
+        "lora_r": lora_r,
+        "gradient_checkpointing": gradient_checkpointing,
+    }
     return Estimate(layout, full, local, trainable, rows, memory_gib)
 
 
@@ -279,6 +306,8 @@ def format_table(est: Estimate) -> str:
         lines.append(f"{key:<16}  {_human(value):>12}")
     if est.memory_gib is not None:
         verdict = "fits" if est.fits else "does NOT fit"
-        lines.append(f"{verdict} in {est.memory_gib:g} GiB per rank ({_human(abs(est.memory_gib * GIB - est.bytes['total']))} "
-                     f"{'to spare' if est.fits else 'short'})")
+        lines.append(
+            f"{verdict} in {est.memory_gib:g} GiB per rank ({_human(abs(est.memory_gib * GIB - est.bytes['total']))} "
+            f"{'to spare' if est.fits else 'short'})"
+        )
     return "\n".join(lines)

@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
@@ -233,9 +233,7 @@ def has_weights(model_path: str) -> bool:
     return bool(glob.glob(os.path.join(model_path, "*.safetensors")))
 
 
-def parallelize(
-    model_path: str, mesh: Mesh, seed: int = 0, mp_policy: MixedPrecisionPolicy | None = None
-) -> nn.Module:
+def parallelize(model_path: str, mesh: Mesh, seed: int = 0, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
     ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it

@@ -207,7 +207,13 @@ def _hf_directions(model: nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "model")
     out = {}
     for pattern, style in raw.items():
-        direction = "colwise" if style.startswith(("colwise", "packed_colwise")) else "rowwise" if style.startswith("rowwise") else None
+        direction = (
+            "colwise"
+            if style.startswith(("colwise", "packed_colwise"))
+            else "rowwise"
+            if style.startswith("rowwise")
+            else None
+        )
         if direction is None:
             continue
         regex = re.compile(re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
@@ -284,15 +290,17 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
-        rows.append({
-            "module": fqn,
-            "style": style,
-            "global": {n: tuple(p.shape) for n, p in params},
-            "local": local,
-            "bytes_per_rank": sum(4 * _numel(s) for s in local.values()),
-            "bytes_global": sum(4 * p.numel() for _, p in params),
-            "source": source,
-        })
+        rows.append(
+            {
+                "module": fqn,
+                "style": style,
+                "global": {n: tuple(p.shape) for n, p in params},
+                "local": local,
+                "bytes_per_rank": sum(4 * _numel(s) for s in local.values()),
+                "bytes_global": sum(4 * p.numel() for _, p in params),
+                "source": source,
+            }
+        )
     return rows
 
 

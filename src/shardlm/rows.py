@@ -26,8 +26,13 @@ from shardlm.loss import IGNORE_INDEX
 JSON_COLUMN = "__shardlm_json__"
 OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL = range(7)
 REASONS = (
-    "usable", "empty", "missing field", "field of the wrong type", "invalid JSON or not an object",
-    "rejected by the chat template", "nothing trained within data.seq_len",
+    "usable",
+    "empty",
+    "missing field",
+    "field of the wrong type",
+    "invalid JSON or not an object",
+    "rejected by the chat template",
+    "nothing trained within data.seq_len",
 )
 
 
@@ -68,13 +73,15 @@ def load_rows(path: str, fingerprint: str, cache_dir: str | None):
     import datasets
 
     if path.lower().endswith(".txt"):
-        return datasets.load_dataset("text", data_files=path, split="train", cache_dir=cache_dir,
-                                     encoding_errors="replace")
+        return datasets.load_dataset(
+            "text", data_files=path, split="train", cache_dir=cache_dir, encoding_errors="replace"
+        )
     if path.lower().endswith(".parquet"):
         return datasets.load_dataset("parquet", data_files=path, split="train", cache_dir=cache_dir)
     features = datasets.Features({JSON_COLUMN: datasets.Value("string")})
-    return datasets.Dataset.from_generator(_json_rows, features=features, gen_kwargs={"path": path},
-                                           cache_dir=cache_dir, fingerprint=fingerprint)
+    return datasets.Dataset.from_generator(
+        _json_rows, features=features, gen_kwargs={"path": path}, cache_dir=cache_dir, fingerprint=fingerprint
+    )
 
 
 def encode_file(path: str, cfg: DataConfig, tokenizer, fingerprint: str, cache_dir: str | None = None):
@@ -93,10 +100,18 @@ def encode_file(path: str, cfg: DataConfig, tokenizer, fingerprint: str, cache_d
     rows = rows.select_columns(columns)
     spec = dict(cfg.__dict__, text_field="text" if is_txt else cfg.text_field)
     tokens = datasets.List(datasets.Value("int32"))
-    features = datasets.Features(input_ids=tokens, labels=tokens, status=datasets.Value("int8"),
-                                 missing=datasets.Value("string"), keys=datasets.List(datasets.Value("string")))
+    features = datasets.Features(
+        input_ids=tokens,
+        labels=tokens,
+        status=datasets.Value("int8"),
+        missing=datasets.Value("string"),
+        keys=datasets.List(datasets.Value("string")),
+    )
     return rows.map(
-        _encode_batch, batched=True, remove_columns=columns, new_fingerprint=fingerprint + "-encoded",
+        _encode_batch,
+        batched=True,
+        remove_columns=columns,
+        new_fingerprint=fingerprint + "-encoded",
         features=features,
         fn_kwargs={"tokenizer": tokenizer, "spec": spec, "other_columns": other},
         desc=f"shardlm: tokenizing {os.path.basename(path)}",

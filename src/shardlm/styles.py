@@ -63,7 +63,9 @@ class _Conv1DAware:
             lambda mod, inputs, mesh: self._prepare_input_fn(
                 self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
             ),
-            lambda mod, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, mod, outputs, mesh),
+            lambda mod, outputs, mesh: self._prepare_output_fn(
+                self.output_layouts, self.use_local_output, mod, outputs, mesh
+            ),
         )
 
 
@@ -103,7 +105,9 @@ class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the TP mesh; inputs enter as replicated DTensors, outputs leave local."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _shard_params(module, mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank)
+        _shard_params(
+            module, mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
+        )
 
     @staticmethod
     def _wrap(x, mesh: DeviceMesh):
@@ -136,11 +140,17 @@ def _local_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     The input is replicated; its gradient from this rank covers only this rank's output
     columns, so it is declared Partial and summed over TP on the way back (as ColwiseParallel does).
     """
-    x = DTensor.from_local(x, self.weight.device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    x = DTensor.from_local(x, self.weight.device_mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()]
+    )
     weight = self.weight.to_local()
     bias = self.bias.to_local() if self.bias is not None else None
     if _is_conv1d(self):
-        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
+        out = (
+            torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight)
+            if bias is not None
+            else x.reshape(-1, x.shape[-1]) @ weight
+        )
         return out.view(*x.shape[:-1], weight.shape[1])
     return nn.functional.linear(x, weight, bias)
 
@@ -154,7 +164,10 @@ class PackedColwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         out_dim = 1 if _is_conv1d(module) else 0
-        placements = {"weight": _StridedShard(out_dim, split_factor=self.num_parts), "bias": _StridedShard(0, split_factor=self.num_parts)}
+        placements = {
+            "weight": _StridedShard(out_dim, split_factor=self.num_parts),
+            "bias": _StridedShard(0, split_factor=self.num_parts),
+        }
         _shard_params(module, device_mesh, placements, self.src_data_rank)
         module.forward = types.MethodType(_local_linear_forward, module)
         return module
@@ -202,8 +215,10 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             value = getattr(module, attr, None)
             if isinstance(value, bool) or not isinstance(value, int):
                 continue
-            if (attr in _HEAD_ATTRS and value == heads) or (attr in _KV_ATTRS and value == kv) or (
-                attr in _WIDTH_ATTRS and value == heads * head_dim
+            if (
+                (attr in _HEAD_ATTRS and value == heads)
+                or (attr in _KV_ATTRS and value == kv)
+                or (attr in _WIDTH_ATTRS and value == heads * head_dim)
             ):
                 setattr(module, attr, value // tp)
         if getattr(module, "config", None) is config:
