@@ -29,8 +29,14 @@ def tiny_llama_state() -> dict[str, torch.Tensor]:
     """A ~50 MB fp32 Llama state dict (random init)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=6, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=8000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     return {k: v.contiguous() for k, v in AutoModelForCausalLM.from_config(config).float().state_dict().items()}
 
