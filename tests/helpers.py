@@ -10,33 +10,20 @@ import os
 
 import torch
 import torch.nn.functional as F
+from families import VOCAB
 
 from shardlm.config import Config, ParallelConfig, TrainConfig
 from shardlm.data import GlobalBatchOrder, TokenDataset
 from shardlm.launch import spawn
 
-VOCAB = 64
 SEQ = 16
 
 
 def tiny_config(family: str = "llama", **overrides):
-    """A random-init config of ``family`` small enough for 2-core CI."""
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
+    """A random-init config of ``family`` small enough for 2-core CI (the shapes live in families.py)."""
+    from families import family_config
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig}[family]
-    if family == "gemma":
-        common["head_dim"] = 8
-    common.update(overrides)
-    return cls(**common)
+    return family_config(family, **{"max_position_embeddings": 64, **overrides})
 
 
 def write_model_dir(path: str, family: str = "llama", **overrides) -> str:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import write_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "examples" / "tiny-llama"
@@ -26,20 +27,7 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second"
 
 def _write_model(path: Path) -> Path:
     """A tiny random Llama (vocab 512 = the shipped tokenizer's) with that tokenizer beside it."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    ).save_pretrained(path)
+    write_model_dir(str(path), "llama", vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, path / name)
     return path
