@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -106,6 +107,10 @@ class TrainConfig:
     save_steps: int = 0  # checkpoint every N steps and at the end; 0: no checkpoints
     save_total_limit: int | None = None  # keep the newest N complete checkpoints; None: all
     resume: bool | str = False  # true: newest complete checkpoint of output_dir; or a checkpoint path
+    # faults (faults.py): stop after this many non-finite steps in a row (each one's update is skipped)
+    max_bad_steps: int = 3
+    # seconds any collective may wait for the other ranks before failing (every process group)
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -252,6 +257,7 @@ def validate(cfg: Config) -> None:
     d.check()
     _validate_checkpointing(t)
     _validate_training(t, cfg.eval)
+    _validate_faults(t)
     if cfg.lora is not None:
         raise ConfigError("lora: LoRA training is not supported yet; remove the 'lora' section")
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
@@ -288,3 +294,13 @@ def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
             raise ConfigError(f"eval.path: '{e.path}' does not exist")
         if os.path.isfile(e.path) and not e.path.lower().endswith(DataConfig.EXTENSIONS):
             raise ConfigError(f"eval.path: '{e.path}' is not a {', '.join(DataConfig.EXTENSIONS)} file")
+
+
+def _validate_faults(t: TrainConfig) -> None:
+    """Fault keys (``faults.py``, ``mesh.init_distributed``)."""
+    if t.max_bad_steps < 1:
+        raise ConfigError(
+            f"train.max_bad_steps must be >= 1 (non-finite steps in a row before stopping), got {t.max_bad_steps}"
+        )
+    if not math.isfinite(t.timeout_s) or t.timeout_s <= 0:
+        raise ConfigError(f"train.timeout_s must be a positive number of seconds (default 600), got {t.timeout_s}")

@@ -1,21 +1,49 @@
 """Start N local ranks with torch's elastic launcher, or run in this process under torchrun.
 
 Used by the CLI and by the tests, so the code path users take is the one that is tested.
+
+Faults (see also ``faults.py``):
+  * a rank that dies (killed, segfault, exception) makes the agent stop the others (SIGTERM,
+    then SIGKILL after ``shutdown_timeout``) and ``spawn`` raises ``RankFailed`` naming the rank
+    that failed first. A rank killed by a signal is preferred over one that raised at about the
+    same time: the others' errors are then consequences (their collective lost a peer);
+  * SIGTERM to the launching process is forwarded to the workers, which save a checkpoint at a
+    step they agree on and return normally, so ``spawn`` returns and the CLI exits 0. The
+    elastic agent therefore handles only SIGINT, SIGHUP and SIGQUIT itself (stop at once).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")  # the elastic agent stops the workers at once on these
+SHUTDOWN_TIMEOUT_S = 30  # after a failure: seconds between the agent's SIGTERM to the others and SIGKILL
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _forward_sigterm(signum: int, frame: Any) -> None:
+    """Launcher: pass SIGTERM on to the workers (they save and stop); before they exist, stop."""
+    children = multiprocessing.active_children()
+    if not children:
+        _terminate_process_handler(signum, frame)  # raises: the agent shuts down as for SIGINT
+    for child in children:
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def spawn(fn: Callable, nproc: int, *args: Any) -> dict[int, Any]:
@@ -34,16 +62,55 @@ def spawn(fn: Callable, nproc: int, *args: Any) -> dict[int, Any]:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle=",".join(AGENT_SIGNALS),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    handled = (signal.SIGTERM, *(getattr(signal, name) for name in AGENT_SIGNALS))
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in handled} if main else {}
+    if main:
+        signal.signal(signal.SIGTERM, _forward_sigterm)
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", str(message))
-        last = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        raise RankFailed(f"rank {rank} failed: {last}") from None
+        rank, failure = root_failure(exc.failures)
+        raise RankFailed(f"rank {rank} failed: {describe(failure)}") from None
+    finally:
+        for sig, handler in previous.items():  # the agent installs its own; put the caller's back
+            signal.signal(sig, handler)
+
+
+def root_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The failure that caused the others: the earliest, preferring a rank killed by a signal.
+
+    Timestamps have whole-second resolution, and a rank that loses a peer mid-collective raises
+    within milliseconds, so "earliest" alone often names a survivor. A rank killed by a signal
+    other than SIGTERM (which the agent sends to stop survivors) within a second of the first
+    failure is taken as the cause.
+    """
+    first = min(f.timestamp for f in failures.values())
+    killed = [
+        (rank, f)
+        for rank, f in failures.items()
+        if f.exitcode < 0 and f.exitcode != -signal.SIGTERM and f.timestamp <= first + 1
+    ]
+    if killed:
+        return min(killed, key=lambda item: item[1].timestamp)
+    return min(failures.items(), key=lambda item: item[1].timestamp)
+
+
+def describe(failure: ProcessFailure) -> str:
+    """One line: ``killed by signal SIGKILL (pid N)`` or the last line of the rank's error."""
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = str(-failure.exitcode)
+        return f"killed by signal {name} (pid {failure.pid})"
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    return str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
 
 
 class RankFailed(RuntimeError):

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlm.config import ParallelConfig
@@ -64,11 +65,21 @@ def device_type() -> str:
 
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the process group described by the environment (torchrun / our launcher), or make a
-    one-process group when there is none."""
+    one-process group when there is none.
+
+    ``timeout_s`` (``train.timeout_s``) bounds every collective of every process group: a rank
+    that never joins makes the others fail after that long instead of hanging. torch's
+    ``new_group`` (which DeviceMesh uses for its dimensions and ``_flatten``) does not inherit the
+    default group's timeout but reads ``distributed_c10d.default_pg_timeout`` (and
+    ``default_pg_nccl_timeout``), 30 and 10 minutes; both are set to ``timeout_s`` here so that
+    every group created later gets it too."""
     if dist.is_initialized():
         return
     backend = "nccl" if device_type() == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout
+    if isinstance(c10d.default_pg_nccl_timeout, timedelta):  # None in a build without NCCL
+        c10d.default_pg_nccl_timeout = timeout
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

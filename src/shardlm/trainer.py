@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from shardlm import checkpoint
+from shardlm import checkpoint, faults
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config, TrainConfig
 from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
@@ -161,6 +161,7 @@ class Trainer:
             self.eval_dataset = build_eval_dataset(self.config)
         self.num_params = count_params(self.model)
         self._tp_checked = False
+        self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.mesh.parallel.dp_size > 1:
@@ -200,13 +201,15 @@ class Trainer:
             sum_tp_partial_grads(self.model, partial, self.mesh.tp.get_group())
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        skipped = self.guard.check(loss, grad_norm, self.step + 1)  # collective: same answer on every rank
+        if not skipped:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = int(self._all_reduce_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
-        return {
+        record = {
             "step": self.step,
             "loss": float(loss),
             "grad_norm": float(grad_norm),
@@ -214,6 +217,7 @@ class Trainer:
             "tokens_per_second": tokens / elapsed,
             "step_time_s": elapsed,
         }
+        return {**record, "skipped": True} if skipped else record
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -254,6 +258,14 @@ class Trainer:
             record["mfu"] = mfu(self.num_params, record["tokens_per_second"], dist.get_world_size(), peak)
 
     def train(self) -> list[dict]:
+        """Train to ``train.max_steps`` (or until SIGTERM: then save and return); the logged records."""
+        previous = faults.catch_sigterm()
+        try:
+            return self._train()
+        finally:
+            faults.restore_sigterm(previous)
+
+    def _train(self) -> list[dict]:
         t, e = self.config.train, self.config.eval
         resumed = checkpoint.maybe_resume(self)  # checkpoint: model, optimizer, scheduler, RNG, step
         writer = MetricsWriter(t, self.step, append=bool(resumed), enabled=dist.get_rank() == 0)
@@ -263,16 +275,21 @@ class Trainer:
                 record = self.train_step()
                 log.info(json.dumps(record))
                 writer.step(record)
-                if self.step % t.logging_steps == 0 or self.step == t.max_steps:
+                if self.step % t.logging_steps == 0 or self.step == t.max_steps or "skipped" in record:
                     self._log_record(record)
                     self.history.append(record)
                     writer.log(record)
+                self.guard.raise_if_too_many(self.step)
                 if self.eval_dataset is not None and e.steps and self.step % e.steps == 0:
                     self._eval(writer)
                     evaluated_at = self.step
+                saved = None
                 if checkpoint.should_save(self.step, t.save_steps, t.max_steps):
-                    checkpoint.save_checkpoint(self)
-            if self.eval_dataset is not None and evaluated_at != self.step:
+                    saved = checkpoint.save_checkpoint(self)
+                if self.guard.stop:  # some rank got SIGTERM: every rank stops after this same step
+                    faults.stop_for_signal(self, saved)
+                    break
+            if self.eval_dataset is not None and evaluated_at != self.step and not self.guard.stop:
                 self._eval(writer)
         except BaseException:
             writer.close(plot=False)  # keep the original error in front; no plot of a failed run
@@ -300,7 +317,8 @@ def build_eval_dataset(cfg: Config, tokenizer=None) -> TokenDataset:
 
 def run(cfg: Config) -> list[dict]:
     """One rank's whole job: join the world, build everything, train. Returns the logged records."""
-    init_distributed()
+    faults.catch_sigterm()  # a SIGTERM while the model is built is acted on after the first step
+    init_distributed(cfg.train.timeout_s)
     mesh = build_mesh(cfg.parallel)
     _setup_rank_log(cfg.train.output_dir)
     log.info("rank %d of %d, layout %s", dist.get_rank(), dist.get_world_size(), cfg.parallel)

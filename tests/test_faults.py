@@ -1,0 +1,278 @@
+"""Faults, each against an uninterrupted run: a killed rank, SIGTERM, non-finite steps, timeouts.
+
+Real 2-rank runs (tp=2, gloo, localhost) through ``launch.spawn``, the launcher the CLI uses;
+faults are injected in the rank bodies below (a patched ``Trainer.forward``), never in shardlm.
+Two spawns: the first checks the collective timeout and then loses rank 1 to SIGKILL mid-step;
+the second resumes that run and holds every other check. References: the uninterrupted run's
+own losses (same layout: 1e-6 relative, as in test_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_ranks, token_dataset, train_config, write_model_dir
+
+from shardlm import ConfigError, Trainer, build_mesh, init_distributed, load_config, parallelize
+from shardlm.faults import NonFiniteError
+from shardlm.launch import RankFailed, root_failure
+
+STEPS, SAVE = 6, 2
+KILL_AT = 5  # rank 1 dies in the forward of step 5: the last complete checkpoint is step-4
+TIMEOUT_S = 4.0
+
+
+def train(model: str, output_dir: str, **train_kw) -> list[float]:
+    return [h["loss"] for h in trainer(model, output_dir, **train_kw).train()]
+
+
+def trainer(model: str, output_dir: str, **train_kw) -> Trainer:
+    cfg = train_config(model, {"tp": 2}, 4, 1, STEPS, output_dir=output_dir, **{"save_steps": SAVE, **train_kw})
+    mesh = build_mesh(cfg.parallel)
+    return Trainer(parallelize(model, mesh), cfg, token_dataset(), mesh)
+
+
+def patch_forward(at_steps: set[int], action) -> None:
+    """Make ``Trainer.forward`` call ``action(trainer, logits)`` during the given (1-based) steps."""
+    forward = Trainer.forward
+
+    def patched(self, input_ids):
+        logits = forward(self, input_ids)
+        return action(self, logits) if self.step + 1 in at_steps else logits
+
+    Trainer.forward = patched
+
+
+def unpatch(original=Trainer.forward) -> None:
+    Trainer.forward = original
+
+
+# ---------------------------------------------------------------- spawn 1: timeout, then a killed rank
+
+
+def presync() -> None:
+    """Wait for both ranks on the launcher's store, so the short timeout does not race process startup."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=120))
+    store.add("faults_presync", 1)
+    while int(store.add("faults_presync", 0)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
+
+
+def timeout_check() -> dict:
+    """Rank 1 never joins an all-reduce on a group made after init: rank 0 must fail after ~TIMEOUT_S."""
+    group = dist.new_group([0, 1])  # DeviceMesh makes its groups with new_group too
+    timeouts = [
+        float(g._get_backend(torch.device("cpu")).options._timeout.total_seconds()) for g in (dist.group.WORLD, group)
+    ]
+    if dist.get_rank() == 1:
+        time.sleep(TIMEOUT_S + 1)
+        dist.barrier()
+        return {}
+    start, error = time.perf_counter(), ""
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
+        error = str(exc)
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    return {"elapsed": elapsed, "error": error, "timeouts": timeouts}
+
+
+def kill_body(model: str, root: str) -> None:
+    presync()
+    init_distributed(TIMEOUT_S)
+    result = timeout_check()
+    rank = dist.get_rank()
+    if rank == 0:
+        with open(f"{root}/timeout.json", "w") as fh:
+            json.dump(result, fh)
+    with open(f"{root}/pid{rank}", "w") as fh:
+        fh.write(str(os.getpid()))
+    if rank == 1:
+        patch_forward({KILL_AT}, lambda t, logits: os.kill(os.getpid(), signal.SIGKILL))
+    train(model, f"{root}/killed")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("faults")
+    model = write_model_dir(str(root / "llama"), "llama")
+    start = time.perf_counter()
+    with pytest.raises(RankFailed) as info:
+        run_ranks(kill_body, 2, model, str(root))
+    return {"root": root, "model": model, "elapsed": time.perf_counter() - start, "error": str(info.value)}
+
+
+def test_killed_rank_fails_the_job_naming_it(killed):
+    assert killed["error"].startswith("rank 1 failed: killed by signal SIGKILL"), killed["error"]
+    assert killed["elapsed"] < 120
+    pids = [int((killed["root"] / f"pid{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids), pids
+    steps = sorted(p.name for p in (killed["root"] / "killed" / "checkpoints").iterdir())
+    assert steps == ["step-2", "step-4"], steps  # no half-written save left looking whole
+
+
+def test_collective_timeout(killed):
+    result = json.loads((killed["root"] / "timeout.json").read_text())
+    assert result["timeouts"] == [TIMEOUT_S, TIMEOUT_S]  # the default group and a later one
+    assert "timed out" in result["error"].lower(), result["error"]
+    assert TIMEOUT_S * 0.9 <= result["elapsed"] < TIMEOUT_S + 15, result["elapsed"]
+
+
+# ---------------------------------------------------------------- spawn 2: resume, SIGTERM, non-finite steps
+
+
+def sigterm_run(model: str, output_dir: str, target: str) -> dict:
+    """SIGTERM during step 3, to rank 1 itself or (from rank 0) to the launcher; then resume."""
+    if target == "worker" and dist.get_rank() == 1:
+        patch_forward({3}, lambda t, logits: os.kill(os.getpid(), signal.SIGTERM) or logits)
+    if target == "launcher" and dist.get_rank() == 0:
+        patch_forward({3}, lambda t, logits: os.kill(os.getppid(), signal.SIGTERM) or logits)
+    t = trainer(model, output_dir)
+    first = [h["loss"] for h in t.train()]
+    unpatch()
+    return {"first": first, "stopped_at": t.step, "resumed": train(model, output_dir, resume=True)}
+
+
+def nan_logits(t, logits):
+    return logits * float("nan")
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def skip_run(model: str, output_dir: str) -> dict:
+    """NaN logits at step 2: its update is skipped, weights and optimizer state stay as after step 1."""
+    patch_forward({2}, nan_logits)
+    t = trainer(model, output_dir, save_steps=0)
+    records, snapshots = [], []
+    for _ in range(3):
+        records.append(t.train_step())
+        snapshots.append(weights(t.model))
+    unpatch()
+    same = all(torch.equal(snapshots[0][n], snapshots[1][n]) for n in snapshots[0])
+    moved = any(not torch.equal(snapshots[1][n], snapshots[2][n]) for n in snapshots[0])
+    grads = [p.grad for p in t.model.parameters()]
+    return {"records": records, "unchanged": same, "moved_after": moved, "grads_none": all(g is None for g in grads)}
+
+
+def abort_run(model: str, output_dir: str) -> str:
+    """NaN at steps 2, 3 and 4: training stops at step 4 (train.max_bad_steps=3)."""
+    patch_forward({2, 3, 4}, nan_logits)
+    try:
+        train(model, output_dir, save_steps=0)
+    except NonFiniteError as exc:
+        return str(exc)
+    finally:
+        unpatch()
+    return "no error"
+
+
+def main_body(model: str, root: str) -> dict:
+    init_distributed()
+    return {
+        "reference": train(model, f"{root}/reference"),
+        "after_kill": train(model, f"{root}/killed", resume=True),
+        "worker": sigterm_run(model, f"{root}/worker", "worker"),
+        "launcher": sigterm_run(model, f"{root}/launcher", "launcher"),
+        "skip": skip_run(model, f"{root}/skip"),
+        "abort": abort_run(model, f"{root}/abort"),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(killed) -> dict:
+    return run_ranks(main_body, 2, killed["model"], str(killed["root"]))
+
+
+def assert_close(got: list[float], ref: list[float], rtol: float = 1e-6) -> None:
+    assert len(got) == len(ref), (got, ref)
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= rtol * abs(b), (got, ref)
+
+
+def test_resume_after_kill_continues_from_the_last_checkpoint(runs):
+    assert_close(runs["after_kill"], runs["reference"][4:])
+
+
+@pytest.mark.parametrize("target", ["worker", "launcher"])
+def test_sigterm_saves_and_resumes_exactly(runs, killed, target):
+    run = runs[target]
+    stop = run["stopped_at"]
+    assert 3 <= stop < STEPS, run  # the step during which the signal came, or the next one
+    assert (killed["root"] / target / "checkpoints" / f"step-{stop}" / "shardlm_checkpoint.json").is_file()
+    assert_close(run["first"], runs["reference"][:stop])
+    assert_close(run["resumed"], runs["reference"][stop:])
+
+
+def test_worker_sigterm_stops_at_the_step_it_came(runs):
+    assert runs["worker"]["stopped_at"] == 3
+
+
+def test_nonfinite_step_is_skipped(runs, killed):
+    skip = runs["skip"]
+    first, bad, after = skip["records"]
+    assert bad["skipped"] is True and "skipped" not in first and "skipped" not in after
+    assert bad["loss"] != bad["loss"]  # NaN
+    assert skip["unchanged"] and skip["moved_after"] and skip["grads_none"]
+    assert after["loss"] == after["loss"]
+
+
+def test_nonfinite_steps_in_a_row_abort(runs, killed):
+    assert runs["abort"].startswith("step 4: 3 steps in a row had a non-finite loss"), runs["abort"]
+    assert "the weights are those of step 1" in runs["abort"]
+    records = [json.loads(line) for line in (killed["root"] / "abort" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r.get("skipped", False) for r in records] == [False, True, True, True]
+
+
+# ---------------------------------------------------------------- no processes
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.timeout_s=0", "train.timeout_s must be a positive number"),
+        ("train.timeout_s=-5", "train.timeout_s must be a positive number"),
+        ("train.timeout_s=.inf", "train.timeout_s must be a positive number"),
+        ("train.timeout_s=soon", "config key 'train.timeout_s' must be a number"),
+        ("train.max_bad_steps=0", "train.max_bad_steps must be >= 1"),
+    ],
+)
+def test_fault_config_keys_are_validated(tmp_path, override, message):
+    model = write_model_dir(str(tmp_path / "m"), "llama")
+    data = tmp_path / "d.txt"
+    data.write_text("hello\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw={"model": model, "data": {"path": str(data)}}, overrides=[override])
+
+
+def test_root_failure_prefers_the_killed_rank():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(rank, exitcode):
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="/nonexistent")
+        f.timestamp = 1000
+        return f
+
+    # rank 0 lost its peer mid-collective and raised in the same second as rank 1 was killed
+    assert root_failure({0: failure(0, 1), 1: failure(1, -9)})[0] == 1
+    assert root_failure({0: failure(0, 1), 1: failure(1, -15)})[0] == 0  # SIGTERM: the agent's teardown
