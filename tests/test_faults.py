@@ -18,6 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from helpers import run_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm import ConfigError, Trainer, build_mesh, init_distributed, load_config, parallelize
@@ -26,7 +27,7 @@ from shardlm.launch import RankFailed, root_failure
 
 STEPS, SAVE = 6, 2
 KILL_AT = 5  # rank 1 dies in the forward of step 5: the last complete checkpoint is step-4
-TIMEOUT_S = 4.0
+TIMEOUT_S = 3.0
 
 
 def train(model: str, output_dir: str, **train_kw) -> list[float]:
@@ -54,7 +55,7 @@ def unpatch(original=Trainer.forward) -> None:
     Trainer.forward = original
 
 
-# ---------------------------------------------------------------- spawn 1: timeout, then a killed rank
+# ---------------------------------------------------------------- the rank bodies
 
 
 def presync() -> None:
@@ -66,78 +67,31 @@ def presync() -> None:
 
 
 def timeout_check() -> dict:
-    """Rank 1 never joins an all-reduce on a group made after init: rank 0 must fail after ~TIMEOUT_S."""
+    """Rank 1 never joins an all-reduce on a group made after init: rank 0 must fail after ~TIMEOUT_S.
+
+    Then both groups get a long timeout back (test only), so a loaded machine cannot time out
+    the training runs that follow in this spawn.
+    """
     group = dist.new_group([0, 1])  # DeviceMesh makes its groups with new_group too
-    timeouts = [
-        float(g._get_backend(torch.device("cpu")).options._timeout.total_seconds()) for g in (dist.group.WORLD, group)
-    ]
-    if dist.get_rank() == 1:
-        time.sleep(TIMEOUT_S + 1)
-        dist.barrier()
-        return {}
-    start, error = time.perf_counter(), ""
-    try:
-        dist.all_reduce(torch.ones(1), group=group)
-    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
-        error = str(exc)
-    elapsed = time.perf_counter() - start
+    groups = (dist.group.WORLD, group)
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+    result = {"timeouts": timeouts}
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
+            result["error"] = str(exc)
+        result["elapsed"] = time.perf_counter() - start
+    else:
+        time.sleep(TIMEOUT_S + 0.5)
     dist.barrier()
-    return {"elapsed": elapsed, "error": error, "timeouts": timeouts}
+    c10d._set_pg_timeout(timedelta(minutes=10), dist.group.WORLD)
+    c10d.default_pg_timeout = timedelta(minutes=10)
+    return result
 
 
-def kill_body(model: str, root: str) -> None:
-    presync()
-    init_distributed(TIMEOUT_S)
-    result = timeout_check()
-    rank = dist.get_rank()
-    if rank == 0:
-        with open(f"{root}/timeout.json", "w") as fh:
-            json.dump(result, fh)
-    with open(f"{root}/pid{rank}", "w") as fh:
-        fh.write(str(os.getpid()))
-    if rank == 1:
-        patch_forward({KILL_AT}, lambda t, logits: os.kill(os.getpid(), signal.SIGKILL))
-    train(model, f"{root}/killed")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("faults")
-    model = write_model_dir(str(root / "llama"), "llama")
-    start = time.perf_counter()
-    with pytest.raises(RankFailed) as info:
-        run_ranks(kill_body, 2, model, str(root))
-    return {"root": root, "model": model, "elapsed": time.perf_counter() - start, "error": str(info.value)}
-
-
-def test_killed_rank_fails_the_job_naming_it(killed):
-    assert killed["error"].startswith("rank 1 failed: killed by signal SIGKILL"), killed["error"]
-    assert killed["elapsed"] < 120
-    pids = [int((killed["root"] / f"pid{r}").read_text()) for r in (0, 1)]
-    assert not any(alive(pid) for pid in pids), pids
-    steps = sorted(p.name for p in (killed["root"] / "killed" / "checkpoints").iterdir())
-    assert steps == ["step-2", "step-4"], steps  # no half-written save left looking whole
-
-
-def test_collective_timeout(killed):
-    result = json.loads((killed["root"] / "timeout.json").read_text())
-    assert result["timeouts"] == [TIMEOUT_S, TIMEOUT_S]  # the default group and a later one
-    assert "timed out" in result["error"].lower(), result["error"]
-    assert TIMEOUT_S * 0.9 <= result["elapsed"] < TIMEOUT_S + 15, result["elapsed"]
-
-
-# ---------------------------------------------------------------- spawn 2: resume, SIGTERM, non-finite steps
-
-
-def sigterm_run(model: str, output_dir: str, target: str) -> dict:
+def sigterm_run(model: str, output_dir: str, target: str, resume: bool) -> dict:
     """SIGTERM during step 3, to rank 1 itself or (from rank 0) to the launcher; then resume."""
     if target == "worker" and dist.get_rank() == 1:
         patch_forward({3}, lambda t, logits: os.kill(os.getpid(), signal.SIGTERM) or logits)
@@ -146,7 +100,7 @@ def sigterm_run(model: str, output_dir: str, target: str) -> dict:
     t = trainer(model, output_dir)
     first = [h["loss"] for h in t.train()]
     unpatch()
-    return {"first": first, "stopped_at": t.step, "resumed": train(model, output_dir, resume=True)}
+    return {"first": first, "stopped_at": t.step, "resumed": train(model, output_dir, resume=True) if resume else []}
 
 
 def nan_logits(t, logits):
@@ -186,21 +140,57 @@ def abort_run(model: str, output_dir: str) -> str:
     return "no error"
 
 
-def main_body(model: str, root: str) -> dict:
-    init_distributed()
-    return {
-        "reference": train(model, f"{root}/reference"),
-        "after_kill": train(model, f"{root}/killed", resume=True),
-        "worker": sigterm_run(model, f"{root}/worker", "worker"),
-        "launcher": sigterm_run(model, f"{root}/launcher", "launcher"),
-        "skip": skip_run(model, f"{root}/skip"),
-        "abort": abort_run(model, f"{root}/abort"),
+def rank_body(model: str, root: str) -> None:
+    """Every check that needs two ranks, results to ``results.json``; then rank 1 is SIGKILLed mid-step."""
+    presync()
+    init_distributed(TIMEOUT_S)
+    results = {"timeout": timeout_check()}
+    jobs = {
+        "reference": lambda: train(model, f"{root}/reference", save_steps=0),
+        "worker": lambda: sigterm_run(model, f"{root}/worker", "worker", resume=True),
+        "launcher": lambda: sigterm_run(model, f"{root}/launcher", "launcher", resume=False),
+        "skip": lambda: skip_run(model, f"{root}/skip"),
+        "abort": lambda: abort_run(model, f"{root}/abort"),
     }
+    for name, job in jobs.items():
+        results[name] = job()
+    rank = dist.get_rank()
+    if rank == 0:
+        with open(f"{root}/results.json", "w") as fh:
+            json.dump(results, fh)
+    with open(f"{root}/pid{rank}", "w") as fh:
+        fh.write(str(os.getpid()))
+    if rank == 1:
+        patch_forward({KILL_AT}, lambda t, logits: os.kill(os.getpid(), signal.SIGKILL))
+    train(model, f"{root}/killed")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture(scope="module")
-def runs(killed) -> dict:
-    return run_ranks(main_body, 2, killed["model"], str(killed["root"]))
+def runs(tmp_path_factory) -> dict:
+    """One spawn of two ranks (rank_body), then the killed run resumed here in one process."""
+    root = tmp_path_factory.mktemp("faults")
+    model = write_model_dir(str(root / "llama"), "llama")
+    start = time.perf_counter()
+    with pytest.raises(RankFailed) as info:
+        run_ranks(rank_body, 2, model, str(root))
+    elapsed = time.perf_counter() - start
+    results = json.loads((root / "results.json").read_text())
+    init_distributed()
+    try:
+        cfg = train_config(model, {}, 4, 1, STEPS, output_dir=str(root / "killed"), save_steps=SAVE, resume=True)
+        mesh = build_mesh(cfg.parallel)
+        after_kill = [h["loss"] for h in Trainer(parallelize(model, mesh), cfg, token_dataset(), mesh).train()]
+    finally:
+        dist.destroy_process_group()
+    return {**results, "root": root, "error": str(info.value), "elapsed": elapsed, "after_kill": after_kill}
 
 
 def assert_close(got: list[float], ref: list[float], rtol: float = 1e-6) -> None:
@@ -209,25 +199,42 @@ def assert_close(got: list[float], ref: list[float], rtol: float = 1e-6) -> None
         assert abs(a - b) <= rtol * abs(b), (got, ref)
 
 
+def test_killed_rank_fails_the_job_naming_it(runs):
+    assert runs["error"].startswith("rank 1 failed: killed by signal SIGKILL"), runs["error"]
+    assert runs["elapsed"] < 120
+    pids = [int((runs["root"] / f"pid{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids), pids
+    steps = sorted(p.name for p in (runs["root"] / "killed" / "checkpoints").iterdir())
+    assert steps == ["step-2", "step-4", "step-6"], steps  # step-6 by the resumed run; nothing half-written
+
+
 def test_resume_after_kill_continues_from_the_last_checkpoint(runs):
-    assert_close(runs["after_kill"], runs["reference"][4:])
+    # resumed in one process (tp=2 -> 1): same losses within test_checkpoint.py's cross-layout 1e-5
+    assert_close(runs["after_kill"], runs["reference"][KILL_AT - 1 :], rtol=1e-5)
+
+
+def test_collective_timeout(runs):
+    result = runs["timeout"]
+    assert result["timeouts"] == [TIMEOUT_S, TIMEOUT_S]  # the default group and a later one
+    assert "timed out" in result["error"].lower(), result["error"]
+    assert TIMEOUT_S * 0.9 <= result["elapsed"] < TIMEOUT_S + 15, result["elapsed"]
 
 
 @pytest.mark.parametrize("target", ["worker", "launcher"])
-def test_sigterm_saves_and_resumes_exactly(runs, killed, target):
+def test_sigterm_saves_at_an_agreed_step(runs, target):
     run = runs[target]
     stop = run["stopped_at"]
     assert 3 <= stop < STEPS, run  # the step during which the signal came, or the next one
-    assert (killed["root"] / target / "checkpoints" / f"step-{stop}" / "shardlm_checkpoint.json").is_file()
+    assert (runs["root"] / target / "checkpoints" / f"step-{stop}" / "shardlm_checkpoint.json").is_file()
     assert_close(run["first"], runs["reference"][:stop])
-    assert_close(run["resumed"], runs["reference"][stop:])
 
 
-def test_worker_sigterm_stops_at_the_step_it_came(runs):
+def test_sigterm_to_a_worker_stops_at_that_step_and_resumes_exactly(runs):
     assert runs["worker"]["stopped_at"] == 3
+    assert_close(runs["worker"]["resumed"], runs["reference"][3:])
 
 
-def test_nonfinite_step_is_skipped(runs, killed):
+def test_nonfinite_step_is_skipped(runs):
     skip = runs["skip"]
     first, bad, after = skip["records"]
     assert bad["skipped"] is True and "skipped" not in first and "skipped" not in after
@@ -236,10 +243,10 @@ def test_nonfinite_step_is_skipped(runs, killed):
     assert after["loss"] == after["loss"]
 
 
-def test_nonfinite_steps_in_a_row_abort(runs, killed):
+def test_nonfinite_steps_in_a_row_abort(runs):
     assert runs["abort"].startswith("step 4: 3 steps in a row had a non-finite loss"), runs["abort"]
     assert "the weights are those of step 1" in runs["abort"]
-    records = [json.loads(line) for line in (killed["root"] / "abort" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (runs["root"] / "abort" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r.get("skipped", False) for r in records] == [False, True, True, True]
 

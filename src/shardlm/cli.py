@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from shardlm.config import load_config
+    from shardlm.faults import NonFiniteError
     from shardlm.launch import RankFailed, spawn, under_torchrun
     from shardlm.trainer import run
 
@@ -60,19 +63,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         have = int(os.environ["WORLD_SIZE"])
         if have != world:
             raise ConfigError(f"parallel: dp_replicate*fsdp*tp = {world} but torchrun started {have} processes")
-        run(cfg)
-        return 0
-    nproc = args.nproc or world
-    if nproc != world:
-        raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
-    if nproc == 1:
-        run(cfg)
-        return 0
+    else:
+        nproc = args.nproc or world
+        if nproc != world:
+            raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
     try:
-        spawn(run, nproc, cfg)
-    except RankFailed as exc:
+        if under_torchrun() or world == 1:
+            run(cfg)  # a SIGTERM makes it save and return (faults.py): exit 0
+        else:
+            spawn(run, world, cfg)
+    except (RankFailed, NonFiniteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # SIGINT, SIGHUP, SIGQUIT to the launcher: the ranks were stopped at once
+        print(f"error: stopped by {exc.sigval.name}; no checkpoint was saved", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -321,7 +321,7 @@ def run(cfg: Config) -> list[dict]:
     init_distributed(cfg.train.timeout_s)
     mesh = build_mesh(cfg.parallel)
     _setup_rank_log(cfg.train.output_dir)
-    log.info("rank %d of %d, layout %s", dist.get_rank(), dist.get_world_size(), cfg.parallel)
+    log.info("rank %d of %d (pid %d), layout %s", dist.get_rank(), dist.get_world_size(), os.getpid(), cfg.parallel)
     tokenizer = load_tokenizer(cfg)
     dataset = build_dataset(cfg.data, tokenizer)
     print0(f"data: {len(dataset)} samples of {cfg.data.seq_len} tokens ({dataset.skipped_rows} rows skipped)")
