@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from helpers import run_ranks, token_dataset, train_config, write_model_dir
 
-from shardlm import ConfigError, Trainer, build_mesh, init_distributed, load_config, parallelize
+from shardlm import ConfigError, ParallelConfig, Trainer, build_mesh, init_distributed, load_config, parallelize
 from shardlm.faults import NonFiniteError
 from shardlm.launch import RankFailed, root_failure
 
@@ -72,10 +72,12 @@ def timeout_check() -> dict:
     Then both groups get a long timeout back (test only), so a loaded machine cannot time out
     the training runs that follow in this spawn.
     """
-    group = dist.new_group([0, 1])  # DeviceMesh makes its groups with new_group too
-    groups = (dist.group.WORLD, group)
-    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
-    result = {"timeouts": timeouts}
+    group = dist.new_group([0, 1])
+    mesh = build_mesh(ParallelConfig(tp=2))  # its 1-rank dp groups are new groups too
+    assert mesh.dp_group is not None
+    groups = list(c10d._world.pg_map)
+    timeouts = {g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups}
+    result = {"timeouts": sorted(timeouts), "groups": len(groups)}
     if dist.get_rank() == 0:
         start = time.perf_counter()
         try:
@@ -215,7 +217,7 @@ def test_resume_after_kill_continues_from_the_last_checkpoint(runs):
 
 def test_collective_timeout(runs):
     result = runs["timeout"]
-    assert result["timeouts"] == [TIMEOUT_S, TIMEOUT_S]  # the default group and a later one
+    assert result["timeouts"] == [TIMEOUT_S] and result["groups"] >= 4  # default, new_group, DeviceMesh's
     assert "timed out" in result["error"].lower(), result["error"]
     assert TIMEOUT_S * 0.9 <= result["elapsed"] < TIMEOUT_S + 15, result["elapsed"]
 
