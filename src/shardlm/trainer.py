@@ -310,6 +310,8 @@ def run(cfg: Config) -> list[dict]:
     eval_dataset = build_eval_dataset(cfg, tokenizer) if cfg.eval.path else None
     if eval_dataset is not None:
         print0(f"eval data: {len(eval_dataset)} samples of {cfg.data.seq_len} tokens")
-    model = parallelize(cfg.model, mesh, seed=cfg.train.seed, mp_policy=mixed_precision_policy(cfg.train))
+    model = parallelize(
+        cfg.model, mesh, seed=cfg.train.seed, mp_policy=mixed_precision_policy(cfg.train), lora_config=cfg.lora
+    )
     history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset).train()
     return history
