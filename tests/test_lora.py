@@ -101,3 +101,62 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
         family = os.path.basename(path)
         assert_parity(got[path]["steps"], peft_reference(path, adapter), label=f"{family} {layout}")
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
+
+
+RESUME_LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], modules_to_save=["lm_head"])
+
+
+def lora_resume_rank(model_path: str, root: str) -> tuple[list[float], list[float]]:
+    """Rank body (tp=2): a LoRA run saving at steps 3 and 6, then a second run resumed from step 3."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    losses = []
+    for name, resume in (("a", False), ("b", os.path.join(root, "a", "checkpoints", "step-3"))):
+        cfg = train_config(model_path, {"tp": 2}, 4, 1, 6, output_dir=os.path.join(root, name), save_steps=3)
+        cfg.lora, cfg.train.resume = RESUME_LORA, resume
+        mesh = build_mesh(cfg.parallel)
+        model = parallelize(model_path, mesh, seed=0, lora_config=cfg.lora)
+        losses.append([h["loss"] for h in Trainer(model, cfg, token_dataset(), mesh).train()])
+    return losses[0], losses[1]
+
+
+def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
+    import warnings
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.consolidate import consolidate
+    from shardlm.parallelize import reference_model
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama")
+    full, resumed = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
+    assert resumed == full[3:], (resumed, full)
+    step = tmp_path / "a" / "checkpoints" / "step-6"
+    saved = {k for k in __import__("shardlm.checkpoint", fromlist=["x"]).read_metadata(str(step)).state_dict_metadata}
+    assert not any(k.startswith("model.") and "lora_" not in k and "modules_to_save" not in k for k in saved), saved
+
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    consolidate(str(step), adapter)
+    consolidate(str(step), merged, merge=True)
+    # as many numbers as peft's own adapter for the same config, under the same names
+    own = get_peft_model(
+        reference_model(path, 0),
+        PeftLoraConfig(r=4, lora_alpha=8, target_modules=RESUME_LORA.target_modules, modules_to_save=["lm_head"]),
+    )
+    ours = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    theirs = get_peft_model_state_dict(own)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    # peft loads it with no missing/unexpected keys, and gives the merged model's logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        peft_model = PeftModel.from_pretrained(reference_model(path, 0), adapter).eval()
+    ids = token_dataset().input_ids[:2]
+    with torch.no_grad():
+        a = peft_model(input_ids=ids).logits
+        b = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert not torch.equal(ours["base_model.model.lm_head.weight"], reference_model(path, 0).lm_head.weight)
