@@ -65,7 +65,7 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
         trainer = Trainer(model, cfg, token_dataset(), mesh)
         history = trainer.train()
         same = True
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad and mesh.parallel.tp > 1:
                 local = p.to_local() if hasattr(p, "to_local") else p
                 copies = [torch.empty_like(local) for _ in range(mesh.parallel.tp)]
@@ -103,7 +103,9 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
 
 
-RESUME_LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], modules_to_save=["lm_head"])
+RESUME_LORA = LoraConfig(
+    r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], modules_to_save=["lm_head"]
+)
 
 
 def lora_resume_rank(model_path: str, root: str) -> tuple[list[float], list[float]]:
@@ -129,6 +131,7 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from shardlm.checkpoint import read_metadata
     from shardlm.consolidate import consolidate
     from shardlm.parallelize import reference_model
 
@@ -136,7 +139,7 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
     full, resumed = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
     assert resumed == full[3:], (resumed, full)
     step = tmp_path / "a" / "checkpoints" / "step-6"
-    saved = {k for k in __import__("shardlm.checkpoint", fromlist=["x"]).read_metadata(str(step)).state_dict_metadata}
+    saved = set(read_metadata(str(step)).state_dict_metadata)
     assert not any(k.startswith("model.") and "lora_" not in k and "modules_to_save" not in k for k in saved), saved
 
     adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")

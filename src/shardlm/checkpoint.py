@@ -439,7 +439,11 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
             else:
                 originals[section][key] = value
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_options(trainer)
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_options(trainer),
     )
     trainer.scheduler.load_state_dict(marker["scheduler"])
     trainer.scheduler.last_epoch -= 1  # recompute this step's lr: same value, or the new schedule's

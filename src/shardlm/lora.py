@@ -81,7 +81,8 @@ def peft_config(lcfg: LoraConfig, model: nn.Module):
         theirs = {"r": cfg.r, "alpha": cfg.lora_alpha, "target_modules": cfg.target_modules}
         for key, value in mine.items():
             same = value is None or (
-                sorted(value) == sorted(theirs[key]) if key == "target_modules" and not isinstance(value, str)
+                sorted(value) == sorted(theirs[key])
+                if key == "target_modules" and not isinstance(value, str)
                 else value == theirs[key]
             )
             if not same:
