@@ -108,19 +108,27 @@ RESUME_LORA = LoraConfig(
 )
 
 
-def lora_resume_rank(model_path: str, root: str) -> tuple[list[float], list[float]]:
-    """Rank body (tp=2): a LoRA run saving at steps 3 and 6, then a second run resumed from step 3."""
+def lora_resume_rank(model_path: str, root: str) -> tuple[list[float], list[float], list[float], set]:
+    """Rank body (tp=2): a LoRA run saving at steps 3 and 6, a second run resumed from step 3, and
+    the first run again in bf16 with the frozen base stored in bf16."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
-    losses = []
-    for name, resume in (("a", False), ("b", os.path.join(root, "a", "checkpoints", "step-3"))):
-        cfg = train_config(model_path, {"tp": 2}, 4, 1, 6, output_dir=os.path.join(root, name), save_steps=3)
+    losses, dtypes = [], set()
+    for name, resume, bf16 in (
+        ("a", False, False),
+        ("b", os.path.join(root, "a", "checkpoints", "step-3"), False),
+        ("c", False, True),
+    ):
+        cfg = train_config(model_path, {"tp": 2}, 4, 1, 6, output_dir=os.path.join(root, name), save_steps=3, bf16=bf16)
         cfg.lora, cfg.train.resume = RESUME_LORA, resume
         mesh = build_mesh(cfg.parallel)
-        model = parallelize(model_path, mesh, seed=0, lora_config=cfg.lora)
+        frozen = torch.bfloat16 if bf16 else None
+        model = parallelize(model_path, mesh, seed=0, lora_config=cfg.lora, frozen_dtype=frozen)
         losses.append([h["loss"] for h in Trainer(model, cfg, token_dataset(), mesh).train()])
-    return losses[0], losses[1]
+        if bf16:
+            dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    return losses[0], losses[1], losses[2], dtypes
 
 
 def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
@@ -136,8 +144,11 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
     from shardlm.parallelize import reference_model
 
     path = write_model_dir(str(tmp_path / "llama"), "llama")
-    full, resumed = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
+    full, resumed, bf16, dtypes = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
     assert resumed == full[3:], (resumed, full)
+    # bf16 compute, frozen base stored in bf16, adapters fp32: close to fp32 (measured <= 1e-4)
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}, dtypes
+    assert all(abs(a - b) <= 1e-3 * b for a, b in zip(bf16, full)), (bf16, full)
     step = tmp_path / "a" / "checkpoints" / "step-6"
     saved = set(read_metadata(str(step)).state_dict_metadata)
     assert not any(k.startswith("model.") and "lora_" not in k and "modules_to_save" not in k for k in saved), saved

@@ -249,6 +249,7 @@ def parallelize(
     seed: int = 0,
     mp_policy: MixedPrecisionPolicy | None = None,
     lora_config: LoraConfig | None = None,
+    frozen_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
@@ -256,12 +257,17 @@ def parallelize(
     computes in is kept as ``model.shardlm_fsdp_param_dtype`` so the trainer knows whether it
     must autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
     adapters on the plan's projections (``lora.py``); only they (and ``modules_to_save``) train.
+    ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
     """
     model = build_meta_model(model_path)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
     if lora_config is not None:
         lora.inject(model, lora_config)
+    if frozen_dtype is not None:
+        for param in {id(p): p for p in model.parameters()}.values():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(frozen_dtype)  # in place: tied parameters stay one
     if mesh.parallel.tp > 1:
         apply_tp(model, mesh, plan)
     if mesh.parallel.dp_size > 1:
