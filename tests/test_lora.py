@@ -72,9 +72,27 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
                 dist.all_gather(copies, local.contiguous(), group=mesh.tp.get_group())
                 if all(pl.is_replicate() for pl in p.placements[-1:]):
                     same &= all(torch.equal(c, copies[0]) for c in copies)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        out[path] = {"steps": [(h["loss"], h["grad_norm"]) for h in history], "tp_same": same, "trainable": trainable}
+        counts = count_collectives(model) if layout == {"tp": 2} else None
+        out[path] = {"steps": [(h["loss"], h["grad_norm"]) for h in history], "tp_same": same, "counts": counts}
     return out
+
+
+def count_collectives(model) -> tuple[int, int, int]:
+    """All-reduces in the forward, the loss and the backward of one micro-batch (tp=2)."""
+    from test_autotp import CountCollectives
+
+    from shardlm.loss import loss_context, token_loss_sum
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    modes = [CountCollectives() for _ in range(3)]
+    with modes[0]:
+        logits = model(input_ids=ids).logits
+    with loss_context(True):
+        with modes[1]:
+            loss = token_loss_sum(logits, ids)
+        with modes[2]:
+            loss.backward()
+    return tuple(sum(m.counts.values()) for m in modes)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +119,12 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
         family = os.path.basename(path)
         assert_parity(got[path]["steps"], peft_reference(path, adapter), label=f"{family} {layout}")
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
+        if got[path]["counts"] is not None:
+            # as without LoRA (test_autotp: 5, 3, 5), base and adapter share each layer's one
+            # all-reduce, less one in the backward: with the embedding and the first norm frozen,
+            # nothing needs the gradient of the first block's input. The replicated adapters'
+            # gradient sum runs once per optimizer step, outside this count.
+            assert got[path]["counts"] == (5, 3, 4), (family, got[path]["counts"])
 
 
 RESUME_LORA = LoraConfig(
