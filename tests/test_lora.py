@@ -198,3 +198,25 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
         b = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     assert not torch.equal(ours["base_model.model.lm_head.weight"], reference_model(path, 0).lm_head.weight)
+
+
+def test_adapter_config_conflicts_are_refused_by_name(tmp_path):
+    import json
+
+    from shardlm import ConfigError
+    from shardlm.config import load_config
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama")
+    adapter = make_adapter(path, str(tmp_path / "adapter"), ["q_proj", "v_proj"])
+    data = tmp_path / "d.txt"
+    data.write_text("a b c\n")
+    raw = {"model": path, "data": {"path": str(data)}, "lora": {"adapter": adapter}}
+    load_config(raw=raw)  # the adapter's own settings: fine
+    with pytest.raises(ConfigError, match=r"lora.r: 8 differs from the adapter's 4 .* remove lora.r"):
+        load_config(raw=raw, overrides=["lora.r=8"])
+    with pytest.raises(ConfigError, match=r"lora.target_modules: .* differs"):
+        load_config(raw=raw, overrides=["lora.target_modules=[q_proj]"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ConfigError, match="lora.adapter: .* uses use_dora"):
+        load_config(raw=raw)

@@ -53,7 +53,15 @@ from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, m
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
-from shardlm.metrics import MetricsWriter, count_params, describe_trainable, max_over_ranks, mfu, peak_memory_mb, peak_tflops
+from shardlm.metrics import (
+    MetricsWriter,
+    count_params,
+    describe_trainable,
+    max_over_ranks,
+    mfu,
+    peak_memory_mb,
+    peak_tflops,
+)
 from shardlm.optim import build_optimizer, build_scheduler
 from shardlm.parallelize import parallelize
 from shardlm.styles import sum_tp_partial_grads
