@@ -6,9 +6,11 @@ itself). Every optimizer step, just before the update, one all-reduce (MAX over 
 combines each rank's "signalled" flag with its "non-finite" flag (``StepGuard.check``): all
 ranks learn in the same step that some rank was signalled, finish that step, save the same
 checkpoint and return normally (exit code 0). A signal to one worker, to every worker, or to
-the launcher (``launch.py`` forwards it to the workers) ends the same way. A signal that comes
-before training starts is kept and acted on after the first step. Ctrl-C (SIGINT) still stops
-at once, without saving.
+the launcher (``launch.py`` forwards it to the workers) ends the same way. Under ``run`` (the
+CLI) a signal that comes while the model is built is kept and acted on after the first step.
+Ctrl-C (SIGINT) still stops at once, without saving. When a rank dies, the SIGTERM with which
+the launcher stops the survivors only sets the flag too: they fail at their next collective,
+which lost a peer (measured: within 0.1 s on gloo), or are SIGKILLed 30 s later.
 
 Non-finite steps. If the loss or the gradient norm of a step is inf or NaN on any rank, no rank
 applies the update: the optimizer does not step, gradients are zeroed, the step's batch is
