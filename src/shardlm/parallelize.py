@@ -80,7 +80,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
     """Apply the plan on the TP mesh; keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    styles = {fqn: make_style(s, plan.parts.get(fqn)) for fqn, s in plan.styles.items()}
+    styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     if tied:
