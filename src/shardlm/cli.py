@@ -117,7 +117,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(
             f"key/value heads replicated: num_key_value_heads={kv} < tp={args.tp}, so rank r reads kv head "
             f"r // {args.tp // kv}; its k/v weights are stored whole on every rank, each rank computes the rows of "
-            f"its kv head, and their gradients are summed over TP (in the one all-reduce per step that sums TP-partial gradients)"
+            f"its kv head, and their gradients are summed over TP (joining the one all-reduce per step of "
+            f"TP-partial gradients)"
         )
     return 0
 

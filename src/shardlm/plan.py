@@ -296,7 +296,9 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
             if bad:
                 raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
             if len(set(parts)) > 1 or any(kv_part):
-                plan.sliced[fqn] = [_packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0) for r in range(tp)]
+                plan.sliced[fqn] = [
+                    _packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0) for r in range(tp)
+                ]
     if replicated:
         owners = {f.rpartition(".")[0] for f in plan.sliced}
         for name in plan.attention:

@@ -261,10 +261,7 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             value = getattr(module, attr, None)
             if isinstance(value, bool) or not isinstance(value, int):
                 continue
-            if (
-                (attr in _HEAD_ATTRS and value == heads)
-                or (attr in _WIDTH_ATTRS and value == heads * head_dim)
-            ):
+            if (attr in _HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
                 setattr(module, attr, value // tp)
             elif attr in _KV_ATTRS and value == kv:
                 setattr(module, attr, local_kv)
