@@ -83,18 +83,21 @@ def run_ranks(fn, world_size: int, *args):
 
 
 def plain_reference(
-    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None
+    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model, mean F.cross_entropy over the
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
-    and the HF scheduler."""
+    and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
+    parameters that then require grad train."""
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).float()
-    params = list(model.parameters())
+    if wrap is not None:
+        model = wrap(model)
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import run_ranks, tiny_config, token_dataset, train_config, write_model_dir
 
+from shardlm.config import LoraConfig
 from shardlm.estimate import LORA_TARGETS, activation_elements, estimate
 
 # vocab 256 makes the embedding a large share of the model, so the TP embedding's replicated
 # gradient (estimate.replicated_embedding_grad) moves the total by more than the tolerance
 MODEL = {"vocab_size": 256}
-LAYOUTS = [{"tp": 2}, {"fsdp": 2}]
+LAYOUTS = [{"tp": 2}, {"fsdp": 2}, {"tp": 2, "lora_r": 4, "bf16": True}]  # LoRA: bf16 frozen base
 
 
 def held_state_bytes(path: str, layouts: list[dict]) -> list[dict[str, float]]:
@@ -32,9 +33,14 @@ def held_state_bytes(path: str, layouts: list[dict]) -> list[dict[str, float]]:
     init_distributed()
     out = []
     for layout in layouts:
-        cfg = train_config(path, layout, per_device=2, accum=1)
+        lora_r, bf16 = layout.get("lora_r"), layout.get("bf16", False)
+        shape = {k: v for k, v in layout.items() if k in ("tp", "fsdp")}
+        cfg = train_config(path, shape, per_device=2, accum=1, bf16=bf16)
+        cfg.lora = LoraConfig(r=lora_r, target_modules=list(LORA_TARGETS)) if lora_r else None
         mesh = build_mesh(cfg.parallel)
-        trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh)
+        frozen = torch.bfloat16 if lora_r and bf16 else None
+        model = parallelize(path, mesh, lora_config=cfg.lora, frozen_dtype=frozen)
+        trainer = Trainer(model, cfg, token_dataset(), mesh)
         trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the step's gradients
         trainer.train_step()
         params = list({id(p): p for p in trainer.model.parameters()}.values())

@@ -4,7 +4,7 @@ Imports are eager on purpose: ``shardlm.parallelize`` is both a submodule and th
 exports, and a lazy (PEP 562) package would hand out the module once any code imported it.
 """
 
-from shardlm.config import Config, DataConfig, ParallelConfig, TrainConfig, load_config
+from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, TrainConfig, load_config
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh, build_mesh, init_distributed
 from shardlm.parallelize import parallelize
@@ -15,6 +15,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "LoraConfig",
     "Mesh",
     "ParallelConfig",
     "TrainConfig",

@@ -49,6 +49,9 @@ MARKER = "shardlm_checkpoint.json"
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# LoRA runs save only what trains (adapters, modules_to_save) and its optimizer state; the frozen
+# base is re-read from the base model on resume
+LORA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 HF_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -302,7 +305,7 @@ def save_checkpoint(trainer) -> str:
         os.makedirs(os.path.join(tmp, "rng"))
         _copy_hf_files(cfg, os.path.join(tmp, "hf"))
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
     state, _ = _dcp_view({"model": model_sd, "optim": optim_sd})
     dcp.save(state, storage_writer=FileSystemWriter(tmp))
     from safetensors.torch import save_file
@@ -319,7 +322,7 @@ def save_checkpoint(trainer) -> str:
             "num_samples": len(trainer.dataset),
             "world_size": dist.get_world_size(),
             "layout": {"tp": cfg.parallel.tp, "fsdp": cfg.parallel.fsdp, "dp_replicate": cfg.parallel.dp_replicate},
-            "lora": cfg.lora is not None,
+            "lora": lora_marker(trainer.model),
             "scheduler": trainer.scheduler.state_dict(),
             "config": cfg.to_dict(),
         }
@@ -394,12 +397,37 @@ def _restore_rng(step_dir: str, saved_world: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _options(trainer) -> StateDictOptions:
+    return LORA_OPTIONS if getattr(trainer.model, "shardlm_lora", None) is not None else OPTIONS
+
+
+def lora_marker(model) -> dict | None:
+    """What the marker records of a LoRA run: the peft config (``consolidate`` writes it out)."""
+    cfg = getattr(model, "shardlm_lora", None)
+    return None if cfg is None else json.loads(json.dumps(cfg.to_dict(), default=list))
+
+
+def _check_lora(step_dir: str, marker: dict, trainer) -> None:
+    """A LoRA checkpoint resumes only a LoRA run with the same adapter shapes, and vice versa."""
+    saved, mine = marker.get("lora"), lora_marker(trainer.model)
+    if bool(saved) != bool(mine):
+        what = "a LoRA run" if saved else "a full fine-tuning run"
+        fix = "add the same 'lora' section" if saved else "remove the 'lora' section"
+        raise ConfigError(f"train.resume: '{step_dir}' is from {what}; {fix} to resume it")
+    if saved:
+        for key in ("r", "lora_alpha", "target_modules", "modules_to_save"):
+            a, b = saved.get(key), mine.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise ConfigError(f"lora: {key} is {b!r} but '{step_dir}' was trained with {a!r}; set it back")
+
+
 def load_checkpoint(trainer, step_dir: str) -> dict:
     """Collective: restore model, optimizer, scheduler, RNG and step from ``step_dir``, any layout."""
     marker = read_marker(step_dir)
     check_compatible(step_dir, marker, trainer.config, len(trainer.dataset))
+    _check_lora(step_dir, marker, trainer)
     metadata = read_metadata(step_dir)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
     _check_shapes(step_dir, metadata, model_sd)
     originals = {"model": model_sd, "optim": optim_sd}
     state, strided = _dcp_view(originals)
@@ -411,7 +439,11 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
             else:
                 originals[section][key] = value
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_options(trainer),
     )
     trainer.scheduler.load_state_dict(marker["scheduler"])
     trainer.scheduler.last_epoch -= 1  # recompute this step's lr: same value, or the new schedule's

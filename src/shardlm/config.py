@@ -75,6 +75,23 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
+    ``lora_alpha``, default 2*r; the update is scaled by alpha/r), ``dropout`` (``lora_dropout``),
+    ``target_modules`` (module names or a regex; null: peft's default for the model type),
+    ``modules_to_save`` (modules trained whole and saved with the adapter). ``adapter``: a peft
+    adapter directory to continue training; its ``adapter_config.json`` then sets r, alpha and
+    the targets (setting them differently here is an error)."""
+
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: list | str | None = None
+    modules_to_save: list | None = None
+    adapter: str | None = None
+
+
+@dataclass
 class TrainConfig:
     """Training settings; names follow Hugging Face ``TrainingArguments`` where one exists."""
 
@@ -129,7 +146,7 @@ class Config:
     tokenizer: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: dict | None = None
+    lora: LoraConfig | None = field(default=None, metadata={"section": LoraConfig})
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -160,7 +177,9 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         if key not in known:
             raise ConfigError(f"unknown config key '{name}'; valid keys here: {', '.join(known)}")
         f = known[key]
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+        if "section" in f.metadata:  # an optional section (``lora``): absent or null means off
+            kwargs[key] = None if value is None else _build(f.metadata["section"], value, f"{name}.")
+        elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             kwargs[key] = _build(f.default_factory, value, f"{name}.")
         else:
             kwargs[key] = _coerce(f, value, name)
@@ -252,11 +271,13 @@ def validate(cfg: Config) -> None:
     d.check()
     _validate_checkpointing(t)
     _validate_training(t, cfg.eval)
-    if cfg.lora is not None:
-        raise ConfigError("lora: LoRA training is not supported yet; remove the 'lora' section")
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
 
     check_geometry(cfg.model, p.tp)
+    if cfg.lora is not None:
+        from shardlm.lora import check_lora
+
+        check_lora(cfg)
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

@@ -1,5 +1,7 @@
 """Sharded checkpoint -> Hugging Face model directory, then re-read and verified bit for bit.
 
+(A LoRA run's checkpoint becomes a peft adapter directory instead: ``consolidate_lora.py``.)
+
 One process, no process group: tensors are read from the DCP shards with the safe reader of
 ``checkpoint.py``, one output shard at a time (bounded memory: one output shard plus, while
 verifying, one tensor re-read from disk), written with ``safetensors`` under the model's own
@@ -205,12 +207,14 @@ def consolidate(
     marker = read_marker(step_dir)
     if merge and not marker.get("lora"):
         raise ConfigError(f"--merge: checkpoint '{step_dir}' has no LoRA adapters to merge; drop --merge")
-    if merge:
-        raise ConfigError("--merge: merging LoRA adapters is not supported yet")
     if os.path.exists(out):
         raise ConfigError(f"output '{out}' already exists; choose a new directory or remove it")
     if not os.path.isfile(os.path.join(step_dir, "hf", "config.json")):
         raise ConfigError(f"checkpoint '{step_dir}' has no hf/config.json; it cannot become a Hugging Face model")
+    if marker.get("lora"):  # a peft adapter directory, or the merged model (``consolidate_lora.py``)
+        from shardlm.consolidate_lora import consolidate_lora
+
+        return consolidate_lora(step_dir, marker, out, target, merge)
     metadata = read_metadata(step_dir)
     unpack = unpack_for(marker)
     sources = plan_sources(step_dir, metadata, target, unpack)

@@ -14,7 +14,7 @@ applies (``plan.infer_plan``), so the model-state numbers are what the ranks rea
   except the TP embedding's (``replicated_embedding_grad``). AdamW: two fp32 states per
   trainable parameter. With ``lora_r``, only the adapters train:
   ``r*(in+out)`` per targeted linear, A/B placed like their base (colwise base: B sharded;
-  rowwise base: A sharded).
+  rowwise base: A sharded); under ``bf16`` the frozen base is stored in 2 bytes.
 
 Activations saved for backward, per decoder layer, in elements (T = batch*seq tokens per rank,
 h hidden, a heads, k kv heads, d head dim, f intermediate, t = tp; no sequence parallelism,
@@ -262,7 +262,8 @@ def estimate(
     tokens = batch * seq
     vocab = _dims(model.config)["V"]
     rows = {
-        "parameters": 4 * local,
+        # a LoRA run under bf16 stores its frozen base in bf16 (``lora.py``); what trains stays fp32
+        "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
         "gradients": 4 * grads,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardlm import lora
+from shardlm.config import LoraConfig
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.plan import Plan, infer_plan
@@ -77,10 +79,20 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
-    """Apply the plan on the TP mesh; keep tied input/output embeddings tied."""
+    """Apply the plan on the TP mesh (LoRA placements where peft adapted a layer); keep tied
+    input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is emb.weight
-    styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    if getattr(model, "shardlm_lora", None) is not None:
+        if plan.sliced:  # replicated k/v or unequal packed parts: LoRA placements for them do not exist yet
+            raise ConfigError(
+                f"lora: not supported yet with {next(iter(plan.sliced))} stored replicated (kv heads fewer than "
+                f"parallel.tp={mesh.parallel.tp}, or a fused projection of unequal parts); use a tp that divides "
+                f"the kv heads, or no lora"
+            )
+        styles = lora.lora_styles(model, plan)
+    else:
+        styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     if tied:
@@ -137,15 +149,10 @@ def _tied_keys(model: nn.Module) -> set[str]:
     return tied
 
 
-def _packed_keys(model: nn.Module, plan: Plan) -> list[str]:
-    """Parameters of packed_colwise modules: their strided layout is filled tensor by tensor,
-    because DCP and ``set_model_state_dict`` address shards as single contiguous boxes."""
-    return [
-        f"{fqn}.{name}"
-        for fqn, style in plan.styles.items()
-        if style == "packed_colwise"
-        for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)
-    ]
+def is_strided(param: torch.Tensor) -> bool:
+    """A packed projection's parameter (``_StridedShard`` on TP): filled tensor by tensor, because
+    DCP and ``set_model_state_dict`` address shards as single contiguous boxes."""
+    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
 
 
 def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -190,18 +197,31 @@ def _read_hf_tensor(model_path: str, key: str) -> torch.Tensor:
     raise ConfigError(f"model: '{model_path}' lacks weights for {key}")
 
 
-def load_hf_weights(model: nn.Module, model_path: str, plan: Plan) -> None:
+def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{HF key: tensor}`` of everything an HF checkpoint holds: tied duplicates, LoRA adapters
+    and ``modules_to_save`` copies left out, peft's ``base_layer``/``original_module`` unwrapped."""
+    tied = _tied_keys(model)
+    state = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        hf = lora.hf_key(key)
+        if key not in tied and hf is not None:
+            state[hf] = tensor
+    return state
+
+
+def load_hf_weights(model: nn.Module, model_path: str) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader)."""
     reader = HuggingFaceStorageReader(model_path)
     available = set(reader.read_metadata().state_dict_metadata)
-    packed = set(_packed_keys(model, plan))
-    state = {k: v for k, v in model.state_dict().items() if k not in _tied_keys(model)}
+    state = _base_state(model)
     missing = [k for k in state if k not in available]
     if missing:
         raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
-    dcp.load({k: v for k, v in state.items() if k not in packed}, storage_reader=reader)
-    for key in packed:
-        fill_from_full(model.get_parameter(key), _read_hf_tensor(model_path, key))
+    with torch.no_grad():
+        dcp.load({k: v.detach() for k, v in state.items() if not is_strided(v)}, storage_reader=reader)
+        for key, param in state.items():
+            if is_strided(param):
+                fill_from_full(param, _read_hf_tensor(model_path, key))
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
@@ -209,11 +229,7 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     seed, exactly as one process would; tensor by tensor, in state-dict order, it is broadcast
     and every rank keeps its piece (``local_piece`` knows every placement, packed ones too)."""
     full = reference_model(model_path, seed).state_dict() if dist.get_rank() == 0 else {}
-    seen: set[int] = set()
-    for key, target in model.state_dict(keep_vars=True).items():
-        if id(target) in seen:
-            continue  # tied
-        seen.add(id(target))
+    for key, target in _base_state(model).items():
         tensor = full[key] if dist.get_rank() == 0 else torch.empty(target.shape, dtype=target.dtype)
         tensor = tensor.to(device=target.device, dtype=target.dtype)
         if dist.get_world_size() > 1:
@@ -233,16 +249,31 @@ def has_weights(model_path: str) -> bool:
     return bool(glob.glob(os.path.join(model_path, "*.safetensors")))
 
 
-def parallelize(model_path: str, mesh: Mesh, seed: int = 0, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def parallelize(
+    model_path: str,
+    mesh: Mesh,
+    seed: int = 0,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    lora_config: LoraConfig | None = None,
+    frozen_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
     ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it
     computes in is kept as ``model.shardlm_fsdp_param_dtype`` so the trainer knows whether it
-    must autocast itself (``trainer.mixed_precision_policy``).
+    must autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
+    adapters on the plan's projections (``lora.py``); only they (and ``modules_to_save``) train.
+    ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
     """
     model = build_meta_model(model_path)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
+    if lora_config is not None:
+        lora.inject(model, lora_config)
+    if frozen_dtype is not None:
+        for param in {id(p): p for p in model.parameters()}.values():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(frozen_dtype)  # in place: tied parameters stay one
     if mesh.parallel.tp > 1:
         apply_tp(model, mesh, plan)
     if mesh.parallel.dp_size > 1:
@@ -253,12 +284,20 @@ def parallelize(model_path: str, mesh: Mesh, seed: int = 0, mp_policy: MixedPrec
     with torch.no_grad():
         _restore_buffers(model, buffers)
     if has_weights(model_path):
-        load_hf_weights(model, model_path, plan)
+        load_hf_weights(model, model_path)
     else:
         init_from_seed(model, model_path, seed)
+    if lora_config is not None:
+        lora.copy_modules_to_save(model)
+        if lora_config.adapter:
+            lora.load_adapter(model, lora_config.adapter)
+        else:
+            lora.init_adapters(model, seed)
     model.train()
     model.shardlm_plan = plan
     model.shardlm_tp_partial_grads = tp_partial_grad_params(model, plan)
+    if lora_config is not None and mesh.parallel.tp > 1:
+        model.shardlm_tp_partial_grads += lora.tp_partial_grad_params(model, plan)
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
     model.shardlm_fsdp_param_dtype = mp_policy.param_dtype if fsdp_on else None
     return model

@@ -89,16 +89,18 @@ class Colwise(_Conv1DAware, ColwiseParallel):
         x = inputs[0]
         if isinstance(x, DTensor) or input_layouts != (Replicate(),):
             return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-        return Colwise.shared_view(x, device_mesh)
+        return replicated_view(x, device_mesh)
 
-    @staticmethod
-    def shared_view(x: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
-        """One replicated DTensor view per activation: its backward sums every reader's partial gradient."""
-        ref, mesh, view = Colwise._last
-        if ref is None or ref() is not x or mesh is not device_mesh:
-            view = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            Colwise._last = (weakref.ref(x), device_mesh, view)
-        return view
+
+def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """One replicated DTensor view per (activation, mesh), shared by every column-parallel reader
+    of ``x`` (``Colwise``, LoRA layers): their partial input gradients add up on the view, and
+    its backward all-reduces them once."""
+    ref, last_mesh, view = Colwise._last
+    if ref is None or ref() is not x or last_mesh is not mesh:
+        view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        Colwise._last = (weakref.ref(x), mesh, view)
+    return view
 
 
 class Rowwise(_Conv1DAware, RowwiseParallel):
@@ -143,25 +145,26 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
-def _local_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part).
+def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` (replicated) for a layer computing on local column shards: the same values, but its
+    gradient, which covers only this rank's output columns, is summed over TP on the way back."""
+    return replicated_view(x, mesh).to_local(grad_placements=[Partial()])
 
-    The input is replicated; its gradient from this rank covers only this rank's output
-    columns, so it is declared Partial and summed over TP on the way back (as ColwiseParallel does).
-    """
-    x = DTensor.from_local(x, self.weight.device_mesh, [Replicate()], run_check=False).to_local(
-        grad_placements=[Partial()]
-    )
-    weight = self.weight.to_local()
-    bias = self.bias.to_local() if self.bias is not None else None
-    if _is_conv1d(self):
-        out = (
-            torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight)
-            if bias is not None
-            else x.reshape(-1, x.shape[-1]) @ weight
-        )
+
+def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
+    weight = module.weight.to_local()
+    bias = module.bias.to_local() if with_bias and module.bias is not None else None
+    if _is_conv1d(module):
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
         return out.view(*x.shape[:-1], weight.shape[1])
     return nn.functional.linear(x, weight, bias)
+
+
+def _local_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part)."""
+    return local_linear(self, column_input(x, self.weight.device_mesh))
 
 
 class PackedColwiseParallel(ParallelStyle):
@@ -188,7 +191,7 @@ def _sliced_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     The input's gradient from this rank covers only these rows: declared Partial on the shared
     view of ``x``, it is summed once over TP together with the sibling colwise layers'.
     """
-    x = Colwise.shared_view(x, self.shardlm_mesh).to_local(grad_placements=[Partial()])
+    x = column_input(x, self.shardlm_mesh)
     weight, bias = self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
     rows = self.shardlm_rows
     weight = torch.cat([weight[a:b] for a, b in rows]) if len(rows) > 1 else weight[rows[0][0] : rows[0][1]]

@@ -53,7 +53,15 @@ from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, m
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
-from shardlm.metrics import MetricsWriter, count_params, max_over_ranks, mfu, peak_memory_mb, peak_tflops
+from shardlm.metrics import (
+    MetricsWriter,
+    count_params,
+    describe_trainable,
+    max_over_ranks,
+    mfu,
+    peak_memory_mb,
+    peak_tflops,
+)
 from shardlm.optim import build_optimizer, build_scheduler
 from shardlm.parallelize import parallelize
 from shardlm.styles import sum_tp_partial_grads
@@ -310,6 +318,16 @@ def run(cfg: Config) -> list[dict]:
     eval_dataset = build_eval_dataset(cfg, tokenizer) if cfg.eval.path else None
     if eval_dataset is not None:
         print0(f"eval data: {len(eval_dataset)} samples of {cfg.data.seq_len} tokens")
-    model = parallelize(cfg.model, mesh, seed=cfg.train.seed, mp_policy=mixed_precision_policy(cfg.train))
+    frozen_dtype = torch.bfloat16 if cfg.lora is not None and cfg.train.bf16 else None
+    model = parallelize(
+        cfg.model,
+        mesh,
+        seed=cfg.train.seed,
+        mp_policy=mixed_precision_policy(cfg.train),
+        lora_config=cfg.lora,
+        frozen_dtype=frozen_dtype,
+    )
+    if cfg.lora is not None:
+        print0(describe_trainable(model))
     history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset).train()
     return history

@@ -1,0 +1,304 @@
+"""LoRA under tensor parallelism and FSDP2: peft's layers and file format, shardlm's placements.
+
+peft (``inject_adapter_in_model``) wraps each targeted projection ``X`` in a ``lora.Linear``
+holding ``X.base_layer`` and the adapter ``X.lora_A.default`` ([r, in]) / ``X.lora_B.default``
+([out, r]); its forward (``base(x) + B(A(dropout(x))) * scaling``) is used unchanged. shardlm
+only places the pieces, from the style the plan gave ``X`` (``LoraParallel``):
+
+* ``colwise`` / ``packed_colwise`` base: ``lora_A`` replicated, ``lora_B`` sharded by output
+  rows exactly like the base weight (each part on its own for packed projections, so every rank
+  holds the adapter rows of its own heads). The input enters once as a replicated activation
+  whose gradient is summed over TP in the backward (shared with the base and sibling layers).
+  ``lora_A``'s gradient from one rank covers only that rank's output rows: it is summed over TP.
+* ``rowwise`` base: ``lora_A`` sharded by input columns like the base weight, ``lora_B``
+  replicated. Base and adapter outputs are both partial sums; they are added *before* the one
+  all-reduce of the layer, and the bias after it. ``lora_B`` reads a partial activation, so its
+  gradient is summed over TP.
+
+All matmuls run on local tensors (the DTensor parameters' ``to_local()``), so the only
+collectives are the layer's own reduction and, once per step, the sum of the replicated
+adapters' gradients (``model.shardlm_tp_partial_grads``, shared with ``replicate_grad_allreduce``).
+FSDP2 then shards whatever is left, as for any parameter.
+
+Only adapter and ``modules_to_save`` parameters require grad; the optimizer, the gradient
+norm and checkpoints see only them. Under ``train.bf16`` the frozen base is stored in bf16.
+
+Initial adapters are peft's default (``lora_A`` Kaiming-uniform, ``lora_B`` zero) drawn from a
+generator seeded with ``train.seed``, so every rank computes the same full tensors and keeps its
+piece without communication; ``lora.adapter`` instead reads a peft adapter directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardlm.config import Config, LoraConfig
+from shardlm.errors import ConfigError
+from shardlm.plan import Plan
+from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style
+
+ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+BASE_STYLES = ("colwise", "rowwise", "packed_colwise")
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _adapter_config(path: str):
+    from peft import LoraConfig as PeftLoraConfig
+
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise ConfigError(f"lora.adapter: '{path}' is not a peft adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    with open(os.path.join(path, CONFIG_FILE)) as fh:
+        raw = json.load(fh)
+    if raw.get("peft_type") != "LORA":
+        raise ConfigError(f"lora.adapter: '{path}' holds a {raw.get('peft_type')} adapter; only LORA adapters train")
+    for flag in ("use_dora", "lora_bias", "use_qalora"):
+        if raw.get(flag):
+            raise ConfigError(f"lora.adapter: '{path}' uses {flag}, which shardlm does not place; use a plain LoRA")
+    return PeftLoraConfig.from_pretrained(path)
+
+
+def peft_config(lcfg: LoraConfig, model: nn.Module):
+    """The ``peft.LoraConfig`` of the run: from ``lora.adapter``'s directory, or from the section."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if lcfg.adapter:
+        cfg = _adapter_config(lcfg.adapter)
+        mine = {"r": lcfg.r, "alpha": lcfg.alpha, "target_modules": lcfg.target_modules}
+        theirs = {"r": cfg.r, "alpha": cfg.lora_alpha, "target_modules": cfg.target_modules}
+        for key, value in mine.items():
+            same = value is None or (
+                sorted(value) == sorted(theirs[key])
+                if key == "target_modules" and not isinstance(value, str)
+                else value == theirs[key]
+            )
+            if not same:
+                raise ConfigError(
+                    f"lora.{key}: {value!r} differs from the adapter's {theirs[key]!r} in '{lcfg.adapter}'; "
+                    f"remove lora.{key} (the adapter sets it)"
+                )
+        cfg.lora_dropout = lcfg.dropout
+        cfg.inference_mode = False
+        return cfg
+    r = lcfg.r or 8
+    return PeftLoraConfig(
+        r=r,
+        lora_alpha=lcfg.alpha if lcfg.alpha is not None else 2 * r,
+        lora_dropout=lcfg.dropout,
+        target_modules=lcfg.target_modules,
+        modules_to_save=lcfg.modules_to_save,
+        fan_in_fan_out=any(_is_conv1d(m) for m in model.modules()),  # GPT-2's Conv1D: weight is [in, out]
+    )
+
+
+def inject(model: nn.Module, lcfg: LoraConfig):
+    """Wrap the targets of ``lcfg`` in peft LoRA layers (in place, on the meta model); freeze the rest."""
+    import warnings
+
+    from peft import inject_adapter_in_model
+
+    cfg = peft_config(lcfg, model)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            inject_adapter_in_model(cfg, model, adapter_name=ADAPTER)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"lora.target_modules: {first}") from None
+    model.shardlm_lora = cfg
+    return cfg
+
+
+def check_lora(cfg: Config) -> None:
+    """Before spawning: values, the adapter directory, and that every target has a placement."""
+    lcfg = cfg.lora
+    if lcfg.r is not None and lcfg.r < 1:
+        raise ConfigError(f"lora.r must be >= 1, got {lcfg.r}")
+    if not 0.0 <= lcfg.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lcfg.dropout}")
+    if lcfg.adapter and not os.path.isdir(lcfg.adapter):
+        raise ConfigError(f"lora.adapter: '{lcfg.adapter}' is not a directory; pass a peft adapter directory")
+    from shardlm.parallelize import build_meta_model
+    from shardlm.plan import infer_plan
+
+    model = build_meta_model(cfg.model)
+    plan = infer_plan(model, cfg.parallel.tp)
+    inject(model, lcfg)
+    lora_styles(model, plan)  # raises for a target the plan gives no LoRA placement
+
+
+# ---------------------------------------------------------------- placement
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def _is_modules_to_save(module: nn.Module) -> bool:
+    from peft.utils import ModulesToSaveWrapper
+
+    return isinstance(module, ModulesToSaveWrapper)
+
+
+class LoraParallel(ParallelStyle):
+    """A peft ``lora.Linear`` whose base layer has the plan style ``base_style`` (module docstring)."""
+
+    def __init__(self, base_style: str, num_parts: int = 1):
+        super().__init__()
+        self.base_style, self.num_parts = base_style, num_parts
+
+    def _out_placement(self, dim: int):
+        return _StridedShard(dim, split_factor=self.num_parts) if self.base_style == "packed_colwise" else Shard(dim)
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
+        conv = _is_conv1d(base)  # weight [in, out]
+        if self.base_style == "rowwise":
+            _shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
+            _shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
+            _shard_params(lora_b, mesh, {"weight": Replicate()}, None)
+            base.forward = lambda x: local_linear(base, x, with_bias=False)
+            module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh))
+        else:
+            out = self._out_placement(1 if conv else 0)
+            _shard_params(base, mesh, {"weight": out, "bias": self._out_placement(0)}, None)
+            _shard_params(lora_a, mesh, {"weight": Replicate()}, None)
+            _shard_params(lora_b, mesh, {"weight": self._out_placement(0)}, None)
+            base.forward = lambda x: local_linear(base, x)
+            module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
+        lora_a.forward = lambda x: local_linear(lora_a, x)
+        lora_b.forward = lambda x: local_linear(lora_b, x)
+        return module
+
+
+def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce the partial sum (base + adapter) of a row-parallel layer (backward: identity),
+    then add the replicated bias once."""
+    out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    return out + bias.to_local() if bias is not None else out
+
+
+def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+    """The TP styles of a LoRA-injected model: ``LoraParallel`` for adapted projections; a
+    ``modules_to_save`` module's style moves to its frozen original and its trained copy."""
+    styles = {fqn: make_style(s, plan.parts.get(fqn)) for fqn, s in plan.styles.items()}
+    for fqn, style in plan.styles.items():
+        module = model.get_submodule(fqn)
+        if _is_lora_layer(module):
+            if style not in BASE_STYLES:
+                raise ConfigError(
+                    f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
+                    f"cannot adapt (only {', '.join(BASE_STYLES)} layers); remove it from target_modules"
+                )
+            styles[fqn] = LoraParallel(style, len(plan.parts.get(fqn, [1])))
+        elif _is_modules_to_save(module):
+            del styles[fqn]
+            styles[f"{fqn}.original_module"] = make_style(style, plan.parts.get(fqn))
+            styles[f"{fqn}.modules_to_save.{ADAPTER}"] = make_style(style, plan.parts.get(fqn))
+    return styles
+
+
+def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
+    """The replicated adapter matrices whose gradients each TP rank computes in part."""
+    names = []
+    for fqn, style in plan.styles.items():
+        if _is_lora_layer(model.get_submodule(fqn)):
+            side = "lora_B" if style == "rowwise" else "lora_A"
+            names.append(f"{fqn}.{side}.{ADAPTER}.weight")
+    return names
+
+
+# ---------------------------------------------------------------- names
+
+
+def is_adapter_key(name: str) -> bool:
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def hf_key(name: str) -> str | None:
+    """The HF checkpoint key of a model key; None for adapters (no HF file holds them) and for
+    ``modules_to_save`` copies (filled from their original, ``copy_modules_to_save``)."""
+    if is_adapter_key(name) or f".modules_to_save.{ADAPTER}." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def peft_key(name: str) -> str:
+    """The key peft's ``save_pretrained`` gives a trainable parameter of the injected model."""
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.{ADAPTER}.", f".{part}.")
+    return PEFT_PREFIX + name.replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------- initial values
+
+
+@torch.no_grad()
+def copy_modules_to_save(model: nn.Module) -> None:
+    """The trained copy of each ``modules_to_save`` module starts from the loaded original."""
+    for module in model.modules():
+        if _is_modules_to_save(module) and ADAPTER in module.modules_to_save:
+            copy = dict(module.modules_to_save[ADAPTER].named_parameters())
+            for name, param in module.original_module.named_parameters():
+                _local(copy[name]).copy_(_local(param))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """peft's default init (``lora_A`` Kaiming-uniform with a=sqrt(5), ``lora_B`` zero) from a
+    generator seeded with ``seed``, in module order; each rank keeps its piece of the full tensors."""
+    from shardlm.parallelize import fill_from_full
+
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if f".lora_A.{ADAPTER}." in name:
+            fill_from_full(param, nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=gen))
+        elif f".lora_B.{ADAPTER}." in name:
+            _local(param).zero_()
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str) -> None:
+    """Fill every trainable parameter from a peft adapter directory (each rank reads its pieces)."""
+    from safetensors import safe_open
+
+    from shardlm.parallelize import fill_from_full
+
+    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as fh:
+        saved = set(fh.keys())
+        wanted = {peft_key(n): n for n in trainable_names(model)}
+        missing = sorted(set(wanted) - saved)
+        if missing:
+            raise ConfigError(f"lora.adapter: '{path}' lacks {missing[0]}; it was made for another model or config")
+        extra = sorted(saved - set(wanted))
+        if extra:
+            raise ConfigError(f"lora.adapter: '{path}' has {extra[0]}, which this model's adapter does not")
+        for key, name in wanted.items():
+            param = model.get_parameter(name)
+            tensor = fh.get_tensor(key)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ConfigError(f"lora.adapter: '{key}' is {list(tensor.shape)}, the model needs {list(param.shape)}")
+            fill_from_full(param, tensor)

@@ -1,0 +1,222 @@
+"""LoRA under TP and FSDP against one-process peft: same losses and grad norms step by step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+
+from shardlm.config import LoraConfig
+
+# targets per family: attention and MLP projections, packed (Phi-3) and Conv1D (GPT-2) included
+TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+}
+GLOBAL_BATCH = 4
+
+
+def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0) -> str:
+    """A peft adapter for the seeded base of ``model_path`` with random (non-zero) lora_B, so
+    every gradient path is live from step 1."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).float()
+    conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
+    cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv)
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_reference(model_path: str, adapter: str, steps: int = 5):
+    from peft import PeftModel
+
+    return plain_reference(
+        model_path, GLOBAL_BATCH, steps, wrap=lambda m: PeftModel.from_pretrained(m, adapter, is_trainable=True)
+    )
+
+
+def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps: int = 5) -> dict:
+    """Rank body: shardlm LoRA training of each (model, adapter); losses, grad norms, and whether
+    every replicated adapter tensor is identical on all TP ranks at the end."""
+    import torch.distributed as dist
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = {}
+    for path, adapter in runs:
+        cfg = train_config(path, layout, per_device, 1, steps)
+        cfg.lora = LoraConfig(adapter=adapter)
+        mesh = build_mesh(cfg.parallel)
+        model = parallelize(path, mesh, seed=0, lora_config=cfg.lora)
+        trainer = Trainer(model, cfg, token_dataset(), mesh)
+        history = trainer.train()
+        same = True
+        for p in model.parameters():
+            if p.requires_grad and mesh.parallel.tp > 1:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                copies = [torch.empty_like(local) for _ in range(mesh.parallel.tp)]
+                dist.all_gather(copies, local.contiguous(), group=mesh.tp.get_group())
+                if all(pl.is_replicate() for pl in p.placements[-1:]):
+                    same &= all(torch.equal(c, copies[0]) for c in copies)
+        counts = count_collectives(model) if layout == {"tp": 2} else None
+        out[path] = {"steps": [(h["loss"], h["grad_norm"]) for h in history], "tp_same": same, "counts": counts}
+    return out
+
+
+def count_collectives(model) -> tuple[int, int, int]:
+    """All-reduces in the forward, the loss and the backward of one micro-batch (tp=2)."""
+    from test_autotp import CountCollectives
+
+    from shardlm.loss import loss_context, token_loss_sum
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    modes = [CountCollectives() for _ in range(3)]
+    with modes[0]:
+        logits = model(input_ids=ids).logits
+    with loss_context(True):
+        with modes[1]:
+            loss = token_loss_sum(logits, ids)
+        with modes[2]:
+            loss.backward()
+    return tuple(sum(m.counts.values()) for m in modes)
+
+
+@pytest.fixture(scope="module")
+def lora_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    runs = []
+    for family, targets in TARGETS.items():
+        path = write_model_dir(str(root / family), family)
+        runs.append((path, make_adapter(path, str(root / f"{family}-adapter"), targets)))
+    return runs
+
+
+@pytest.mark.parametrize(
+    "layout,per_device",
+    [({"tp": 2}, GLOBAL_BATCH), ({"tp": 2, "fsdp": 2}, GLOBAL_BATCH // 2)],
+    ids=["tp2", "tp2xfsdp2"],
+)
+def test_lora_matches_one_process_peft(lora_models, layout, per_device):
+    from helpers import assert_parity
+
+    world = layout.get("tp", 1) * layout.get("fsdp", 1)
+    got = run_ranks(lora_rank, world, lora_models, layout, per_device)
+    for path, adapter in lora_models:
+        family = os.path.basename(path)
+        assert_parity(got[path]["steps"], peft_reference(path, adapter), label=f"{family} {layout}")
+        assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
+        if got[path]["counts"] is not None:
+            # as without LoRA (test_autotp: 5, 3, 5), base and adapter share each layer's one
+            # all-reduce, less one in the backward: with the embedding and the first norm frozen,
+            # nothing needs the gradient of the first block's input. The replicated adapters'
+            # gradient sum runs once per optimizer step, outside this count.
+            assert got[path]["counts"] == (5, 3, 4), (family, got[path]["counts"])
+
+
+RESUME_LORA = LoraConfig(
+    r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], modules_to_save=["lm_head"]
+)
+
+
+def lora_resume_rank(model_path: str, root: str) -> tuple[list[float], list[float], list[float], set]:
+    """Rank body (tp=2): a LoRA run saving at steps 3 and 6, a second run resumed from step 3, and
+    the first run again in bf16 with the frozen base stored in bf16."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    losses, dtypes = [], set()
+    for name, resume, bf16 in (
+        ("a", False, False),
+        ("b", os.path.join(root, "a", "checkpoints", "step-3"), False),
+        ("c", False, True),
+    ):
+        cfg = train_config(model_path, {"tp": 2}, 4, 1, 6, output_dir=os.path.join(root, name), save_steps=3, bf16=bf16)
+        cfg.lora, cfg.train.resume = RESUME_LORA, resume
+        mesh = build_mesh(cfg.parallel)
+        frozen = torch.bfloat16 if bf16 else None
+        model = parallelize(model_path, mesh, seed=0, lora_config=cfg.lora, frozen_dtype=frozen)
+        losses.append([h["loss"] for h in Trainer(model, cfg, token_dataset(), mesh).train()])
+        if bf16:
+            dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    return losses[0], losses[1], losses[2], dtypes
+
+
+def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
+    import warnings
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.checkpoint import read_metadata
+    from shardlm.consolidate import consolidate
+    from shardlm.parallelize import reference_model
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama")
+    full, resumed, bf16, dtypes = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
+    assert resumed == full[3:], (resumed, full)
+    # bf16 compute, frozen base stored in bf16, adapters fp32: close to fp32 (measured <= 1e-4)
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}, dtypes
+    assert all(abs(a - b) <= 1e-3 * b for a, b in zip(bf16, full)), (bf16, full)
+    step = tmp_path / "a" / "checkpoints" / "step-6"
+    saved = set(read_metadata(str(step)).state_dict_metadata)
+    assert not any(k.startswith("model.") and "lora_" not in k and "modules_to_save" not in k for k in saved), saved
+
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    consolidate(str(step), adapter)
+    consolidate(str(step), merged, merge=True)
+    # as many numbers as peft's own adapter for the same config, under the same names
+    own = get_peft_model(
+        reference_model(path, 0),
+        PeftLoraConfig(r=4, lora_alpha=8, target_modules=RESUME_LORA.target_modules, modules_to_save=["lm_head"]),
+    )
+    ours = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    theirs = get_peft_model_state_dict(own)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    # peft loads it with no missing/unexpected keys, and gives the merged model's logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        peft_model = PeftModel.from_pretrained(reference_model(path, 0), adapter).eval()
+    ids = token_dataset().input_ids[:2]
+    with torch.no_grad():
+        a = peft_model(input_ids=ids).logits
+        b = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert not torch.equal(ours["base_model.model.lm_head.weight"], reference_model(path, 0).lm_head.weight)
+
+
+def test_adapter_config_conflicts_are_refused_by_name(tmp_path):
+    import json
+
+    from shardlm import ConfigError
+    from shardlm.config import load_config
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama")
+    adapter = make_adapter(path, str(tmp_path / "adapter"), ["q_proj", "v_proj"])
+    data = tmp_path / "d.txt"
+    data.write_text("a b c\n")
+    raw = {"model": path, "data": {"path": str(data)}, "lora": {"adapter": adapter}}
+    load_config(raw=raw)  # the adapter's own settings: fine
+    with pytest.raises(ConfigError, match=r"lora.r: 8 differs from the adapter's 4 .* remove lora.r"):
+        load_config(raw=raw, overrides=["lora.r=8"])
+    with pytest.raises(ConfigError, match=r"lora.target_modules: .* differs"):
+        load_config(raw=raw, overrides=["lora.target_modules=[q_proj]"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ConfigError, match="lora.adapter: .* uses use_dora"):
+        load_config(raw=raw)
