@@ -84,12 +84,6 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
     if getattr(model, "shardlm_lora", None) is not None:
-        if plan.sliced:  # replicated k/v or unequal packed parts: LoRA placements for them do not exist yet
-            raise ConfigError(
-                f"lora: not supported yet with {next(iter(plan.sliced))} stored replicated (kv heads fewer than "
-                f"parallel.tp={mesh.parallel.tp}, or a fused projection of unequal parts); use a tp that divides "
-                f"the kv heads, or no lora"
-            )
         styles = lora.lora_styles(model, plan)
     else:
         styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}

@@ -192,12 +192,18 @@ def _sliced_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     view of ``x``, it is summed once over TP together with the sibling colwise layers'.
     """
     x = column_input(x, self.shardlm_mesh)
-    weight, bias = self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
-    rows = self.shardlm_rows
-    weight = torch.cat([weight[a:b] for a, b in rows]) if len(rows) > 1 else weight[rows[0][0] : rows[0][1]]
-    if bias is not None:
-        bias = torch.cat([bias[a:b] for a, b in rows]) if len(rows) > 1 else bias[rows[0][0] : rows[0][1]]
-    return nn.functional.linear(x, weight, bias)
+    return sliced_linear(self, x, self.shardlm_rows)
+
+
+def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of each range of ``rows``, concatenated (a view when there is one range)."""
+    return torch.cat([t[a:b] for a, b in rows]) if len(rows) > 1 else t[rows[0][0] : rows[0][1]]
+
+
+def sliced_linear(module: nn.Module, x: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Linear on ``rows`` of the module's replicated (DTensor) weight and bias."""
+    bias = take_rows(module.bias.to_local(), rows) if module.bias is not None else None
+    return nn.functional.linear(x, take_rows(module.weight.to_local(), rows), bias)
 
 
 class SlicedColwise(ParallelStyle):
