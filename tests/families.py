@@ -28,6 +28,8 @@ def family_config(family: str, **overrides):
             ),
         ),
         "phi3": (tf.Phi3Config, dict(intermediate_size=64, num_key_value_heads=4, pad_token_id=0)),
+        # GQA: packed qkv_proj of unequal parts [q 32, k 16, v 16]
+        "phi3_gqa": (tf.Phi3Config, dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=0)),
         "gpt2": (
             tf.GPT2Config,
             dict(

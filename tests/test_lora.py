@@ -10,12 +10,19 @@ from helpers import plain_reference, run_ranks, token_dataset, train_config, wri
 
 from shardlm.config import LoraConfig
 
-# targets per family: attention and MLP projections, packed (Phi-3) and Conv1D (GPT-2) included
-TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-    "gpt2": ["c_attn", "c_proj", "c_fc"],
+LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+# name -> (family, config overrides, targets): attention and MLP projections, packed (Phi-3) and
+# Conv1D (GPT-2); at tp=2 also the replicated-and-sliced layouts: Phi-3 with GQA (qkv of
+# unequal parts) and a Llama with one kv head (k/v replicated on both ranks)
+MODELS = {
+    "llama": ("llama", {}, LLAMA),
+    "phi3": ("phi3", {}, PHI3),
+    "gpt2": ("gpt2", {}, ["c_attn", "c_proj", "c_fc"]),
+    "phi3_gqa": ("phi3_gqa", {}, PHI3),
+    "llama_kv1": ("llama", {"num_key_value_heads": 1}, LLAMA),
 }
+FSDP_MODELS = ("llama", "phi3", "gpt2")
 GLOBAL_BATCH = 4
 
 
@@ -98,10 +105,10 @@ def count_collectives(model) -> tuple[int, int, int]:
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    runs = []
-    for family, targets in TARGETS.items():
-        path = write_model_dir(str(root / family), family)
-        runs.append((path, make_adapter(path, str(root / f"{family}-adapter"), targets)))
+    runs = {}
+    for name, (family, overrides, targets) in MODELS.items():
+        path = write_model_dir(str(root / name), family, **overrides)
+        runs[name] = (path, make_adapter(path, str(root / f"{name}-adapter"), targets))
     return runs
 
 
@@ -114,8 +121,9 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
     from helpers import assert_parity
 
     world = layout.get("tp", 1) * layout.get("fsdp", 1)
-    got = run_ranks(lora_rank, world, lora_models, layout, per_device)
-    for path, adapter in lora_models:
+    runs = [run for name, run in lora_models.items() if world == 2 or name in FSDP_MODELS]
+    got = run_ranks(lora_rank, world, runs, layout, per_device)
+    for path, adapter in runs:
         family = os.path.basename(path)
         assert_parity(got[path]["steps"], peft_reference(path, adapter), label=f"{family} {layout}")
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"

@@ -110,7 +110,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"({per_rank / total:.3f} of the model at tp={args.tp}; 1/tp = {1 / args.tp:.3f})"
     )
     for fqn, parts in plan.parts.items():
-        print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
+        if fqn in plan.sliced:
+            ranks = "; ".join(
+                f"rank {r} rows " + " ".join(f"{a}:{b}" for a, b in rows) for r, rows in enumerate(plan.sliced[fqn])
+            )
+            print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks})")
+        else:
+            print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
+    kv, _ = plan.kv_heads
+    if kv < args.tp:
+        print(
+            f"key/value heads replicated: num_key_value_heads={kv} < tp={args.tp}, so rank r reads kv head "
+            f"r // {args.tp // kv}; its k/v weights are stored whole on every rank, each rank computes the rows of "
+            f"its kv head, and their gradients are summed over TP (joining the one all-reduce per step of "
+            f"TP-partial gradients)"
+        )
     return 0
 
 

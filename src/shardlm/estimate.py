@@ -6,7 +6,8 @@ applies (``plan.infer_plan``), so the model-state numbers are what the ranks rea
 
 * TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
   input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
-  ``replicate_grad_allreduce`` (norms) are whole on every TP rank.
+  ``replicate_grad_allreduce`` (norms) are whole on every TP rank, and so are the plan's
+  ``sliced`` projections (k/v when kv heads < tp, Phi-3's GQA qkv_proj).
 * FSDP2 then chunks dim 0 of each TP-local tensor over ``fsdp`` (the largest chunk, rank 0's,
   is reported). ``dp_replicate`` holds full copies: it divides nothing.
 * Gradients: one per trainable parameter, same local shape and dtype (fp32 master weights),
@@ -21,7 +22,8 @@ flash/SDPA attention, so no T*seq score matrix)::
 
     T * (6h + 2                   per RMSNorm (replicated over TP): input, normalized input,
                                   output (the next linear's input), rstd
-         + (a + 2k) d / t         q, k (after RoPE) and v, kept by attention
+         + (a + 2k) d / t         q, k (after RoPE) and v, kept by attention (k < t: a d / t + 2 d,
+                                  one replicated kv head per rank)
          + a d / t                attention output (o_proj input)
          + 4 f / t                gate, act(gate), up, act*up (down_proj input)
          + a / t)                 attention logsumexp
@@ -179,7 +181,8 @@ def activation_elements(config, tokens: int, tp: int, checkpointing: bool, lora_
     """Elements saved for backward by the decoder stack (see the module docstring)."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
-    per_layer = tokens * (6 * h + 2 + (a + 2 * k) * d // t + a * d // t + 4 * f // t + a // t)
+    local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
+    per_layer = tokens * (6 * h + 2 + a * d // t + 2 * local_kv * d + a * d // t + 4 * f // t + a // t)
     if lora_r:
         per_layer += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     stack = g["L"] * tokens * h + per_layer if checkpointing else g["L"] * per_layer
@@ -250,7 +253,9 @@ def estimate(
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
     check_geometry(model_path, tp)
     model = build_meta_model(model_path)
-    styles = infer_plan(model, tp).styles
+    plan = infer_plan(model, tp)
+    # sliced projections (kv heads replicated, unequal packed parts) are stored whole on every TP rank
+    styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
     full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r)
     grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
     act_bytes = 2 if bf16 else 4

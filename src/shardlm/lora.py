@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardlm.config import Config, LoraConfig
 from shardlm.errors import ConfigError
 from shardlm.plan import Plan
-from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style
+from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style, sliced_linear
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"
@@ -156,11 +156,16 @@ def _is_modules_to_save(module: nn.Module) -> bool:
 
 
 class LoraParallel(ParallelStyle):
-    """A peft ``lora.Linear`` whose base layer has the plan style ``base_style`` (module docstring)."""
+    """A peft ``lora.Linear`` whose base layer has the plan style ``base_style`` (module docstring).
 
-    def __init__(self, base_style: str, num_parts: int = 1):
+    ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections of
+    unequal parts): base and ``lora_B`` stay replicated and each rank computes only its rows, as
+    ``styles.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
+    """
+
+    def __init__(self, base_style: str, num_parts: int = 1, rows: list | None = None):
         super().__init__()
-        self.base_style, self.num_parts = base_style, num_parts
+        self.base_style, self.num_parts, self.rows = base_style, num_parts, rows
 
     def _out_placement(self, dim: int):
         return _StridedShard(dim, split_factor=self.num_parts) if self.base_style == "packed_colwise" else Shard(dim)
@@ -168,6 +173,15 @@ class LoraParallel(ParallelStyle):
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
         conv = _is_conv1d(base)  # weight [in, out]
+        if self.rows is not None:
+            rows = self.rows[mesh.get_local_rank()]
+            for layer in (base, lora_a, lora_b):
+                _shard_params(layer, mesh, {"weight": Replicate(), "bias": Replicate()}, None)
+            base.forward = lambda x: sliced_linear(base, x, rows)
+            lora_b.forward = lambda x: sliced_linear(lora_b, x, rows)
+            lora_a.forward = lambda x: local_linear(lora_a, x)
+            module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
+            return module
         if self.base_style == "rowwise":
             _shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
             _shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
@@ -196,10 +210,12 @@ def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceM
 def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     """The TP styles of a LoRA-injected model: ``LoraParallel`` for adapted projections; a
     ``modules_to_save`` module's style moves to its frozen original and its trained copy."""
-    styles = {fqn: make_style(s, plan.parts.get(fqn)) for fqn, s in plan.styles.items()}
+    styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
-        if _is_lora_layer(module):
+        if _is_lora_layer(module) and fqn in plan.sliced:
+            styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
+        elif _is_lora_layer(module):
             if style not in BASE_STYLES:
                 raise ConfigError(
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
@@ -218,8 +234,8 @@ def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     names = []
     for fqn, style in plan.styles.items():
         if _is_lora_layer(model.get_submodule(fqn)):
-            side = "lora_B" if style == "rowwise" else "lora_A"
-            names.append(f"{fqn}.{side}.{ADAPTER}.weight")
+            sides = ("lora_A", "lora_B") if fqn in plan.sliced else ("lora_B",) if style == "rowwise" else ("lora_A",)
+            names += [f"{fqn}.{side}.{ADAPTER}.weight" for side in sides]
     return names
 
 

@@ -28,6 +28,18 @@ which plain column sharding already keeps whole. A module with parameters that r
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
 width (OLMo-2's full-width q/k norm), which is refused. The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
+
+Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
+computes) and stored *replicated* on the TP mesh, gradients summed over TP:
+
+* fewer key/value heads than ``tp`` (GQA, MQA): a k/v projection (a colwise linear of width
+  ``kv_heads * head_dim`` beside a query projection) is held whole; rank r computes only the kv
+  head its query heads read, ``r // (tp // kv_heads)``. Ranks sharing a kv head each produce
+  part of its gradient (the part from their query heads); rows of other heads get zero, so the
+  sum over TP is the full gradient.
+* a packed projection of *unequal* parts (Phi-3 with GQA: q ``H*d``, k and v ``KV*d``), which
+  ``_StridedShard`` cannot express: held whole, rank r computes its chunk of every part (or its
+  replicated kv head when ``KV < tp``).
 """
 
 from __future__ import annotations
@@ -66,6 +78,9 @@ class Plan:
     parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
     attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
     agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
+    # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
+    sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
 
 
 class _ShardTracker(TorchFunctionMode):
@@ -252,11 +267,64 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     # modules whose forward reshapes sharded activations into heads: parents of colwise layers
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
-    for fqn, parts in plan.parts.items():
-        bad = [p for p in parts if p % tp]
-        if bad:
-            raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
+    _slice_kv_and_unequal_parts(model, plan, tp)
     return plan
+
+
+def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
+    """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
+    geo = _geometry(model.config)
+    heads = geo.get("num_attention_heads", 0)
+    kv = geo.get("num_key_value_heads", heads)
+    d = next(iter(_head_widths(model.config)))
+    replicated = kv < tp
+    plan.kv_heads = (kv, 1 if replicated else kv // tp)
+
+    def kv_head(rank: int) -> int:  # the kv head rank's query heads read, when kv < tp
+        return rank // (tp // kv)
+
+    for fqn, style in plan.styles.items():
+        module, parent = model.get_submodule(fqn), fqn.rpartition(".")[0]
+        if style == "colwise" and replicated and parent in plan.attention and out_features(module) == kv * d:
+            siblings = [out_features(m) for _, m in model.get_submodule(parent).named_children() if is_linear(m)]
+            if heads * d in siblings:
+                plan.sliced[fqn] = [[(kv_head(r) * d, (kv_head(r) + 1) * d)] for r in range(tp)]
+        elif style == "packed_colwise":
+            parts = plan.parts[fqn]
+            kv_part = [replicated and p == kv * d and kv != heads for p in parts]
+            bad = [p for p, rep in zip(parts, kv_part) if p % tp and not rep]
+            if bad:
+                raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
+            if len(set(parts)) > 1 or any(kv_part):
+                plan.sliced[fqn] = [
+                    _packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0) for r in range(tp)
+                ]
+    if replicated:
+        owners = {f.rpartition(".")[0] for f in plan.sliced}
+        for name in plan.attention:
+            module = model.get_submodule(name)
+            if name not in owners and any(isinstance(getattr(module, a, None), int) for a in _KV_COUNT_ATTRS):
+                valid = [t for t in _valid_tps(geo) if kv % t == 0]
+                raise ConfigError(
+                    f"parallel.tp={tp} exceeds the model's num_key_value_heads={kv} and {name} "
+                    f"({type(module).__name__}) fuses them in a layout shardlm cannot replicate per rank; "
+                    f"valid tp values for this model: {', '.join(map(str, valid))}"
+                )
+
+
+_KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "num_key_value_groups")
+
+
+def _packed_rows(parts: list[int], kv_part: list[bool], rank: int, tp: int, d: int, head: int) -> list[tuple[int, int]]:
+    """Rank's rows of a packed projection: its chunk of every part, or its kv head's rows."""
+    rows, offset = [], 0
+    for size, replicated_kv in zip(parts, kv_part):
+        if replicated_kv:
+            rows.append((offset + head * d, offset + (head + 1) * d))
+        else:
+            rows.append((offset + rank * size // tp, offset + (rank + 1) * size // tp))
+        offset += size
+    return rows
 
 
 def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
@@ -290,6 +358,10 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
+        if fqn in plan.sliced:
+            local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
+            used = sum(b - a for a, b in plan.sliced[fqn][0])
+            source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
         rows.append(
             {
                 "module": fqn,
@@ -311,8 +383,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _valid_tps(*sizes: int) -> list[int]:
-    return [t for t in range(1, min(sizes) + 1) if all(s % t == 0 for s in sizes)]
+def _valid_tps(sizes: dict[str, int]) -> list[int]:
+    """TP degrees that divide every size, and divide or are a multiple of the kv head count (a
+    rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated)."""
+    kv = sizes.get("num_key_value_heads")
+    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv]
+    return [
+        t
+        for t in range(1, min(rest) + 1)
+        if all(s % t == 0 for s in rest) and (kv is None or kv % t == 0 or t % kv == 0)
+    ]
 
 
 def _geometry(config) -> dict[str, int]:
@@ -338,13 +418,18 @@ def check_config_geometry(config, tp: int) -> None:
     if tp == 1:
         return
     present = _geometry(config)
+    valid = ", ".join(map(str, _valid_tps(present)))
     for key, size in present.items():
-        if size % tp:
-            valid = _valid_tps(*present.values())
+        if size % tp and key != "num_key_value_heads":
             raise ConfigError(
-                f"parallel.tp={tp} does not divide the model's {key}={size}; "
-                f"valid tp values for this model: {', '.join(map(str, valid))}"
+                f"parallel.tp={tp} does not divide the model's {key}={size}; valid tp values for this model: {valid}"
             )
+    kv = present.get("num_key_value_heads")
+    if kv is not None and kv % tp and tp % kv:
+        raise ConfigError(
+            f"parallel.tp={tp} neither divides nor is a multiple of the model's num_key_value_heads={kv} (a rank's "
+            f"query heads would read parts of two kv heads); valid tp values for this model: {valid}"
+        )
 
 
 def check_geometry(model_path: str, tp: int) -> None:

@@ -14,6 +14,10 @@ checkpoints keep their HF layout. Three styles are ours:
   sharded part by part with ``_StridedShard(dim, split_factor=P)``: rank r holds rows
   ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global view stays in HF
   order (consolidation and resharding need no permutation). The matmul runs on local tensors.
+* ``SlicedColwise`` (the plan's ``sliced`` entries: k/v with fewer kv heads than tp, packed
+  projections of unequal parts): parameters replicated on the TP mesh, each rank multiplies
+  only its rows; their gradients are summed over TP like ``replicate_grad_allreduce``. The
+  input's gradient joins the sibling colwise layers' partial sum (one all-reduce per sub-block).
 
 After TP, attention modules that read head counts from attributes (``self.num_heads``,
 ``self.split_size``, ``self.config.num_attention_heads``) get those set to the local values.
@@ -181,8 +185,51 @@ class PackedColwiseParallel(ParallelStyle):
         return module
 
 
-def make_style(style: str, parts: list[int] | None = None) -> ParallelStyle:
-    """The torch style for one word of the plan vocabulary (see ``plan.STYLES``)."""
+def _sliced_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Linear on this rank's rows of replicated parameters (``self.shardlm_rows``).
+
+    The input's gradient from this rank covers only these rows: declared Partial on the shared
+    view of ``x``, it is summed once over TP together with the sibling colwise layers'.
+    """
+    x = column_input(x, self.shardlm_mesh)
+    return sliced_linear(self, x, self.shardlm_rows)
+
+
+def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of each range of ``rows``, concatenated (a view when there is one range)."""
+    return torch.cat([t[a:b] for a, b in rows]) if len(rows) > 1 else t[rows[0][0] : rows[0][1]]
+
+
+def sliced_linear(module: nn.Module, x: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Linear on ``rows`` of the module's replicated (DTensor) weight and bias."""
+    bias = take_rows(module.bias.to_local(), rows) if module.bias is not None else None
+    return nn.functional.linear(x, take_rows(module.weight.to_local(), rows), bias)
+
+
+class SlicedColwise(ParallelStyle):
+    """Replicated nn.Linear whose forward computes only this rank's output rows (see module docstring)."""
+
+    def __init__(self, rows: list[list[tuple[int, int]]]):
+        super().__init__()
+        self.rows = rows
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"sliced colwise needs nn.Linear, got {type(module).__name__}")
+        _shard_params(
+            module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
+        )
+        module.shardlm_rows = self.rows[device_mesh.get_local_rank()]
+        module.shardlm_mesh = device_mesh  # the object sibling Colwise layers see (their shared view's key)
+        module.forward = types.MethodType(_sliced_linear_forward, module)
+        return module
+
+
+def make_style(style: str, parts: list[int] | None = None, rows: list | None = None) -> ParallelStyle:
+    """The torch style for one word of the plan vocabulary (see ``plan.STYLES``); ``rows``: the
+    plan's ``sliced`` entry (replicated parameters, per-rank output rows)."""
+    if rows is not None:
+        return SlicedColwise(rows)
     if style == "colwise":
         return Colwise()
     if style == "rowwise":
@@ -215,6 +262,7 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
         if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS + _KV_ATTRS):
@@ -223,34 +271,46 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             value = getattr(module, attr, None)
             if isinstance(value, bool) or not isinstance(value, int):
                 continue
-            if (
-                (attr in _HEAD_ATTRS and value == heads)
-                or (attr in _KV_ATTRS and value == kv)
-                or (attr in _WIDTH_ATTRS and value == heads * head_dim)
-            ):
+            if (attr in _HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
                 setattr(module, attr, value // tp)
+            elif attr in _KV_ATTRS and value == kv:
+                setattr(module, attr, local_kv)
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            module.num_key_value_groups = (heads // tp) // local_kv
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
                 if isinstance(getattr(config, attr, None), int):
-                    setattr(local, attr, getattr(config, attr) // tp)
+                    value = getattr(config, attr)
+                    setattr(local, attr, local_kv if attr in _KV_ATTRS and value == kv else value // tp)
             module.config = local
 
 
 def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
-    """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``)."""
+    """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``
+    and the replicated parameters of sliced projections)."""
     return [
         f"{fqn}.{pname}"
         for fqn, style in plan.styles.items()
-        if style == "replicate_grad_allreduce"
+        if style == "replicate_grad_allreduce" or fqn in plan.sliced
         for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
     ]
 
 
 @torch.no_grad()
 def sum_tp_partial_grads(model: nn.Module, names: list[str], tp_group: dist.ProcessGroup) -> None:
-    """All-reduce over TP the gradients that each rank computed from its own heads only."""
+    """All-reduce over TP the gradients that each rank computed from its own heads only: one
+    all-reduce per dtype over the flattened gradients (they are small: norms, kv projections)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for name in names:
         grad = model.get_parameter(name).grad
         if grad is not None:
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=tp_group)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
