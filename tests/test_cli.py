@@ -97,14 +97,11 @@ BAD_INPUT = {
     "nproc_mismatch": ("good", ["parallel.tp=2", "--nproc", "3"], ["--nproc 3", "= 2"]),
     "invalid_yaml": ("bad_yaml", [], ["bad.yaml", "not valid YAML", "line"]),
     "override_without_equals": ("good", ["train.max_steps"], ["train.max_steps", "KEY=VALUE"]),
-    "lora_target_missing": ("good", ["lora.target_modules=[nope]"], ["lora.target_modules", "nope"]),
     "lora_on_vocab_parallel_head": (
         "good",
         ["parallel.tp=2", "lora.target_modules=[lm_head]"],
         ["lora.target_modules", "'lm_head'", "colwise, rowwise, packed_colwise", "remove it"],
     ),
-    "lora_bad_r": ("good", ["lora.r=0"], ["lora.r", ">= 1"]),
-    "lora_adapter_missing": ("good", ["lora.adapter={root}/nope"], ["lora.adapter", "nope", "not a directory"]),
 }
 
 
@@ -173,6 +170,9 @@ IN_PROCESS_BAD = {
     "override_value_not_yaml": (None, ["train.output_dir=[unclosed"], "train.output_dir=[unclosed"),
     "override_into_a_value": (None, ["model.path=x"], "'model' is not a section"),
     "section_not_mapping": (None, ["parallel=4"], "'parallel' must be a mapping"),
+    "lora_target_missing": (None, ["lora.target_modules=[nope]"], "lora.target_modules: Target modules {'nope'}"),
+    "lora_bad_r": (None, ["lora.r=0"], "lora.r must be >= 1"),
+    "lora_adapter_missing": (None, ["lora.adapter=/no/such/adapter"], "lora.adapter: '/no/such/adapter' is not a"),
 }
 
 
