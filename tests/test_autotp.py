@@ -76,28 +76,31 @@ def count_collectives(paths: list[str], tp: int = 2) -> dict:
     trainer's sum of TP-partial gradients (``sum_tp_partial_grads``)."""
     from shardlm import build_mesh, init_distributed, parallelize
     from shardlm.config import ParallelConfig
-    from shardlm.loss import loss_context, token_loss_sum
-    from shardlm.styles import sum_tp_partial_grads
 
     init_distributed()
     mesh = build_mesh(ParallelConfig(tp=tp))
-    out = {}
-    for path in paths:
-        model = parallelize(path, mesh)
-        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-        modes = [CountCollectives() for _ in range(4)]
-        with modes[0]:
-            logits = model(input_ids=ids).logits
-        with loss_context(True):
-            with modes[1]:
-                loss = token_loss_sum(logits, ids)
-            with modes[2]:
-                loss.backward()
-        with modes[3]:
-            if model.shardlm_tp_partial_grads:
-                sum_tp_partial_grads(model, model.shardlm_tp_partial_grads, mesh.tp.get_group())
-        out[path] = [dict(m.counts) for m in modes]
-    return out
+    return {path: model_collectives(parallelize(path, mesh), mesh) for path in paths}
+
+
+def model_collectives(model, mesh) -> list[dict]:
+    """Collectives of one micro-batch of ``model``: forward, loss, backward, and the trainer's sum
+    of TP-partial gradients."""
+    from shardlm.loss import loss_context, token_loss_sum
+    from shardlm.styles import sum_tp_partial_grads
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    modes = [CountCollectives() for _ in range(4)]
+    with modes[0]:
+        logits = model(input_ids=ids).logits
+    with loss_context(True):
+        with modes[1]:
+            loss = token_loss_sum(logits, ids)
+        with modes[2]:
+            loss.backward()
+    with modes[3]:
+        if model.shardlm_tp_partial_grads:
+            sum_tp_partial_grads(model, model.shardlm_tp_partial_grads, mesh.tp.get_group())
+    return [dict(m.counts) for m in modes]
 
 
 def tp2_body(paths: list[str], counted: list[str]) -> tuple[dict, dict]:

@@ -79,27 +79,17 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
                 dist.all_gather(copies, local.contiguous(), group=mesh.tp.get_group())
                 if all(pl.is_replicate() for pl in p.placements[-1:]):
                     same &= all(torch.equal(c, copies[0]) for c in copies)
-        counts = count_collectives(model) if layout == {"tp": 2} else None
+        counts = count_collectives(model, mesh) if layout == {"tp": 2} else None
         out[path] = {"steps": [(h["loss"], h["grad_norm"]) for h in history], "tp_same": same, "counts": counts}
     return out
 
 
-def count_collectives(model) -> tuple[int, int, int]:
-    """All-reduces in the forward, the loss and the backward of one micro-batch (tp=2)."""
-    from test_autotp import CountCollectives
+def count_collectives(model, mesh) -> tuple[int, ...]:
+    """All-reduces in the forward, the loss, the backward of one micro-batch and the sum of the
+    replicated adapters' gradients (tp=2)."""
+    from test_autotp import model_collectives
 
-    from shardlm.loss import loss_context, token_loss_sum
-
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    modes = [CountCollectives() for _ in range(3)]
-    with modes[0]:
-        logits = model(input_ids=ids).logits
-    with loss_context(True):
-        with modes[1]:
-            loss = token_loss_sum(logits, ids)
-        with modes[2]:
-            loss.backward()
-    return tuple(sum(m.counts.values()) for m in modes)
+    return tuple(sum(c.values()) for c in model_collectives(model, mesh))
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +121,8 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
             # as without LoRA (test_autotp: 5, 3, 5), base and adapter share each layer's one
             # all-reduce, less one in the backward: with the embedding and the first norm frozen,
             # nothing needs the gradient of the first block's input. The replicated adapters'
-            # gradient sum runs once per optimizer step, outside this count.
-            assert got[path]["counts"] == (5, 3, 4), (family, got[path]["counts"])
+            # gradients are summed in one all-reduce per optimizer step.
+            assert got[path]["counts"] == (5, 3, 4, 1), (family, got[path]["counts"])
 
 
 RESUME_LORA = LoraConfig(

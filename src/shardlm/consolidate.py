@@ -24,6 +24,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -219,20 +220,28 @@ def consolidate(
     unpack = unpack_for(marker)
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
-    tmp = f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    try:
+    with staged(out) as tmp:
         count = _write(step_dir, tmp, groups, target, unpack)
         _copy_hf_files(step_dir, tmp, target)
         checked = verify(step_dir, tmp, target, unpack, sources)
         if checked != count:
             raise VerificationError(f"wrote {count} tensors but verified {checked}")
+    print(CHECK_MESSAGE.format(n=checked), flush=True)
+    return checked
+
+
+@contextmanager
+def staged(out: str):
+    """A fresh ``OUT.tmp-<id>`` directory to write into: renamed to ``out`` if the block succeeds,
+    removed if it fails, so nothing half-written is ever left at ``out``."""
+    tmp = f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        yield tmp
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(CHECK_MESSAGE.format(n=checked), flush=True)
-    return checked
 
 
 def _write(step_dir: str, out: str, groups: list[list[Source]], target: torch.dtype, unpack: Unpack) -> int:

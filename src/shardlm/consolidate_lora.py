@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
+import tempfile
 
 import torch
 
 from shardlm import lora
 from shardlm.checkpoint import load_dcp, read_metadata
-from shardlm.consolidate import CHECK_MESSAGE, VerificationError, _copy_hf_files, _same_bits
+from shardlm.consolidate import CHECK_MESSAGE, VerificationError, _copy_hf_files, _same_bits, staged
 from shardlm.errors import ConfigError
 
 
@@ -90,20 +89,14 @@ def _write_merged(adapter_dir: str, out: str, marker: dict, dtype: torch.dtype) 
 
 def consolidate_lora(step_dir: str, marker: dict, out: str, dtype: torch.dtype, merge: bool) -> int:
     """Write the adapter (or the merged model) of ``step_dir`` to ``out``; returns tensors verified."""
-    tmp = f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    try:
-        count = _write_adapter(step_dir, tmp, marker, dtype if not merge else torch.float32)
-        if merge:
-            adapter_dir, tmp = tmp, f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
+    if not merge:
+        with staged(out) as tmp:
+            count = _write_adapter(step_dir, tmp, marker, dtype)
+    else:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as adapter_dir:
+            _write_adapter(step_dir, adapter_dir, marker, torch.float32)
+            with staged(out) as tmp:
                 count = _write_merged(adapter_dir, tmp, marker, dtype)
                 _copy_hf_files(step_dir, tmp, dtype)
-            finally:
-                shutil.rmtree(adapter_dir, ignore_errors=True)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(CHECK_MESSAGE.format(n=count), flush=True)
     return count
