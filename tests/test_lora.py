@@ -47,12 +47,18 @@ def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0) -
     return out
 
 
-def peft_reference(model_path: str, adapter: str, steps: int = 5):
-    from peft import PeftModel
+def peft_reference(model_path: str, adapter: str, steps: int = 5) -> tuple[list, dict]:
+    """One-process peft training: (loss, grad_norm) per step and the trained adapter's tensors."""
+    from peft import PeftModel, get_peft_model_state_dict
 
-    return plain_reference(
-        model_path, GLOBAL_BATCH, steps, wrap=lambda m: PeftModel.from_pretrained(m, adapter, is_trainable=True)
-    )
+    models = []
+
+    def wrap(model):
+        models.append(PeftModel.from_pretrained(model, adapter, is_trainable=True))
+        return models[0]
+
+    steps = plain_reference(model_path, GLOBAL_BATCH, steps, wrap=wrap)
+    return steps, get_peft_model_state_dict(models[0])
 
 
 def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps: int = 5) -> dict:
@@ -65,7 +71,8 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
     init_distributed()
     out = {}
     for path, adapter in runs:
-        cfg = train_config(path, layout, per_device, 1, steps)
+        saves = {"save_steps": steps, "output_dir": os.path.join(path, "out")} if layout == {"tp": 2} else {}
+        cfg = train_config(path, layout, per_device, 1, steps, **saves)
         cfg.lora = LoraConfig(adapter=adapter)
         mesh = build_mesh(cfg.parallel)
         model = parallelize(path, mesh, seed=0, lora_config=cfg.lora)
@@ -115,8 +122,22 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
     got = run_ranks(lora_rank, world, runs, layout, per_device)
     for path, adapter in runs:
         family = os.path.basename(path)
-        assert_parity(got[path]["steps"], peft_reference(path, adapter), label=f"{family} {layout}")
+        ref_steps, ref_adapter = peft_reference(path, adapter)
+        assert_parity(got[path]["steps"], ref_steps, label=f"{family} {layout}")
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
+        if layout == {"tp": 2}:
+            # the exported adapter is what one-process peft trained, fused projections included
+            # (lora_B of packed qkv/gate_up in HF row order, nothing averaged)
+            from safetensors.torch import load_file
+
+            from shardlm.consolidate import consolidate
+
+            out = os.path.join(path, "adapter-out")
+            consolidate(os.path.join(path, "out"), out)
+            ours = load_file(os.path.join(out, "adapter_model.safetensors"))
+            assert ours.keys() == ref_adapter.keys(), family
+            for key, value in ref_adapter.items():
+                assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), (family, key)
         if got[path]["counts"] is not None:
             # as without LoRA (test_autotp: 5, 3, 5), base and adapter share each layer's one
             # all-reduce, less one in the backward: with the embedding and the first norm frozen,

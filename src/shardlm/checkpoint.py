@@ -305,7 +305,7 @@ def save_checkpoint(trainer) -> str:
         os.makedirs(os.path.join(tmp, "rng"))
         _copy_hf_files(cfg, os.path.join(tmp, "hf"))
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
+    model_sd, optim_sd = _state_dicts(trainer)
     state, _ = _dcp_view({"model": model_sd, "optim": optim_sd})
     dcp.save(state, storage_writer=FileSystemWriter(tmp))
     from safetensors.torch import save_file
@@ -401,6 +401,16 @@ def _options(trainer) -> StateDictOptions:
     return LORA_OPTIONS if getattr(trainer.model, "shardlm_lora", None) is not None else OPTIONS
 
 
+def _state_dicts(trainer) -> tuple[dict, dict]:
+    """Model and optimizer state to save or fill. In a LoRA run only what trains: torch's
+    ``ignore_frozen_params`` misses the second name of a tied frozen weight (GPT-2's lm_head)."""
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
+    if getattr(trainer.model, "shardlm_lora", None) is not None:
+        trains = {n for n, p in trainer.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trains}
+    return model_sd, optim_sd
+
+
 def lora_marker(model) -> dict | None:
     """What the marker records of a LoRA run: the peft config (``consolidate`` writes it out)."""
     cfg = getattr(model, "shardlm_lora", None)
@@ -427,7 +437,7 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
     check_compatible(step_dir, marker, trainer.config, len(trainer.dataset))
     _check_lora(step_dir, marker, trainer)
     metadata = read_metadata(step_dir)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
+    model_sd, optim_sd = _state_dicts(trainer)
     _check_shapes(step_dir, metadata, model_sd)
     originals = {"model": model_sd, "optim": optim_sd}
     state, strided = _dcp_view(originals)
