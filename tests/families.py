@@ -82,6 +82,10 @@ def family_config(family: str, **overrides):
             tf.OlmoConfig,
             dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=0),
         ),
+        "olmo2": (
+            tf.Olmo2Config,
+            dict(intermediate_size=64, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=0),
+        ),
     }
     cls, extra = specs[family]
     kwargs = {**base, **extra, **overrides}

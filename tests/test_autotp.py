@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Granite (multipliers), Phi-3 (packed qkv and gate_up), GPT-2 (Conv1D, packed c_attn, learned
 # positions, tied), GPT-NeoX (per-head fused qkv, partial rotary), OPT (no plan anywhere),
 # Falcon (new decoder architecture, parallel attention/MLP), StableLM, Phi, OLMo, Phi-3 with GQA
-# (packed qkv_proj of unequal parts: stored replicated, each rank computes its rows)
+# (packed qkv_proj of unequal parts: stored replicated, each rank computes its rows), OLMo-2
+# (q_norm/k_norm across the whole sharded q/k width: sharded_norm)
 FAMILIES = [
     "llama",
     "mistral",
@@ -37,6 +38,7 @@ FAMILIES = [
     "phi",
     "olmo",
     "phi3_gqa",
+    "olmo2",
 ]
 PARTIAL_GRADS = {"qwen3", "phi3_gqa"}  # models whose TP-partial gradients are summed after backward
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
@@ -121,7 +123,9 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # read one shared norm output, so their input gradients meet in one all-reduce per block.
         # TP-partial gradients (Qwen3's q/k norms, Phi-3 GQA's replicated qkv_proj): one
         # all-reduce per step over all of them, flattened.
-        expected = (5, 3, 3) if family == "phi" else (5, 3, 5)
+        # OLMo-2: its q_norm and k_norm each all-reduce a [tokens, 1] sum of squares, forward
+        # and backward (2 per block each way), instead of gathering q and k as its HF plan does.
+        expected = {"phi": (5, 3, 3), "olmo2": (9, 3, 9)}.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
 
@@ -283,6 +287,13 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
     assert main(["plan", tp2["falcon"], "--tp", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_key_value_heads=2" in err[0] and err[0].endswith("values for this model: 1, 2")
+    # OLMo-2's k_norm spans all kv heads: no replication either
+    assert main(["plan", tp2["olmo2"], "--tp", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "k_norm normalizes across all kv heads" in err[0] and err[0].endswith("1, 2"), err
+    # its sharded norms are in the plan, sharded like q/k
+    assert main(["plan", tp2["olmo2"], "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model.layers.0.self_attn.k_norm"] == "sharded_norm"
     # a rank's query heads would straddle two kv heads (12 heads, 4 kv heads, tp=6): refused
     odd = write_family_dir(
         str(tmp_path / "odd"),

@@ -49,7 +49,7 @@ from torch import nn
 from shardlm.errors import ConfigError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head")
+_TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head", "sharded_norm")
 GIB = 1024**3
 
 
@@ -86,7 +86,7 @@ def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
         return 0
     if style == "rowwise":
         return None if pname == "bias" else (0 if conv1d else 1)
-    return 1 if conv1d and pname == "weight" else 0  # colwise, packed_colwise, lm_head: output features
+    return 1 if conv1d and pname == "weight" else 0  # colwise, packed_colwise, lm_head, sharded_norm: output features
 
 
 def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:

@@ -12,6 +12,8 @@ A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
 ``lm_head``  output projection sharded by vocabulary; the loss runs on the vocab shards
 ``replicate_grad_allreduce``  parameters acting on sharded activations per head (Qwen3's
              q_norm/k_norm): replicated, gradients summed over the TP group
+``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
+             column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
 ``replicate`` every other module owning parameters (norms, learned positions)
 
 The algorithm (no table of model names): run one forward of the model on the meta device
@@ -26,7 +28,8 @@ projection is fused: a split/chunk/slice of the last dim means packed parts (GPT
 Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving (GPT-NeoX),
 which plain column sharding already keeps whole. A module with parameters that reads a
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
-width (OLMo-2's full-width q/k norm), which is refused. The model's own
+width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (any other
+module is refused). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
@@ -54,7 +57,16 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
 
-STYLES = ("colwise", "rowwise", "packed_colwise", "embedding", "lm_head", "replicate_grad_allreduce", "replicate")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "embedding",
+    "lm_head",
+    "replicate_grad_allreduce",
+    "sharded_norm",
+    "replicate",
+)
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 # answers for data-dependent questions asked of meta tensors during the trace
@@ -177,10 +189,13 @@ def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
                 if any(p.shape[-1] == width and p.numel() == width for p in module.parameters(recurse=False)) and (
                     width not in _head_widths(meta.config)
                 ):
-                    raise ConfigError(
-                        f"parallel.tp: {name} ({type(module).__name__}) normalizes across the tensor-parallel "
-                        f"width {width}; this model cannot be split with tp > 1 yet, use parallel.fsdp instead"
-                    )
+                    if rms_norm_eps(module) is None:
+                        raise ConfigError(
+                            f"parallel.tp: {name} ({type(module).__name__}) normalizes across the tensor-parallel "
+                            f"width {width}; this model cannot be split with tp > 1 yet, use parallel.fsdp instead"
+                        )
+                    styles[name] = "sharded_norm"
+                    return
                 styles[name] = "replicate_grad_allreduce"
 
         return hook
@@ -209,6 +224,24 @@ def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
     return styles, parts
+
+
+def rms_norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of ``module`` if it computes ``weight * x / sqrt(mean(x^2) + eps)`` (in fp32),
+    checked by running a CPU copy of it on random numbers; None otherwise (LayerNorm, Gemma's
+    ``1 + weight``, anything else) so that only what ``sharded_norm`` reproduces gets it."""
+    import copy
+
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if [n for n, _ in module.named_parameters(recurse=False)] != ["weight"] or not isinstance(eps, float):
+        return None
+    probe = copy.deepcopy(module).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
+        x = torch.randn(3, probe.weight.shape[0], generator=g)
+        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return eps if torch.allclose(probe(x), want, rtol=1e-5, atol=1e-6) else None
 
 
 def _head_widths(config) -> set[int]:
@@ -283,6 +316,14 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
     def kv_head(rank: int) -> int:  # the kv head rank's query heads read, when kv < tp
         return rank // (tp // kv)
 
+    norms = [f for f, style in plan.styles.items() if style == "sharded_norm"]
+    norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms  # k_norm first
+    if replicated and norms:
+        valid = [t for t in _valid_tps(geo) if kv % t == 0]
+        raise ConfigError(
+            f"parallel.tp={tp} exceeds the model's num_key_value_heads={kv}, and {norms[0]} normalizes across all "
+            f"kv heads, which replicated kv heads cannot do; valid tp values: {', '.join(map(str, valid))}"
+        )
     for fqn, style in plan.styles.items():
         module, parent = model.get_submodule(fqn), fqn.rpartition(".")[0]
         if style == "colwise" and replicated and parent in plan.attention and out_features(module) == kv * d:
@@ -335,7 +376,7 @@ def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
 def _local_shape(shape: tuple[int, ...], name: str, style: str, conv1d: bool, tp: int) -> tuple[int, ...]:
     """Shape of one rank's piece of a parameter of a module with ``style``."""
     dim = None
-    if style in ("colwise", "packed_colwise", "lm_head", "embedding"):
+    if style in ("colwise", "packed_colwise", "lm_head", "embedding", "sharded_norm"):
         dim = 0 if name != "weight" or not conv1d else 1
     elif style == "rowwise" and name == "weight":
         dim = 0 if conv1d else 1
@@ -441,3 +482,7 @@ def check_geometry(model_path: str, tp: int) -> None:
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
         raise ConfigError(f"model: cannot read '{model_path}/config.json': {str(exc).splitlines()[0]}") from None
     check_config_geometry(config, tp)
+    if tp > 1:  # what only the traced plan can refuse (Falcon's fused kv groups, OLMo-2 at kv < tp)
+        from shardlm.parallelize import build_meta_model
+
+        infer_plan(build_meta_model(model_path), tp)

@@ -225,6 +225,29 @@ class SlicedColwise(ParallelStyle):
         return module
 
 
+class ShardedRMSNorm(ParallelStyle):
+    """RMSNorm across a sharded width (OLMo-2's q_norm/k_norm after column-parallel q/k): the
+    weight is sharded like the activation; each rank sums the squares of its slice and one
+    all-reduce of that ``[tokens, 1]`` sum gives the full width's mean (in the backward, the
+    gradients of the sum are all-reduced the same way). No activation is gathered. The formula
+    is checked against the module's own forward when the plan is made (``plan.rms_norm_eps``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from shardlm.plan import rms_norm_eps
+
+        eps, width = rms_norm_eps(module), module.weight.shape[0]
+        _shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            h = x.float()
+            squares = DTensor.from_local(h.pow(2).sum(-1, keepdim=True), device_mesh, [Partial()], run_check=False)
+            total = squares.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            return (module.weight.to_local() * (h * torch.rsqrt(total / width + eps))).to(x.dtype)
+
+        module.forward = forward
+        return module
+
+
 def make_style(style: str, parts: list[int] | None = None, rows: list | None = None) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (see ``plan.STYLES``); ``rows``: the
     plan's ``sliced`` entry (replicated parameters, per-rank output rows)."""
@@ -244,6 +267,8 @@ def make_style(style: str, parts: list[int] | None = None, rows: list | None = N
         return Colwise(output_layouts=Shard(-1), use_local_output=False)
     if style in ("replicate", "replicate_grad_allreduce"):
         return ReplicateParallel()
+    if style == "sharded_norm":
+        return ShardedRMSNorm()
     raise ValueError(f"unknown TP style '{style}'")
 
 
