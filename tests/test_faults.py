@@ -116,7 +116,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def skip_run(model: str, output_dir: str) -> dict:
-    """NaN logits at step 2: its update is skipped, weights and optimizer state stay as after step 1."""
+    """NaN logits at step 2: its update is skipped, the weights stay as after step 1."""
     patch_forward({2}, nan_logits)
     t = trainer(model, output_dir, save_steps=0)
     records, snapshots = [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ MODELS = {
     "llama_kv1": ("llama", {"num_key_value_heads": 1}, LLAMA),
 }
 FSDP_MODELS = ("llama", "phi3", "gpt2")
+TARGETS_OF = {"gpt2": "c_attn", "qwen3": "q_proj", "llama": "q_proj"}
 GLOBAL_BATCH = 4
 
 
@@ -245,3 +247,25 @@ def test_adapter_config_conflicts_are_refused_by_name(tmp_path):
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ConfigError, match="lora.adapter: .* uses use_dora"):
         load_config(raw=raw)
+
+
+@pytest.mark.parametrize(
+    "family,overrides,message",
+    [
+        ("gpt2", ["parallel.tp=2", "lora.modules_to_save=[lm_head]"], "'lm_head' is tied to another module"),
+        ("qwen3", ["parallel.tp=2", "lora.modules_to_save=[q_norm]"], "q_norm' is a replicate_grad_allreduce layer"),
+        ("llama", ["lora.target_modules=[embed_tokens]"], "'model.embed_tokens' is not a linear layer (Embedding)"),
+    ],
+    ids=["tied_head_under_tp", "per_head_norm_under_tp", "embedding_target"],
+)
+def test_lora_layouts_shardlm_cannot_place_are_refused(tmp_path, family, overrides, message):
+    """Refused before spawning, by name, instead of training a copy that drifts across TP ranks."""
+    from shardlm import ConfigError
+    from shardlm.config import load_config
+
+    path = write_model_dir(str(tmp_path / family), family)
+    data = tmp_path / "d.txt"
+    data.write_text("a b c\n")
+    raw = {"model": path, "data": {"path": str(data)}, "lora": {"target_modules": [TARGETS_OF[family]]}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(raw=raw, overrides=overrides)

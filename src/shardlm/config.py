@@ -283,7 +283,12 @@ def validate(cfg: Config) -> None:
     if cfg.lora is not None:
         from shardlm.lora import check_lora
 
-        check_lora(cfg)
+        check_lora(cfg)  # traces the plan too
+    elif p.tp > 1:  # what only the traced plan can refuse (Falcon's fused kv groups, OLMo-2 at kv < tp)
+        from shardlm.parallelize import build_meta_model
+        from shardlm.plan import infer_plan
+
+        infer_plan(build_meta_model(cfg.model), p.tp)
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.config import Config, LoraConfig
 from shardlm.errors import ConfigError
+from shardlm.loss import as_local
 from shardlm.plan import Plan
 from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style, sliced_linear
 
@@ -61,13 +62,19 @@ def _adapter_config(path: str):
 
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
         raise ConfigError(f"lora.adapter: '{path}' is not a peft adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    with open(os.path.join(path, CONFIG_FILE)) as fh:
-        raw = json.load(fh)
-    if raw.get("peft_type") != "LORA":
-        raise ConfigError(f"lora.adapter: '{path}' holds a {raw.get('peft_type')} adapter; only LORA adapters train")
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"lora.adapter: '{path}/{CONFIG_FILE}' cannot be read ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        kind = raw.get("peft_type") if isinstance(raw, dict) else None
+        raise ConfigError(f"lora.adapter: '{path}' holds a {kind} adapter; only LORA adapters train")
     for flag in ("use_dora", "lora_bias", "use_qalora"):
         if raw.get(flag):
             raise ConfigError(f"lora.adapter: '{path}' uses {flag}, which shardlm does not place; use a plain LoRA")
+    if raw.get("bias", "none") != "none":
+        raise ConfigError(f"lora.adapter: '{path}' trains biases (bias={raw['bias']!r}); only bias='none' is placed")
     return PeftLoraConfig.from_pretrained(path)
 
 
@@ -77,12 +84,22 @@ def peft_config(lcfg: LoraConfig, model: nn.Module):
 
     if lcfg.adapter:
         cfg = _adapter_config(lcfg.adapter)
-        mine = {"r": lcfg.r, "alpha": lcfg.alpha, "target_modules": lcfg.target_modules}
-        theirs = {"r": cfg.r, "alpha": cfg.lora_alpha, "target_modules": cfg.target_modules}
+        mine = {
+            "r": lcfg.r,
+            "alpha": lcfg.alpha,
+            "target_modules": lcfg.target_modules,
+            "modules_to_save": lcfg.modules_to_save,
+        }
+        theirs = {
+            "r": cfg.r,
+            "alpha": cfg.lora_alpha,
+            "target_modules": cfg.target_modules,
+            "modules_to_save": cfg.modules_to_save,
+        }
         for key, value in mine.items():
             same = value is None or (
-                sorted(value) == sorted(theirs[key])
-                if key == "target_modules" and not isinstance(value, str)
+                sorted(value) == sorted(theirs[key] or [])
+                if key in ("target_modules", "modules_to_save") and not isinstance(value, str)
                 else value == theirs[key]
             )
             if not same:
@@ -137,6 +154,14 @@ def check_lora(cfg: Config) -> None:
     model = build_meta_model(cfg.model)
     plan = infer_plan(model, cfg.parallel.tp)
     inject(model, lcfg)
+    from peft.tuners.lora import Linear as PeftLinear
+
+    for name, module in model.named_modules():
+        if _is_lora_layer(module) and not isinstance(module, PeftLinear):
+            raise ConfigError(
+                f"lora.target_modules: '{name}' is not a linear layer ({type(module.get_base_layer()).__name__}); "
+                "shardlm trains LoRA on linear projections only, remove it (or list it in lora.modules_to_save)"
+            )
     lora_styles(model, plan)  # raises for a target the plan gives no LoRA placement
 
 
@@ -223,10 +248,22 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                 )
             styles[fqn] = LoraParallel(style, len(plan.parts.get(fqn, [1])))
         elif _is_modules_to_save(module):
+            if fqn in plan.sliced or style == "replicate_grad_allreduce" or _tied(model, module):
+                why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"
+                raise ConfigError(
+                    f"lora.modules_to_save: '{fqn}' {why} under tensor parallelism, which shardlm cannot train "
+                    "as a separate copy; remove it from modules_to_save or use parallel.fsdp instead of tp"
+                )
             del styles[fqn]
             styles[f"{fqn}.original_module"] = make_style(style, plan.parts.get(fqn))
             styles[f"{fqn}.modules_to_save.{ADAPTER}"] = make_style(style, plan.parts.get(fqn))
     return styles
+
+
+def _tied(model: nn.Module, wrapper: nn.Module) -> bool:
+    """Whether a ``modules_to_save`` module's original shares a parameter with another module."""
+    mine = {id(p) for p in wrapper.original_module.parameters()}
+    return any(id(p) in mine for n, p in model.named_parameters(remove_duplicate=False) if ".original_module." not in n)
 
 
 def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
@@ -275,11 +312,7 @@ def copy_modules_to_save(model: nn.Module) -> None:
         if _is_modules_to_save(module) and ADAPTER in module.modules_to_save:
             copy = dict(module.modules_to_save[ADAPTER].named_parameters())
             for name, param in module.original_module.named_parameters():
-                _local(copy[name]).copy_(_local(param))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+                as_local(copy[name]).copy_(as_local(param))
 
 
 @torch.no_grad()
@@ -293,7 +326,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         if f".lora_A.{ADAPTER}." in name:
             fill_from_full(param, nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=gen))
         elif f".lora_B.{ADAPTER}." in name:
-            _local(param).zero_()
+            as_local(param).zero_()
 
 
 @torch.no_grad()

@@ -31,9 +31,9 @@ from typing import IO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardlm.config import TrainConfig
+from shardlm.loss import as_local
 
 PEAK_TFLOPS = (  # (substring of the lower-cased device name, dense bf16, dense fp32); first match wins
     ("h100 pcie", 756.0, 51.0),
@@ -71,18 +71,14 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def _local_numel(p: torch.Tensor) -> int:
-    return (p.to_local() if isinstance(p, DTensor) else p).numel()
-
-
 def describe_trainable(model: nn.Module) -> str:
     """Trainable vs all parameters, and this rank's AdamW state (2 fp32 tensors per trainable
     element, from the pieces it holds) against what full fine-tuning would keep."""
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     total = sum(p.numel() for p in params)
-    mine = sum(_local_numel(p) for p in params if p.requires_grad) * 8
-    full = sum(_local_numel(p) for p in params) * 8
+    mine = sum(as_local(p).numel() for p in params if p.requires_grad) * 8
+    full = sum(as_local(p).numel() for p in params) * 8
     return (
         f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%); "
         f"optimizer state {mine / 1e6:.2f} MB per rank (full fine-tuning: {full / 1e6:.2f} MB)"

@@ -265,9 +265,10 @@ def parallelize(
     if lora_config is not None:
         lora.inject(model, lora_config)
     if frozen_dtype is not None:
-        for param in {id(p): p for p in model.parameters()}.values():
-            if not param.requires_grad and param.is_floating_point():
-                param.data = param.data.to(frozen_dtype)  # in place: tied parameters stay one
+        for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
+            # a modules_to_save original stays fp32: its trained copy starts from it (lora.copy_modules_to_save)
+            if not param.requires_grad and param.is_floating_point() and ".original_module." not in name:
+                param.data = param.data.to(frozen_dtype)
     if mesh.parallel.tp > 1:
         apply_tp(model, mesh, plan)
     if mesh.parallel.dp_size > 1:

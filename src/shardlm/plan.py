@@ -482,7 +482,3 @@ def check_geometry(model_path: str, tp: int) -> None:
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
         raise ConfigError(f"model: cannot read '{model_path}/config.json': {str(exc).splitlines()[0]}") from None
     check_config_geometry(config, tp)
-    if tp > 1:  # what only the traced plan can refuse (Falcon's fused kv groups, OLMo-2 at kv < tp)
-        from shardlm.parallelize import build_meta_model
-
-        infer_plan(build_meta_model(model_path), tp)
