@@ -204,24 +204,6 @@ def test_fewer_kv_heads_than_tp_are_replicated_and_resume_and_consolidate(dirs, 
         torch.testing.assert_close(consolidated[key], param.detach(), rtol=1e-5, atol=2e-6, msg=key)
 
 
-def test_tp2_fsdp2_matches_one_process_with_packed_projections(dirs):
-    tp2, _ = dirs
-    paths = [tp2[f] for f in TP2_FSDP2]
-    got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
-    for family, path in zip(TP2_FSDP2, paths):
-        assert_parity(got[path], plain_reference(path, 4), label=family)
-
-
-def resume_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
-    """Rank body (4 ranks): GPT-2 and Phi-3 saved at tp=2 (step 5) resumed at tp=2 x fsdp=2."""
-    from test_checkpoint import train
-
-    return tuple(
-        train(paths[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
-        for f in ("gpt2", "phi3")
-    )
-
-
 def save_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
     """Rank body (2 ranks): 10 uninterrupted tp=2 steps of GPT-2 and Phi-3, saving at 5 and 10."""
     from test_checkpoint import train
@@ -229,17 +211,34 @@ def save_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
     return tuple(train(paths[f], "tp2", f"{root}/{f}") for f in ("gpt2", "phi3"))
 
 
-def test_packed_projections_checkpoint_resume_on_another_layout_and_consolidate(dirs, tmp_path, capsys):
-    """Strided (packed) parameters are written whole; a tp=2 save resumes at tp=2 x fsdp=2 and
-    consolidates to HF names that plain transformers loads with no missing keys."""
+def tp2_fsdp2_body(paths: list[str], packed: dict, root: str) -> tuple[dict, tuple]:
+    """Rank body (4 ranks): parity runs at tp=2 x fsdp=2, then GPT-2 and Phi-3 saved at tp=2
+    (step 5, by ``save_packed``) resumed at tp=2 x fsdp=2 (one spawn: a 4-rank start costs ~10 s)."""
+    from test_checkpoint import train
+
+    losses = shardlm_losses(paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    resumed = tuple(
+        train(packed[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
+        for f in ("gpt2", "phi3")
+    )
+    return losses, resumed
+
+
+def test_tp2_fsdp2_parity_and_packed_checkpoints_resume_there_and_consolidate(dirs, tmp_path, capsys):
+    """tp=2 x fsdp=2 matches one process (packed projections included). Strided (packed)
+    parameters are written whole; a tp=2 save resumes at tp=2 x fsdp=2 and consolidates to HF
+    names that plain transformers loads with no missing keys."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.cli import main
 
     tp2, _ = dirs
-    paths = {f: tp2[f] for f in ("gpt2", "phi3")}
-    full = run_ranks(save_packed, 2, paths, str(tmp_path))
-    resumed = run_ranks(resume_packed, 4, paths, str(tmp_path))
+    paths = [tp2[f] for f in TP2_FSDP2]
+    packed = {f: tp2[f] for f in ("gpt2", "phi3")}
+    full = run_ranks(save_packed, 2, packed, str(tmp_path))
+    got, resumed = run_ranks(tp2_fsdp2_body, 4, paths, packed, str(tmp_path))
+    for family, path in zip(TP2_FSDP2, paths):
+        assert_parity(got[path], plain_reference(path, 4), label=family)
     for uninterrupted, cont in zip(full, resumed):
         for a, b in zip(cont, uninterrupted[5:]):
             assert abs(a - b) <= 1e-5 * abs(b), (a, b)
