@@ -35,13 +35,22 @@ def models(tmp_path_factory):
     return paths, refs
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_layout_matches_one_process(models, layout_name):
+def layouts_losses(paths: list[str], names: list[str]) -> dict:
+    """Rank body: the layouts of ``names`` one after another in one world (a spawn costs ~8 s)."""
+    return {name: shardlm_losses(paths, *LAYOUTS[name]) for name in names}
+
+
+# layouts that share a world size run in one spawn; the 4-rank ones measured slower together
+GROUPS = [["one_process"], ["tp2", "fsdp2", "dp_replicate2"], ["tp2_fsdp2"], ["dp_replicate2_tp2"]]
+
+
+@pytest.mark.parametrize("names", GROUPS, ids=["+".join(g) for g in GROUPS])
+def test_layout_matches_one_process(models, names):
     paths, refs = models
-    layout, per_device, accum = LAYOUTS[layout_name]
     world = 1
-    for size in layout.values():
+    for size in LAYOUTS[names[0]][0].values():
         world *= size
-    got = run_ranks(shardlm_losses, world, list(paths.values()), layout, per_device, accum)
-    for name, path in paths.items():
-        assert_parity(got[path], refs[name])
+    got = run_ranks(layouts_losses, world, list(paths.values()), names)
+    for layout_name in names:
+        for name, path in paths.items():
+            assert_parity(got[layout_name][path], refs[name], label=f"{layout_name} {name}")
