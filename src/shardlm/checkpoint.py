@@ -2,7 +2,9 @@
 
 ``OUTPUT_DIR/checkpoints/step-N/`` holds
   * ``.metadata`` + ``__R_0.distcp``: DCP shards of ``{"model": ..., "optim": ...}`` keyed by
-    parameter FQN (``get_state_dict``), so any layout can load them (DCP reshards DTensors);
+    parameter FQN (``get_state_dict``), so any layout can load them (DCP reshards DTensors).
+    Each rank writes and reads only its own boxes, a packed projection's parts included
+    (``shards.py``): no tensor is gathered whole to save or load it;
   * ``rng/rankR.safetensors``: each rank's torch RNG states;
   * ``hf/``: the model's config.json, generation_config.json and tokenizer files, for consolidation;
   * ``shardlm_checkpoint.json`` (the marker, written last): step (= data position, the order being
@@ -33,15 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.errors import ConfigError
-from shardlm.parallelize import fill_from_full
+from shardlm.shards import LoadPlanner, PackedShards, SavePlanner, packed_view
 
 log = logging.getLogger("shardlm")
 
@@ -114,9 +114,10 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that reads non-tensor items (optimizer hyper-parameters) with
-    ``torch.load(weights_only=True)`` instead of full unpickling."""
+class SafeLoadPlanner(LoadPlanner):
+    """DCP's default load planner (``shards.LoadPlanner``: packed DTensors in place) that reads
+    non-tensor items (optimizer hyper-parameters) with ``torch.load(weights_only=True)`` instead
+    of full unpickling."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
@@ -278,23 +279,6 @@ def prune(output_dir: str, keep: int | None, current: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _dcp_view(state: dict) -> tuple[dict, dict]:
-    """``state`` with packed-projection DTensors (``_StridedShard`` on TP) as full tensors.
-
-    DCP addresses a shard as one contiguous box, which a strided shard is not; those
-    parameters (and their optimizer state) are written whole, once, and each rank takes its
-    piece back on load (``fill_from_full``). Returns the view and ``{(section, key): original}``.
-    """
-    view, strided = {}, {}
-    for section, sd in state.items():
-        view[section] = dict(sd)
-        for key, value in sd.items():
-            if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
-                view[section][key] = value.full_tensor()
-                strided[(section, key)] = value
-    return view, strided
-
-
 def save_checkpoint(trainer) -> str:
     """Collective: every rank writes its shards of model, optimizer and RNG into one step dir."""
     cfg, t = trainer.config, trainer.config.train
@@ -306,8 +290,8 @@ def save_checkpoint(trainer) -> str:
         _copy_hf_files(cfg, os.path.join(tmp, "hf"))
     dist.barrier()
     model_sd, optim_sd = _state_dicts(trainer)
-    state, _ = _dcp_view({"model": model_sd, "optim": optim_sd})
-    dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    state = {"model": packed_view(model_sd), "optim": packed_view(optim_sd)}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=SavePlanner())
     from safetensors.torch import save_file
 
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.safetensors"))
@@ -439,15 +423,12 @@ def load_checkpoint(trainer, step_dir: str) -> dict:
     metadata = read_metadata(step_dir)
     model_sd, optim_sd = _state_dicts(trainer)
     _check_shapes(step_dir, metadata, model_sd)
-    originals = {"model": model_sd, "optim": optim_sd}
-    state, strided = _dcp_view(originals)
-    load_dcp(state, step_dir)
-    for section, loaded in state.items():  # DCP replaces non-tensor entries (lr, betas) in the view
-        for key, value in loaded.items():
-            if (section, key) in strided:
-                fill_from_full(strided[(section, key)], value)
-            else:
-                originals[section][key] = value
+    state = {"model": packed_view(model_sd), "optim": packed_view(optim_sd)}
+    load_dcp(state, step_dir)  # tensors in place; non-tensor entries (lr, betas) replaced in ``state``
+    for section, loaded in (("model", model_sd), ("optim", optim_sd)):
+        for key, value in state[section].items():
+            if not isinstance(value, PackedShards):
+                loaded[key] = value
     set_state_dict(
         trainer.model,
         trainer.optimizer,

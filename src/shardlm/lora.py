@@ -45,6 +45,7 @@ from shardlm.config import Config, LoraConfig
 from shardlm.errors import ConfigError
 from shardlm.loss import as_local
 from shardlm.plan import Plan
+from shardlm.shards import fill_from_full
 from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style, sliced_linear
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
@@ -319,8 +320,6 @@ def copy_modules_to_save(model: nn.Module) -> None:
 def init_adapters(model: nn.Module, seed: int) -> None:
     """peft's default init (``lora_A`` Kaiming-uniform with a=sqrt(5), ``lora_B`` zero) from a
     generator seeded with ``seed``, in module order; each rank keeps its piece of the full tensors."""
-    from shardlm.parallelize import fill_from_full
-
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if f".lora_A.{ADAPTER}." in name:
@@ -333,8 +332,6 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 def load_adapter(model: nn.Module, path: str) -> None:
     """Fill every trainable parameter from a peft adapter directory (each rank reads its pieces)."""
     from safetensors import safe_open
-
-    from shardlm.parallelize import fill_from_full
 
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as fh:
         saved = set(fh.keys())

@@ -21,15 +21,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm import lora
 from shardlm.config import LoraConfig
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.plan import Plan, infer_plan
+from shardlm.shards import LoadPlanner, fill_from_full, packed_view
 from shardlm.styles import localize_geometry, make_style, tp_partial_grad_params
 
 
@@ -143,54 +142,6 @@ def _tied_keys(model: nn.Module) -> set[str]:
     return tied
 
 
-def is_strided(param: torch.Tensor) -> bool:
-    """A packed projection's parameter (``_StridedShard`` on TP): filled tensor by tensor, because
-    DCP and ``set_model_state_dict`` address shards as single contiguous boxes."""
-    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
-
-
-def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``full`` for ``param``, without communication.
-
-    Placements are applied right to left, TP first, then FSDP's chunking of the TP-local
-    tensor, which is how FSDP2 shards a TP DTensor. On the TP dim a ``_StridedShard`` is a
-    packed projection: each of its parts is chunked on its own.
-    """
-    if not isinstance(param, DTensor):
-        return full
-    mesh, piece = param.device_mesh, full
-    for dim in reversed(range(mesh.ndim)):
-        placement, n, coord = param.placements[dim], mesh.size(dim), mesh.get_local_rank(dim)
-        strided = isinstance(placement, _StridedShard)  # not a Shard subclass in torch 2.13
-        if not (strided or placement.is_shard()):
-            continue
-        d = placement.dim
-        if strided and mesh.mesh_dim_names[dim] == "tp":
-            parts = piece.chunk(placement.split_factor, d)
-            piece = torch.cat([part.chunk(n, d)[coord] for part in parts], d)
-        else:
-            chunks = piece.chunk(n, d)
-            piece = chunks[coord] if coord < len(chunks) else piece.narrow(d, 0, 0)
-    return piece
-
-
-@torch.no_grad()
-def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's piece of ``full`` into ``param`` (any placements; no communication)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    local.copy_(local_piece(param, full.to(local.dtype)))
-
-
-def _read_hf_tensor(model_path: str, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    for file in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-        with safe_open(file, framework="pt") as fh:
-            if key in fh.keys():
-                return fh.get_tensor(key)
-    raise ConfigError(f"model: '{model_path}' lacks weights for {key}")
-
-
 def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{HF key: tensor}`` of everything an HF checkpoint holds: tied duplicates, LoRA adapters
     and ``modules_to_save`` copies left out, peft's ``base_layer``/``original_module`` unwrapped."""
@@ -204,7 +155,8 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: nn.Module, model_path: str) -> None:
-    """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader)."""
+    """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader):
+    each rank reads only its own rows, a packed projection's parts included (``shards.py``)."""
     reader = HuggingFaceStorageReader(model_path)
     available = set(reader.read_metadata().state_dict_metadata)
     state = _base_state(model)
@@ -212,10 +164,7 @@ def load_hf_weights(model: nn.Module, model_path: str) -> None:
     if missing:
         raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
     with torch.no_grad():
-        dcp.load({k: v.detach() for k, v in state.items() if not is_strided(v)}, storage_reader=reader)
-        for key, param in state.items():
-            if is_strided(param):
-                fill_from_full(param, _read_hf_tensor(model_path, key))
+        dcp.load(packed_view({k: v.detach() for k, v in state.items()}), storage_reader=reader, planner=LoadPlanner())
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
