@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardlm-installed
 PYTHON ?= python3
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench bench-scale lint clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/bench.py
+
+# Models one step up (125M-349M Llama): shardlm estimate against measured peaks, save/load MB/s
+bench-scale: setup
+	$(PY) benchmarks/scale.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -35,13 +35,25 @@ and their gradient. ``bf16`` is shardlm's mixed precision (``train.bf16``): fp32
 gradients and Adam states, activations in 2 bytes. ``compute_weights``: with FSDP, the gathered
 copies it computes with (root + two blocks with prefetch, in the compute dtype); without FSDP
 under bf16, autocast's bf16 copy of every local weight (cached for the forward, kept for the
-backward). The total is a sum of everything at once: an upper bound at the start of
-backward, without allocator fragmentation or framework buffers.
+backward). ``reduce_scatter``: with FSDP, the unsharded fp32 gradients of one decoder block that
+FSDP2 fills before reducing them (the root's are filled at the end of backward, when the
+activations are gone).
+
+The peak is the larger of two phases: the step (the model state plus everything above, alive
+at once at the start of backward: an upper bound, since activations are freed while gradients
+are made) and the optimizer step (the model state plus ``optimizer_temporaries``: foreach AdamW
+makes one fp32 temporary per trainable element, ``sqrt(exp_avg_sq)``). ``runtime`` is the
+resident memory of a process that has imported torch and transformers, measured here and
+printed on its own line: it is not in the total (on a GPU it is outside the allocator).
+Measured against the peak RSS of real runs minus that baseline (``benchmarks/README.md``):
+349M Llama at tp2 x fsdp2, batch 1 x 256, fp32: 1.80 GiB estimated, 1.76 GiB measured. On CPU
+that holds because ``mesh.release_freed_memory`` lets freed tensors go back to the OS.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -51,6 +63,8 @@ from shardlm.errors import ConfigError
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head", "sharded_norm")
 GIB = 1024**3
+# rows alive during the forward/backward of a step, beside the model state
+STEP_ROWS = ("activations", "logits", "compute_weights", "reduce_scatter")
 
 
 @dataclass
@@ -63,6 +77,7 @@ class Estimate:
     trainable_local: int
     bytes: dict[str, int] = field(default_factory=dict)
     memory_gib: float | None = None
+    runtime_bytes: int = 0  # resident memory of torch + transformers alone (not in the total)
 
     @property
     def state_bytes(self) -> int:
@@ -70,11 +85,22 @@ class Estimate:
         return self.bytes["parameters"] + self.bytes["gradients"] + self.bytes["optimizer"]
 
     @property
+    def step_bytes(self) -> int:
+        """The forward/backward phase: model state plus everything a step allocates on top."""
+        return self.state_bytes + sum(self.bytes[k] for k in STEP_ROWS)
+
+    @property
+    def optimizer_step_bytes(self) -> int:
+        """The optimizer phase: model state plus the optimizer's temporaries."""
+        return self.state_bytes + self.bytes["optimizer_temporaries"]
+
+    @property
     def fits(self) -> bool | None:
         return None if self.memory_gib is None else self.bytes["total"] <= self.memory_gib * GIB
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "state_bytes": self.state_bytes, "fits": self.fits}
+        phases = {"step_bytes": self.step_bytes, "optimizer_step_bytes": self.optimizer_step_bytes}
+        return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
 
 
 def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
@@ -202,17 +228,21 @@ def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix:
     return n
 
 
-def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int) -> int:
-    """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
+def _block_elements(model: nn.Module, styles: dict[str, str], tp: int) -> tuple[int, int]:
+    """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
     from shardlm.parallelize import decoder_blocks
 
     blocks = decoder_blocks(model)
     if not blocks:
-        return tp_local_elements(model, styles, tp)
+        return tp_local_elements(model, styles, tp), 1
     names = {id(m): n for n, m in model.named_modules()}
-    block = tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])])
-    everything = tp_local_elements(model, styles, tp)
-    return everything - len(blocks) * block + 2 * block
+    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])]), len(blocks)
+
+
+def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int) -> int:
+    """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
+    block, count = _block_elements(model, styles, tp)
+    return tp_local_elements(model, styles, tp) - count * block + min(2, count) * block
 
 
 def _compute_weight_bytes(model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool) -> int:
@@ -220,6 +250,16 @@ def _compute_weight_bytes(model: nn.Module, styles: dict[str, str], tp: int, fsd
     if fsdp > 1:
         return (2 if bf16 else 4) * _gathered_elements(model, styles, tp)
     return 2 * tp_local_elements(model, styles, tp) if bf16 else 0
+
+
+def runtime_bytes() -> int:
+    """Resident memory of this process (torch and transformers imported): what every rank holds
+    before its first tensor. Linux's /proc; 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def estimate(
@@ -251,6 +291,7 @@ def estimate(
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
     if memory_gib is not None and memory_gib <= 0:
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
+    baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     model = build_meta_model(model_path)
     plan = infer_plan(model, tp)
@@ -269,8 +310,11 @@ def estimate(
         "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
         "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16),
+        "reduce_scatter": 4 * _block_elements(model, styles, tp)[0] if fsdp * dp_replicate > 1 and not lora_r else 0,
+        "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
-    rows["total"] = sum(rows.values())
+    state = rows["parameters"] + rows["gradients"] + rows["optimizer"]
+    rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
     layout = {
         "tp": tp,
         "fsdp": fsdp,
@@ -281,7 +325,7 @@ def estimate(
         "lora_r": lora_r,
         "gradient_checkpointing": gradient_checkpointing,
     }
-    return Estimate(layout, full, local, trainable, rows, memory_gib)
+    return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
 
 
 def _human(n: float) -> str:
@@ -308,8 +352,14 @@ def format_table(est: Estimate) -> str:
     ]
     for key, value in est.bytes.items():
         if key == "total":
-            lines.append(f"{'':-<16}  {'':->12}")
-        lines.append(f"{key:<16}  {_human(value):>12}")
+            lines.append(f"{'':-<21}  {'':->12}")
+            lines.append(f"{'step phase':<21}  {_human(est.step_bytes):>12}")
+            lines.append(f"{'optimizer phase':<21}  {_human(est.optimizer_step_bytes):>12}")
+            key = "total (peak)"
+        lines.append(f"{key:<21}  {_human(value):>12}")
+    if est.runtime_bytes:
+        note = "(torch + transformers, measured here; not in the total)"
+        lines.append(f"{'+ runtime':<21}  {_human(est.runtime_bytes):>12}  {note}")
     if est.memory_gib is not None:
         verdict = "fits" if est.fits else "does NOT fit"
         lines.append(
