@@ -80,7 +80,8 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     cfg = Config(model=path, data=DataConfig(seq_len=seq), parallel=ParallelConfig(**layout), train=train)
     mesh = build_mesh(cfg.parallel)
     model = parallelize(path, mesh, seed=0, mp_policy=mixed_precision_policy(train))
-    ids = torch.randint(0, model.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq))
+    gen = torch.Generator().manual_seed(0)  # the same samples on every rank (TP ranks check it)
+    ids = torch.randint(0, model.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq), generator=gen)
     trainer = Trainer(model, cfg, TokenDataset(ids, ids.clone()), mesh)
     times = []
     for _ in range(steps):

@@ -85,16 +85,18 @@ def run_ranks(fn, world_size: int, *args):
 def plain_reference(
     model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None
 ) -> list[tuple[float, float]]:
-    """One process, no shardlm training code: transformers model, mean F.cross_entropy over the
+    """One process, no shardlm training code: transformers model (its seeded init values from
+    ``shardlm.parallelize.reference_model``, block by block), mean F.cross_entropy over the
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
     parameters that then require grad train."""
-    from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+    from transformers import get_scheduler
+
+    from shardlm.parallelize import reference_model
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).float()
+    model = reference_model(model_path, seed)  # a plain transformers model with shardlm's seeded values
     if wrap is not None:
         model = wrap(model)
     params = [p for p in model.parameters() if p.requires_grad]

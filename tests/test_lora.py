@@ -33,10 +33,10 @@ def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0) -
     every gradient path is live from step 1."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).float()
+    from shardlm.parallelize import reference_model
+
+    base = reference_model(model_path, seed)
     conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
     cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv)
     model = get_peft_model(base, cfg)

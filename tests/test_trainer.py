@@ -161,10 +161,9 @@ def two_ranks_body(path, out):
 
 
 def plain_model(path):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from shardlm.parallelize import reference_model
 
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).float()
+    return reference_model(path, 0)
 
 
 def plain_eval_loss(path, n=None):

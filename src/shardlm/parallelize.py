@@ -28,6 +28,7 @@ from shardlm.config import LoraConfig
 from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.plan import Plan, infer_plan
+from shardlm.seeded_init import UnwrittenInit, seeded_state
 from shardlm.shards import LoadPlanner, fill_from_full, packed_view
 from shardlm.styles import localize_geometry, make_style, tp_partial_grad_params
 
@@ -168,11 +169,31 @@ def load_hf_weights(model: nn.Module, model_path: str) -> None:
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
-    """Random init that is identical for every layout: rank 0 builds the full model from the
-    seed, exactly as one process would; tensor by tensor, in state-dict order, it is broadcast
-    and every rank keeps its piece (``local_piece`` knows every placement, packed ones too)."""
-    full = reference_model(model_path, seed).state_dict() if dist.get_rank() == 0 else {}
-    for key, target in _base_state(model).items():
+    """Random init that is identical for every layout and never whole on one rank: every rank
+    draws the model's own init one decoder block at a time (``seeded_init.py``) and keeps its
+    piece of each tensor (``local_piece`` knows every placement, packed ones too)."""
+    targets = _base_state(model)
+    try:
+        meta = build_meta_model(model_path)
+        filled = set()
+        for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
+            if key in targets:
+                fill_from_full(targets[key], tensor.to(targets[key].device))
+                filled.add(key)
+    except UnwrittenInit as exc:
+        if dist.get_rank() == 0:
+            print(f"random init: {exc}; building the whole model on rank 0 instead", flush=True)
+        _init_from_whole_model(targets, model_path, seed)
+        return
+    if len(filled) != len(targets):
+        raise RuntimeError(f"random init drew no value for {sorted(set(targets) - filled)[0]}")
+
+
+def _init_from_whole_model(targets: dict[str, torch.Tensor], model_path: str, seed: int) -> None:
+    """The fallback: rank 0 builds the model from ``torch.manual_seed(seed)``, tensor by tensor it
+    is broadcast and every rank keeps its piece."""
+    full = _whole_seeded_model(model_path, seed).state_dict() if dist.get_rank() == 0 else {}
+    for key, target in targets.items():
         tensor = full[key] if dist.get_rank() == 0 else torch.empty(target.shape, dtype=target.dtype)
         tensor = tensor.to(device=target.device, dtype=target.dtype)
         if dist.get_world_size() > 1:
@@ -180,12 +201,27 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
         fill_from_full(target, tensor)
 
 
-def reference_model(model_path: str, seed: int) -> nn.Module:
-    """The plain one-process model shardlm starts from (also what tests compare against)."""
+def _whole_seeded_model(model_path: str, seed: int) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(_load_config(model_path)).float()
+
+
+@torch.no_grad()
+def reference_model(model_path: str, seed: int) -> nn.Module:
+    """The plain one-process model shardlm starts from (also what tests compare against): the
+    same values ``init_from_seed`` gives every layout."""
+    model = _whole_seeded_model(model_path, seed)
+    tied = _tied_keys(model)
+    try:
+        meta = build_meta_model(model_path)
+        for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
+            if key not in tied:
+                model.get_parameter(key).copy_(tensor)
+    except UnwrittenInit:
+        return _whole_seeded_model(model_path, seed)
+    return model
 
 
 def has_weights(model_path: str) -> bool:
