@@ -83,12 +83,18 @@ def run_ranks(fn, world_size: int, *args):
 
 
 def plain_reference(
-    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None
+    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None, dropout=False
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model, mean F.cross_entropy over the
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
-    parameters that then require grad train."""
+    parameters that then require grad train. ``dropout``: the model's dropout as shardlm draws it
+    (``shardlm.dropout``, keyed by seed, step and the sample's position in the global batch);
+    otherwise torch's own (use it only with dropout 0)."""
+    from contextlib import nullcontext
+
+    from shardlm.dropout import DeterministicDropout, DropoutKey
+
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
@@ -112,7 +118,9 @@ def plain_reference(
     out = []
     for step in range(steps):
         idx = torch.tensor(order.indices(step))
-        logits = model(input_ids=data.input_ids[idx]).logits
+        key = DropoutKey(t.seed, step, torch.arange(global_batch))
+        with DeterministicDropout(key) if dropout else nullcontext():
+            logits = model(input_ids=data.input_ids[idx]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=-100)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)

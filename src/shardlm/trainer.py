@@ -25,6 +25,12 @@ each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the 
 the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
 working). The recompute replays the TP styles' hooks, so it produces the same numbers.
 
+Dropout (``dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
+masks are a hash of (seed, step, call site, the element's position in the global batch and in
+the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one process, and the
+recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
+everywhere) runs without the mode after the first step.
+
 Evaluation (``eval``): token-weighted loss over the eval set in file order, sharded over dp like
 training, under ``torch.no_grad`` and ``model.eval()``; logged as ``eval_loss`` and ``eval_ppl``.
 """
@@ -50,6 +56,7 @@ from shardlm import checkpoint, faults
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config, TrainConfig
 from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
+from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_passthrough
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
@@ -94,7 +101,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         name = type(model).__name__
         raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
-    kwargs = {"use_reentrant": False}
+    # context_fn: the recompute redraws the forward's dropout masks (dropout.checkpoint_context_fn)
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -169,6 +177,8 @@ class Trainer:
             self.eval_dataset = build_eval_dataset(self.config)
         self.num_params = count_params(self.model)
         self._tp_checked = False
+        self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
+        lora_dropout_passthrough(self.model)
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -181,6 +191,18 @@ class Trainer:
         ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
             return self.model(input_ids=input_ids).logits
+
+    def dropout_mode(self, micro: int) -> DeterministicDropout | None:
+        """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
+        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch."""
+        if self._has_dropout is False:
+            return None
+        t, p = self.config.train, self.mesh.parallel
+        start = (micro * p.dp_size + self.mesh.dp_rank) * t.per_device_train_batch_size
+        positions = torch.arange(start, start + t.per_device_train_batch_size)
+        sites = tuple(getattr(getattr(self.model, "shardlm_plan", None), "dropout_sites", ()))
+        tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
+        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites))
 
     def train_step(self) -> dict:
         t, p = self.config.train, self.mesh.parallel
@@ -197,8 +219,12 @@ class Trainer:
         count = self._all_reduce_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
         loss_sum = torch.zeros((), device=device)
-        for batch in batches:
-            logits = self.forward(batch.input_ids)
+        for micro, batch in enumerate(batches):
+            mode = self.dropout_mode(micro)
+            with mode or nullcontext():
+                logits = self.forward(batch.input_ids)
+            if mode is not None and self._has_dropout is None:
+                self._has_dropout = mode.used
             with loss_context(isinstance(logits, DTensor)):
                 micro_loss = token_loss_sum(logits, batch.labels)
                 (micro_loss / denom).backward()
