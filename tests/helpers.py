@@ -93,9 +93,9 @@ def plain_reference(
     otherwise torch's own (use it only with dropout 0)."""
     from contextlib import nullcontext
 
-    from shardlm.dropout import DeterministicDropout, DropoutKey
-
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+
+    from shardlm.dropout import DeterministicDropout, DropoutKey
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
