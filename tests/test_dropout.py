@@ -1,0 +1,147 @@
+"""Dropout is the same in every layout (``shardlm.dropout``): OPT and GPT-2 with their published
+dropout (0.1 everywhere) train at tp=2, fsdp=2 and tp=2 x fsdp=2 exactly like one process drawing
+the same masks (``plain_reference(dropout=True)``: a plain transformers loop under shardlm's
+dropout mode, keyed by the sample's position in the global batch), TP-replicated parameters stay
+bit-identical across the TP ranks, activation checkpointing redraws the same masks, and a resumed
+run continues exactly.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import assert_parity, plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+from torch.distributed.tensor import DTensor
+
+from shardlm.dropout import DropoutKey, _attention, keep_mask
+
+GLOBAL_BATCH = 4
+MODELS = {
+    "opt": ("opt", {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}),
+    "gpt2": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
+}
+LAYOUTS = {
+    "tp2": ({"tp": 2}, 4, 1),
+    "fsdp2": ({"fsdp": 2}, 1, 2),
+    "tp2_fsdp2": ({"tp": 2, "fsdp": 2}, 2, 1),
+}
+
+
+# ---------------------------------------------------------------- the mask itself (no processes)
+
+
+def test_shards_and_dp_ranks_draw_their_part_of_the_one_process_mask():
+    full = keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), site=2, device="cpu")
+    assert 0.6 < full.float().mean() < 0.8
+    # two dp ranks: samples 0-1 and 2-3 of the global batch
+    halves = [keep_mask((2, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(2) + 2 * r), 2, "cpu") for r in range(2)]
+    assert torch.equal(torch.cat(halves), full)
+    # tp=2, heads (dim 1) sharded at this site: each rank holds 3 of the 6 heads
+    for dim in (1, 3):
+        sites = (None, None, dim)
+        key = [DropoutKey(7, 3, torch.arange(4), r, 2, sites) for r in range(2)]
+        shape = [4, 6, 5, 6]
+        shape[dim] //= 2
+        parts = [keep_mask(tuple(shape), 0.3, key[r], 2, "cpu") for r in range(2)]
+        assert torch.equal(torch.cat(parts, dim), full)
+    # other step, other site, other seed: other masks
+    for other in (DropoutKey(7, 4, torch.arange(4)), DropoutKey(8, 3, torch.arange(4))):
+        assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, other, 2, "cpu"), full)
+    assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 1, "cpu"), full)
+
+
+def test_attention_math_matches_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    mask = torch.randn(2, 1, 6, 6, generator=g)
+    cases = [dict(is_causal=True), dict(attn_mask=mask), dict(attn_mask=mask > 0, scale=0.3)]
+    for kw in cases:
+        a = {"query": q, "key": k, "value": v, "attn_mask": None, "is_causal": False, "scale": None, **kw}
+        got = _attention({**a, "enable_gqa": False}, lambda x: x)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, **kw), rtol=1e-5, atol=1e-6)
+    got = _attention({"query": q, "key": k[:, :2], "value": v[:, :2], "attn_mask": None, "is_causal": True,
+                      "scale": None, "enable_gqa": True}, lambda x: x)  # fmt: skip
+    want = F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- training in real process groups
+
+
+def tp_replica_diff(model, mesh) -> tuple[int, float]:
+    """(parameters compared, max |difference|) between the TP ranks' copies of every parameter
+    that is replicated on the TP mesh dim (compared shard by shard under FSDP)."""
+    group, tp = mesh.tp.get_group(), mesh.parallel.tp
+    count, worst = 0, 0.0
+    for _, param in sorted(model.named_parameters()):
+        if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+            continue
+        if not param.placements[param.device_mesh.mesh_dim_names.index("tp")].is_replicate():
+            continue
+        local = param.to_local().detach().contiguous()
+        copies = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(copies, local, group=group)
+        worst = max([worst] + [float((c - copies[0]).abs().max()) for c in copies if c.numel()])
+        count += 1
+    return count, worst
+
+
+def run(model_path: str, layout: str, steps: int = 5, **train_kw) -> dict:
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    cfg = train_config(model_path, *LAYOUTS[layout], steps, **train_kw)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(model_path, mesh, seed=cfg.train.seed)
+    history = Trainer(model, cfg, token_dataset(), mesh).train()
+    compared, diff = tp_replica_diff(model, mesh) if mesh.parallel.tp > 1 else (0, 0.0)
+    return {"history": [(h["loss"], h["grad_norm"]) for h in history], "compared": compared, "diff": diff}
+
+
+def run_jobs(jobs: list[tuple]) -> list[dict]:
+    """Rank body: several runs one after another in one spawn (a spawn costs ~10 s)."""
+    return [run(*job[:2], **(job[2] if len(job) > 2 else {})) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dropout")
+    paths = {name: write_model_dir(str(root / name), fam, **kw) for name, (fam, kw) in MODELS.items()}
+    refs = {name: plain_reference(path, GLOBAL_BATCH, dropout=True) for name, path in paths.items()}
+    return root, paths, refs
+
+
+def check_run(result: dict, ref: list, label: str) -> None:
+    assert_parity(result["history"], ref, label=label)
+    if "tp2" in label:
+        assert result["compared"] > 10, label
+        assert result["diff"] == 0.0, f"{label}: TP replicas differ by {result['diff']}"
+
+
+def test_two_ranks_match_one_process_and_resume_exactly(models):
+    """tp=2 (TP replicas bit-identical) and fsdp=2 match one process; at tp=2 activation
+    checkpointing changes nothing, and a run resumed from step 3 of 6 continues exactly."""
+    root, paths, refs = models
+    out = str(root / "runs")
+    ckpt = f"{out}/full/checkpoints/step-3"
+    jobs = [(paths[name], layout) for name in MODELS for layout in ("tp2", "fsdp2")]
+    jobs += [
+        (paths["opt"], "tp2", {"gradient_checkpointing": True}),
+        (paths["opt"], "tp2", {"max_steps": 6, "save_steps": 3, "output_dir": f"{out}/full"}),
+        (paths["opt"], "tp2", {"max_steps": 6, "resume": ckpt, "output_dir": f"{out}/resumed"}),
+    ]
+    results = run_ranks(run_jobs, 2, jobs)
+    for (path, layout, *_), result in zip(jobs[:4], results):
+        name = next(n for n, p in paths.items() if p == path)
+        check_run(result, refs[name], f"{layout} {name}")
+    check_run(results[4], refs["opt"], "tp2 opt gradient_checkpointing")
+    full, resumed = results[5]["history"], results[6]["history"]
+    assert len(full) == 6 and resumed == full[3:], (full, resumed)
+    assert results[6]["diff"] == 0.0
+
+
+def test_tp2_fsdp2_matches_one_process(models):
+    _, paths, refs = models
+    jobs = [(paths[name], "tp2_fsdp2") for name in MODELS]
+    for (_, layout), result, name in zip(jobs, run_ranks(run_jobs, 4, jobs), MODELS):
+        check_run(result, refs[name], f"{layout} tp2 {name}")
