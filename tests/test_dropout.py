@@ -145,3 +145,15 @@ def test_tp2_fsdp2_matches_one_process(models):
     jobs = [(paths[name], "tp2_fsdp2") for name in MODELS]
     for (_, layout), result, name in zip(jobs, run_ranks(run_jobs, 4, jobs), MODELS):
         check_run(result, refs[name], f"{layout} tp2 {name}")
+
+
+def test_layerdrop_is_refused_on_more_than_one_process(tmp_path):
+    from shardlm import ConfigError, load_config
+
+    model = write_model_dir(str(tmp_path / "opt"), "opt", layerdrop=0.1)
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {"model": model, "data": {"path": str(tmp_path / "data.txt")}}
+    with pytest.raises(ConfigError, match=r"model: layerdrop=0.1 skips layers by each rank's own random draw") as info:
+        load_config(raw={**raw, "parallel": {"fsdp": 2}})
+    assert "\n" not in str(info.value)
+    assert load_config(raw=raw).parallel.world_size == 1

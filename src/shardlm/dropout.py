@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from shardlm.errors import ConfigError
+
 _BITS = 24  # resolution of the keep test: p is rounded to a multiple of 2**-24
 _M64 = (1 << 64) - 1
 
@@ -124,7 +126,16 @@ def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, devi
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
-    dim = key.sites[site] if key.tp > 1 else None
+    dim = None
+    if key.tp > 1:
+        if site >= len(key.sites):
+            raise RuntimeError(
+                f"dropout call #{site + 1} of this forward was not seen when the TP plan was traced "
+                f"({len(key.sites)} calls); its masks cannot be placed"
+            )
+        dim = key.sites[site]
+        if dim == -1:
+            raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
     if dim is not None:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
         inner = math.prod(shape[dim + 1 :])
         block = shape[dim] * inner
@@ -197,17 +208,8 @@ class DeterministicDropout(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _next_site(self) -> int:
-        site = self.site
         self.site += 1
-        if self.key.tp > 1:
-            if site >= len(self.key.sites):
-                raise RuntimeError(
-                    f"dropout call #{site + 1} of this forward was not seen when the TP plan was traced "
-                    f"({len(self.key.sites)} calls); its masks cannot be placed"
-                )
-            if self.key.sites[site] == -1:
-                raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
-        return site
+        return self.site - 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -226,6 +228,20 @@ class DeterministicDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         self.used = True
         return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site))
+
+
+def check_layerdrop(model_path: str) -> None:
+    """Refuse LayerDrop (OPT's ``layerdrop``) on more than one process: each rank would skip
+    decoder layers by its own ``torch.rand`` draw, so TP and FSDP ranks would run different layers
+    (different collectives: a hang, or silently different models)."""
+    from transformers import AutoConfig
+
+    layerdrop = getattr(AutoConfig.from_pretrained(model_path), "layerdrop", 0.0)
+    if isinstance(layerdrop, (int, float)) and layerdrop > 0:
+        raise ConfigError(
+            f"model: layerdrop={layerdrop} skips layers by each rank's own random draw, which desynchronizes "
+            "the ranks; set layerdrop to 0 in config.json, or train on one process"
+        )
 
 
 def checkpoint_context_fn():
