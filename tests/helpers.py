@@ -95,7 +95,7 @@ def plain_reference(
 
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
-    from shardlm.dropout import DeterministicDropout, DropoutKey
+    from shardlm.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
@@ -103,6 +103,8 @@ def plain_reference(
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).float()
     if wrap is not None:
         model = wrap(model)
+    if dropout:
+        lora_dropout_sites(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},

@@ -2,8 +2,8 @@
 dropout (0.1 everywhere) train at tp=2, fsdp=2 and tp=2 x fsdp=2 exactly like one process drawing
 the same masks (``plain_reference(dropout=True)``: a plain transformers loop under shardlm's
 dropout mode, keyed by the sample's position in the global batch), TP-replicated parameters stay
-bit-identical across the TP ranks, activation checkpointing redraws the same masks, and a resumed
-run continues exactly.
+bit-identical across the TP ranks, activation checkpointing redraws the same masks, LoRA's dropout
+matches one-process peft, and a resumed run continues exactly.
 """
 
 import pytest
@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import assert_parity, plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+from peft import PeftModel
+from test_lora import make_adapter
 from torch.distributed.tensor import DTensor
 
 from shardlm.dropout import DropoutKey, _attention, keep_mask
@@ -20,6 +22,7 @@ MODELS = {
     "opt": ("opt", {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}),
     "gpt2": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
 }
+LORA_DROPOUT = 0.1
 LAYOUTS = {
     "tp2": ({"tp": 2}, 4, 1),
     "fsdp2": ({"fsdp": 2}, 1, 2),
@@ -31,23 +34,22 @@ LAYOUTS = {
 
 
 def test_shards_and_dp_ranks_draw_their_part_of_the_one_process_mask():
-    full = keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), site=2, device="cpu")
+    full = keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 2, "cpu", None)
     assert 0.6 < full.float().mean() < 0.8
     # two dp ranks: samples 0-1 and 2-3 of the global batch
-    halves = [keep_mask((2, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(2) + 2 * r), 2, "cpu") for r in range(2)]
+    halves = [keep_mask((2, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(2) + 2 * r), 2, "cpu", None) for r in range(2)]
     assert torch.equal(torch.cat(halves), full)
     # tp=2, heads (dim 1) sharded at this site: each rank holds 3 of the 6 heads
     for dim in (1, 3):
-        sites = (None, None, dim)
-        key = [DropoutKey(7, 3, torch.arange(4), r, 2, sites) for r in range(2)]
+        key = [DropoutKey(7, 3, torch.arange(4), r, 2) for r in range(2)]
         shape = [4, 6, 5, 6]
         shape[dim] //= 2
-        parts = [keep_mask(tuple(shape), 0.3, key[r], 2, "cpu") for r in range(2)]
+        parts = [keep_mask(tuple(shape), 0.3, key[r], 2, "cpu", dim) for r in range(2)]
         assert torch.equal(torch.cat(parts, dim), full)
     # other step, other site, other seed: other masks
     for other in (DropoutKey(7, 4, torch.arange(4)), DropoutKey(8, 3, torch.arange(4))):
-        assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, other, 2, "cpu"), full)
-    assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 1, "cpu"), full)
+        assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, other, 2, "cpu", None), full)
+    assert not torch.equal(keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 1, "cpu", None), full)
 
 
 def test_attention_math_matches_sdpa():
@@ -86,13 +88,17 @@ def tp_replica_diff(model, mesh) -> tuple[int, float]:
     return count, worst
 
 
-def run(model_path: str, layout: str, steps: int = 5, **train_kw) -> dict:
+def run(model_path: str, layout: str, steps: int = 5, adapter: str | None = None, **train_kw) -> dict:
+    """One shardlm run (``adapter``: LoRA from that peft adapter, its dropout 0.1); the (loss,
+    grad_norm) per step and the TP replicas' largest difference."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.config import LoraConfig
 
     init_distributed()
     cfg = train_config(model_path, *LAYOUTS[layout], steps, **train_kw)
+    cfg.lora = LoraConfig(adapter=adapter, dropout=LORA_DROPOUT) if adapter else None
     mesh = build_mesh(cfg.parallel)
-    model = parallelize(model_path, mesh, seed=cfg.train.seed)
+    model = parallelize(model_path, mesh, seed=cfg.train.seed, lora_config=cfg.lora)
     history = Trainer(model, cfg, token_dataset(), mesh).train()
     compared, diff = tp_replica_diff(model, mesh) if mesh.parallel.tp > 1 else (0, 0.0)
     return {"history": [(h["loss"], h["grad_norm"]) for h in history], "compared": compared, "diff": diff}
@@ -108,7 +114,12 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dropout")
     paths = {name: write_model_dir(str(root / name), fam, **kw) for name, (fam, kw) in MODELS.items()}
     refs = {name: plain_reference(path, GLOBAL_BATCH, dropout=True) for name, path in paths.items()}
-    return root, paths, refs
+    # LoRA with lora_dropout on GPT-2's c_attn (packed colwise), c_fc (colwise) and both c_proj
+    # (rowwise: the adapter's input, hence its dropout, is sharded)
+    adapter = make_adapter(paths["gpt2"], str(root / "adapter"), ["c_attn", "c_proj", "c_fc"], dropout=LORA_DROPOUT)
+    wrap = lambda model: PeftModel.from_pretrained(model, adapter, is_trainable=True)  # noqa: E731
+    refs["lora"] = plain_reference(paths["gpt2"], GLOBAL_BATCH, wrap=wrap, dropout=True)
+    return root, paths, refs, adapter
 
 
 def check_run(result: dict, ref: list, label: str) -> None:
@@ -121,12 +132,13 @@ def check_run(result: dict, ref: list, label: str) -> None:
 def test_two_ranks_match_one_process_and_resume_exactly(models):
     """tp=2 (TP replicas bit-identical) and fsdp=2 match one process; at tp=2 activation
     checkpointing changes nothing, and a run resumed from step 3 of 6 continues exactly."""
-    root, paths, refs = models
+    root, paths, refs, adapter = models
     out = str(root / "runs")
     ckpt = f"{out}/full/checkpoints/step-3"
     jobs = [(paths[name], layout) for name in MODELS for layout in ("tp2", "fsdp2")]
     jobs += [
         (paths["opt"], "tp2", {"gradient_checkpointing": True}),
+        (paths["gpt2"], "tp2", {"adapter": adapter}),
         (paths["opt"], "tp2", {"max_steps": 6, "save_steps": 3, "output_dir": f"{out}/full"}),
         (paths["opt"], "tp2", {"max_steps": 6, "resume": ckpt, "output_dir": f"{out}/resumed"}),
     ]
@@ -135,13 +147,14 @@ def test_two_ranks_match_one_process_and_resume_exactly(models):
         name = next(n for n, p in paths.items() if p == path)
         check_run(result, refs[name], f"{layout} {name}")
     check_run(results[4], refs["opt"], "tp2 opt gradient_checkpointing")
-    full, resumed = results[5]["history"], results[6]["history"]
+    check_run(results[5], refs["lora"], "tp2 gpt2 LoRA")
+    full, resumed = results[6]["history"], results[7]["history"]
     assert len(full) == 6 and resumed == full[3:], (full, resumed)
-    assert results[6]["diff"] == 0.0
+    assert results[7]["diff"] == 0.0
 
 
 def test_tp2_fsdp2_matches_one_process(models):
-    _, paths, refs = models
+    _, paths, refs, _ = models
     jobs = [(paths[name], "tp2_fsdp2") for name in MODELS]
     for (_, layout), result, name in zip(jobs, run_ranks(run_jobs, 4, jobs), MODELS):
         check_run(result, refs[name], f"{layout} tp2 {name}")

@@ -25,12 +25,13 @@ kept iff ``hash(seed, step, site, sample, index) >= p * 2**24`` (splitmix64), wh
 Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
 reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
 step is part of the key), so a resumed run continues exactly. In evaluation (``training=False``)
-dropout is the identity as usual. peft's LoRA dropout keeps torch's RNG (see ``lora_dropout_passthrough``).
+dropout is the identity as usual. peft's LoRA dropout is covered too (``lora_dropout_sites``).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -121,22 +122,27 @@ def dropout_input_shape(func, args, kwargs, x) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device) -> torch.Tensor:
-    """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``."""
+def traced_dim(key: DropoutKey, site: int) -> int | None:
+    """The sharded dim of counted call ``site`` (``Plan.dropout_sites``); None when replicated."""
+    if key.tp == 1:
+        return None
+    if site >= len(key.sites):
+        raise RuntimeError(
+            f"dropout call #{site + 1} of this forward was not seen when the TP plan was traced "
+            f"({len(key.sites)} calls); its masks cannot be placed"
+        )
+    if key.sites[site] == -1:
+        raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
+    return key.sites[site]
+
+
+def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device, dim: int | None) -> torch.Tensor:
+    """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``, sharded
+    across TP along ``dim`` (None: replicated)."""
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
-    dim = None
-    if key.tp > 1:
-        if site >= len(key.sites):
-            raise RuntimeError(
-                f"dropout call #{site + 1} of this forward was not seen when the TP plan was traced "
-                f"({len(key.sites)} calls); its masks cannot be placed"
-            )
-        dim = key.sites[site]
-        if dim == -1:
-            raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
-    if dim is not None:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
+    if dim is not None and key.tp > 1:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
         inner = math.prod(shape[dim + 1 :])
         block = shape[dim] * inner
         flat = (flat // block) * (block * key.tp) + key.tp_rank * block + flat % block
@@ -154,17 +160,19 @@ def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, devi
     return (_srl(h, 64 - _BITS) >= round(p * (1 << _BITS))).view(shape)
 
 
-def hashed_dropout(x: torch.Tensor, p: float, key: DropoutKey, site: int, inplace: bool = False) -> torch.Tensor:
+def hashed_dropout(
+    x: torch.Tensor, p: float, key: DropoutKey, site: int, dim: int | None, inplace: bool = False
+) -> torch.Tensor:
     """``F.dropout(x, p, training=True)`` with the mask of ``keep_mask``."""
     if isinstance(x, DTensor):
         if not all(pl.is_replicate() for pl in x.placements):
             raise RuntimeError(f"dropout on a DTensor with placements {x.placements} is not supported")
-        local = hashed_dropout(x.to_local(), p, key, site, inplace)
+        local = hashed_dropout(x.to_local(), p, key, site, dim, inplace)
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
     if p >= 1.0:
         return x.zero_() if inplace else torch.zeros_like(x)
     with torch.no_grad():
-        scale = keep_mask(tuple(x.shape), p, key, site, x.device).to(x.dtype) * (1.0 / (1.0 - p))
+        scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim).to(x.dtype) * (1.0 / (1.0 - p))
     return x.mul_(scale) if inplace else x * scale
 
 
@@ -197,7 +205,7 @@ class DeterministicDropout(TorchFunctionMode):
     def __init__(self, key: DropoutKey, site: int = 0) -> None:
         super().__init__()
         self.key, self.site, self.used = key, site, False
-        self.passthrough = 0  # > 0 inside a module that keeps torch's dropout (LoRA's)
+        self.lora: tuple[int, bool] | None = None  # inside a LoRA dropout: (its site, input sharded)
 
     def __enter__(self):
         _active.append(self)
@@ -213,21 +221,29 @@ class DeterministicDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not is_dropout_call(func) or self.passthrough:
+        if not is_dropout_call(func):
             return func(*args, **kwargs)
+        if self.lora is not None and func is F.dropout:  # not counted: the trace ran without LoRA
+            x, p, training, inplace = _dropout_args(args, kwargs)
+            if not training or p == 0.0:
+                return func(*args, **kwargs)
+            self.used = True
+            site, sharded = self.lora
+            return hashed_dropout(x, p, self.key, site, x.dim() - 1 if sharded else None, inplace)
         site = self._next_site()
         if func is F.dropout:
             x, p, training, inplace = _dropout_args(args, kwargs)
             if not training or p == 0.0:
                 return func(*args, **kwargs)
             self.used = True
-            return hashed_dropout(x, p, self.key, site, inplace)
+            return hashed_dropout(x, p, self.key, site, traced_dim(self.key, site), inplace)
         a = _sdpa_args(args, kwargs)
         p = a["dropout_p"]
         if p == 0.0:
             return func(*args, **kwargs)
         self.used = True
-        return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site))
+        dim = traced_dim(self.key, site)
+        return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site, dim))
 
 
 def check_layerdrop(model_path: str) -> None:
@@ -253,19 +269,29 @@ def checkpoint_context_fn():
     return nullcontext(), DeterministicDropout(mode.key, mode.site)
 
 
-def lora_dropout_passthrough(model: nn.Module) -> None:
-    """Let peft's ``lora_dropout`` modules keep torch's dropout: they are not in the plan's trace
-    (it runs before peft wraps the model), so they must not take call-site numbers."""
+_LORA_SITES = 1 << 40  # LoRA sites are numbered apart from the counted ones
 
-    def enter(module, args):
-        if _active:
-            _active[-1].passthrough += 1
 
-    def leave(module, args, out):
-        if _active:
-            _active[-1].passthrough -= 1
-
+def lora_dropout_sites(model: nn.Module, plan=None, tp: int = 1) -> None:
+    """Give peft's ``lora_dropout`` modules sites of their own: they are not in the plan's trace
+    (it runs before peft wraps the model), so they take no count; their site is a hash of the
+    adapted layer's FQN as shardlm names it (a ``PeftModel``'s ``base_model.model.`` prefix
+    removed, so one-process peft draws the same masks). Their input is sharded on its last dim
+    exactly when the layer is row-parallel (``plan``'s style at ``tp`` > 1)."""
+    styles = plan.styles if plan is not None and tp > 1 else {}
     for name, module in model.named_modules():
-        if ".lora_dropout." in f".{name}." and isinstance(module, nn.Dropout):
-            module.register_forward_pre_hook(enter)
-            module.register_forward_hook(leave)
+        if not isinstance(module, nn.Dropout) or ".lora_dropout." not in f".{name}.":
+            continue
+        layer = name.split(".lora_dropout.")[0].removeprefix("base_model.model.")
+        site = (_LORA_SITES + zlib.crc32(layer.encode()), styles.get(layer) == "rowwise")
+
+        def enter(module, args, site=site):
+            if _active:
+                _active[-1].lora = site
+
+        def leave(module, args, out):
+            if _active:
+                _active[-1].lora = None
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)

@@ -56,7 +56,7 @@ from shardlm import checkpoint, faults
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config, TrainConfig
 from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
-from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_passthrough
+from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
@@ -178,7 +178,7 @@ class Trainer:
         self.num_params = count_params(self.model)
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
-        lora_dropout_passthrough(self.model)
+        lora_dropout_sites(self.model, getattr(self.model, "shardlm_plan", None), self.mesh.parallel.tp)
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
