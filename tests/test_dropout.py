@@ -26,6 +26,7 @@ LORA_DROPOUT = 0.1
 LAYOUTS = {
     "tp2": ({"tp": 2}, 4, 1),
     "fsdp2": ({"fsdp": 2}, 1, 2),
+    "dp_replicate2": ({"dp_replicate": 2}, 2, 1),
     "tp2_fsdp2": ({"tp": 2, "fsdp": 2}, 2, 1),
 }
 
@@ -130,27 +131,29 @@ def check_run(result: dict, ref: list, label: str) -> None:
 
 
 def test_two_ranks_match_one_process_and_resume_exactly(models):
-    """tp=2 (TP replicas bit-identical) and fsdp=2 match one process; at tp=2 activation
-    checkpointing changes nothing, and a run resumed from step 3 of 6 continues exactly."""
+    """tp=2 (TP replicas bit-identical), fsdp=2 and dp_replicate=2 match one process; at tp=2
+    activation checkpointing and LoRA dropout match too, and a run resumed from step 3 of 6
+    continues exactly."""
     root, paths, refs, adapter = models
     out = str(root / "runs")
     ckpt = f"{out}/full/checkpoints/step-3"
     jobs = [(paths[name], layout) for name in MODELS for layout in ("tp2", "fsdp2")]
     jobs += [
+        (paths["gpt2"], "dp_replicate2"),
         (paths["opt"], "tp2", {"gradient_checkpointing": True}),
         (paths["gpt2"], "tp2", {"adapter": adapter}),
         (paths["opt"], "tp2", {"max_steps": 6, "save_steps": 3, "output_dir": f"{out}/full"}),
         (paths["opt"], "tp2", {"max_steps": 6, "resume": ckpt, "output_dir": f"{out}/resumed"}),
     ]
     results = run_ranks(run_jobs, 2, jobs)
-    for (path, layout, *_), result in zip(jobs[:4], results):
+    for (path, layout, *_), result in zip(jobs[:5], results):
         name = next(n for n, p in paths.items() if p == path)
         check_run(result, refs[name], f"{layout} {name}")
-    check_run(results[4], refs["opt"], "tp2 opt gradient_checkpointing")
-    check_run(results[5], refs["lora"], "tp2 gpt2 LoRA")
-    full, resumed = results[6]["history"], results[7]["history"]
+    check_run(results[5], refs["opt"], "tp2 opt gradient_checkpointing")
+    check_run(results[6], refs["lora"], "tp2 gpt2 LoRA")
+    full, resumed = results[7]["history"], results[8]["history"]
     assert len(full) == 6 and resumed == full[3:], (full, resumed)
-    assert results[7]["diff"] == 0.0
+    assert results[8]["diff"] == 0.0
 
 
 def test_tp2_fsdp2_matches_one_process(models):

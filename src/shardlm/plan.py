@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from shardlm.dropout import dropout_input_shape, is_dropout_call
 from shardlm.errors import ConfigError
 
 STYLES = (
@@ -111,8 +112,6 @@ class _ShardTracker(TorchFunctionMode):
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``dropout.is_dropout_call``): is its input sharded, and its shape."""
-        from shardlm.dropout import dropout_input_shape, is_dropout_call
-
         if is_dropout_call(func):
             x = args[0] if args else kwargs.get("input", kwargs.get("query"))
             sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
