@@ -114,6 +114,14 @@ def _sdpa_args(args, kwargs) -> dict:
     return out
 
 
+def dropout_p(func, args, kwargs) -> float:
+    """The probability a dropout call was given (0 where it is the identity: not training)."""
+    if func is F.scaled_dot_product_attention:
+        return float(_sdpa_args(args, kwargs)["dropout_p"])
+    _, p, training, _ = _dropout_args(args, kwargs)
+    return float(p) if training else 0.0
+
+
 def dropout_input_shape(func, args, kwargs, x) -> tuple[int, ...]:
     """Shape of the tensor a dropout call masks (for attention: ``[batch, heads, q, k]`` probabilities)."""
     if func is F.scaled_dot_product_attention:

@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from shardlm.dropout import dropout_input_shape, is_dropout_call
+from shardlm.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.errors import ConfigError
 
 STYLES = (
@@ -96,6 +96,7 @@ class Plan:
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
     # per dropout call site of a forward, in call order (``dropout.py``): the dim along which its
     # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
+    # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
     dropout_sites: list[int | None] = field(default_factory=list)
 
 
@@ -108,14 +109,17 @@ class _ShardTracker(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
         self.slices: dict[int, set[int]] = {}
-        self.dropout_sites: list[tuple[bool, tuple[int, ...]]] = []  # (input sharded, its shape) per call
+        # per dropout call: (input sharded, its shape, its probability)
+        self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
 
     def _record_dropout(self, func, args, kwargs) -> None:
-        """A dropout call site (``dropout.is_dropout_call``): is its input sharded, and its shape."""
+        """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
         if is_dropout_call(func):
             x = args[0] if args else kwargs.get("input", kwargs.get("query"))
             sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
-            self.dropout_sites.append((sharded, dropout_input_shape(func, args, kwargs, x)))
+            self.dropout_sites.append(
+                (sharded, dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs))
+            )
 
     def mark(self, t: torch.Tensor, sharded: bool) -> None:
         self.keep.append(t)
@@ -240,21 +244,23 @@ def _trace(model: nn.Module, shape: tuple[int, int] = (1, 8)) -> tuple[dict[str,
     return styles, parts, tracker.dropout_sites
 
 
-def _dropout_dims(model: nn.Module, sites: list[tuple[bool, tuple[int, ...]]]) -> list[int | None]:
+def _dropout_dims(model: nn.Module, sites: list[tuple[bool, tuple[int, ...], float]]) -> list[int | None]:
     """The sharded dim of each dropout site's input (see ``Plan.dropout_sites``).
 
     Shardedness is known per tensor, not per dim, so a second trace with another batch size and
     sequence length tells the batch/sequence dims (their sizes change) from the feature dims
     (they do not); the sharded one is the first feature dim: heads in ``[batch, heads, q, k]``
-    attention probabilities, features in ``[batch, seq, ffn]`` or ``[batch*seq, ffn]``.
+    attention probabilities, features in ``[batch, seq, ffn]`` or ``[batch*seq, ffn]``. The
+    second trace runs only for a model that drops on a sharded tensor (p > 0); other sharded
+    sites get -1, which ``dropout.traced_dim`` refuses should one ever draw a mask.
     """
-    if not any(sharded for sharded, _ in sites):
-        return [None] * len(sites)
+    if not any(sharded and p > 0 for sharded, _, p in sites):
+        return [-1 if sharded else None for sharded, _, _ in sites]
     other = _trace(model, (2, 5))[2]
     if len(other) != len(sites):
         raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
     dims: list[int | None] = []
-    for (sharded, a), (_, b) in zip(sites, other):
+    for (sharded, a, _), (_, b, _) in zip(sites, other):
         fixed = [d for d in range(len(a)) if len(a) == len(b) and a[d] == b[d]]
         dims.append((fixed[0] if fixed else -1) if sharded else None)
     return dims
