@@ -89,9 +89,12 @@ def tp_replica_diff(model, mesh) -> tuple[int, float]:
     return count, worst
 
 
-def run(model_path: str, layout: str, steps: int = 5, adapter: str | None = None, **train_kw) -> dict:
+def run(
+    model_path: str, layout: str, steps: int = 5, adapter: str | None = None, torch_dropout=False, **train_kw
+) -> dict:
     """One shardlm run (``adapter``: LoRA from that peft adapter, its dropout 0.1); the (loss,
-    grad_norm) per step and the TP replicas' largest difference."""
+    grad_norm) per step and the TP replicas' largest difference. ``torch_dropout``: torch's own
+    per-rank dropout instead of shardlm's; the trainer's error."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
     from shardlm.config import LoraConfig
 
@@ -100,7 +103,13 @@ def run(model_path: str, layout: str, steps: int = 5, adapter: str | None = None
     cfg.lora = LoraConfig(adapter=adapter, dropout=LORA_DROPOUT) if adapter else None
     mesh = build_mesh(cfg.parallel)
     model = parallelize(model_path, mesh, seed=cfg.train.seed, lora_config=cfg.lora)
-    history = Trainer(model, cfg, token_dataset(), mesh).train()
+    trainer = Trainer(model, cfg, token_dataset(), mesh)
+    if torch_dropout:
+        trainer.dropout_mode = lambda micro: None
+        with pytest.raises(RuntimeError) as info:
+            trainer.train()
+        return {"error": str(info.value), "step": trainer.step}
+    history = trainer.train()
     compared, diff = tp_replica_diff(model, mesh) if mesh.parallel.tp > 1 else (0, 0.0)
     return {"history": [(h["loss"], h["grad_norm"]) for h in history], "compared": compared, "diff": diff}
 
@@ -132,8 +141,8 @@ def check_run(result: dict, ref: list, label: str) -> None:
 
 def test_two_ranks_match_one_process_and_resume_exactly(models):
     """tp=2 (TP replicas bit-identical), fsdp=2 and dp_replicate=2 match one process; at tp=2
-    activation checkpointing and LoRA dropout match too, and a run resumed from step 3 of 6
-    continues exactly."""
+    activation checkpointing and LoRA dropout match too, a run resumed from step 3 of 6
+    continues exactly, and torch's own dropout is caught by the trainer's TP replica check."""
     root, paths, refs, adapter = models
     out = str(root / "runs")
     ckpt = f"{out}/full/checkpoints/step-3"
@@ -144,6 +153,7 @@ def test_two_ranks_match_one_process_and_resume_exactly(models):
         (paths["gpt2"], "tp2", {"adapter": adapter}),
         (paths["opt"], "tp2", {"max_steps": 6, "save_steps": 3, "output_dir": f"{out}/full"}),
         (paths["opt"], "tp2", {"max_steps": 6, "resume": ckpt, "output_dir": f"{out}/resumed"}),
+        (paths["opt"], "tp2", {"torch_dropout": True}),
     ]
     results = run_ranks(run_jobs, 2, jobs)
     for (path, layout, *_), result in zip(jobs[:5], results):
@@ -154,6 +164,10 @@ def test_two_ranks_match_one_process_and_resume_exactly(models):
     full, resumed = results[7]["history"], results[8]["history"]
     assert len(full) == 6 and resumed == full[3:], (full, resumed)
     assert results[8]["diff"] == 0.0
+    # with torch's per-rank dropout the TP replicas drift apart: the trainer stops after step 2
+    # (step 1 has learning rate 0 in warmup), naming a parameter
+    assert results[9]["step"] == 2
+    assert "tensor-parallel ranks [0, 1] hold different values of replicated parameter" in results[9]["error"]
 
 
 def test_tp2_fsdp2_matches_one_process(models):

@@ -3,7 +3,8 @@
 One optimizer step:
   1. every dp rank takes its micro-batches of the global batch (``data.py``); on the first step
      and every logging step the TP ranks of each group compare a checksum of their batches, since
-     a TP group computing on different inputs trains garbage without any error;
+     a TP group computing on different inputs trains garbage without any error (after the first
+     two steps' and every logging step's update they compare their replicated parameters too);
   2. one all-reduce counts the labelled tokens of the whole global batch;
   3. each micro-step backpropagates ``sum of token losses / global count`` (``loss.py``);
      FSDP2 sums gradients across dp ranks;
@@ -134,6 +135,41 @@ def check_tp_batches(batches: list[Batch], tp_group: dist.ProcessGroup, step: in
     )
 
 
+def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters replicated across the TP ranks (Replicate on the mesh's ``tp`` dim): every
+    TP rank must hold the same values (under FSDP: the same shard)."""
+    out = []
+    for name, param in model.named_parameters():
+        names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+        if "tp" in names and param.placements[names.index("tp")].is_replicate():
+            out.append((name, param))
+    return out
+
+
+@torch.no_grad()
+def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
+    """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
+    checksums per parameter): the TP group would be training different models without any error,
+    e.g. from random numbers drawn per rank that ``dropout.py`` does not replace."""
+    if not params:
+        return
+    sums = []
+    for _, param in params:
+        local = param.to_local().double()
+        sums += [local.sum(), local.pow(2).sum()]
+    mine = torch.nan_to_num(torch.stack(sums), nan=1e300)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+    differ = (both[: mine.numel()] != -both[mine.numel() :]).view(-1, 2).any(1).nonzero().flatten().tolist()
+    if differ:
+        names = [params[i][0] for i in differ]
+        raise RuntimeError(
+            f"tensor-parallel ranks {dist.get_process_group_ranks(tp_group)} hold different values of replicated "
+            f"parameter {names[0]} ({len(names)} differ) after step {step}: they are training different models; "
+            "something in the model draws random numbers per rank (an attention kernel's own dropout?)"
+        )
+
+
 def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
     """This dp rank's eval batches in file order; a rank past the end gets an all-ignored sample,
     so every rank runs the same number of forwards (FSDP's collectives need them all)."""
@@ -178,6 +214,7 @@ class Trainer:
         self.num_params = count_params(self.model)
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
+        self._tp_replicas = tp_replicated_params(self.model) if self.mesh.parallel.tp > 1 else []
         lora_dropout_sites(self.model, getattr(self.model, "shardlm_plan", None), self.mesh.parallel.tp)
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
@@ -241,6 +278,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if p.tp > 1 and (self.step <= 2 or self.step % t.logging_steps == 0):
+            check_tp_replicas(self._tp_replicas, self.mesh.tp.get_group(), self.step)
         elapsed = time.perf_counter() - start
         tokens = int(self._all_reduce_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
         record = {
