@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from shardlm import checkpoint, faults
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config, TrainConfig
-from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
+from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
 from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
@@ -235,7 +235,7 @@ class Trainer:
         if self._has_dropout is False:
             return None
         t, p = self.config.train, self.mesh.parallel
-        start = (micro * p.dp_size + self.mesh.dp_rank) * t.per_device_train_batch_size
+        start = micro_batch_start(micro, self.mesh.dp_rank, p.dp_size, t.per_device_train_batch_size)
         positions = torch.arange(start, start + t.per_device_train_batch_size)
         sites = tuple(getattr(getattr(self.model, "shardlm_plan", None), "dropout_sites", ()))
         tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
