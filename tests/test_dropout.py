@@ -174,7 +174,7 @@ def test_tp2_fsdp2_matches_one_process(models):
     _, paths, refs, _ = models
     jobs = [(paths[name], "tp2_fsdp2") for name in MODELS]
     for (_, layout), result, name in zip(jobs, run_ranks(run_jobs, 4, jobs), MODELS):
-        check_run(result, refs[name], f"{layout} tp2 {name}")
+        check_run(result, refs[name], f"{layout} {name}")
 
 
 def test_layerdrop_is_refused_on_more_than_one_process(tmp_path):
