@@ -1,4 +1,5 @@
-"""Tiny random configs of every model family shardlm's AutoTP is tested on (dropout off: parity needs it)."""
+"""Tiny random configs of every model family shardlm's AutoTP is tested on (dropout off: the plain
+reference uses torch's own dropout; ``test_dropout.py`` turns it on against shardlm's masks)."""
 
 from __future__ import annotations
 

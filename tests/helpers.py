@@ -83,15 +83,20 @@ def run_ranks(fn, world_size: int, *args):
 
 
 def plain_reference(
-    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None
+    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None, dropout=False
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model (its seeded init values from
     ``shardlm.parallelize.reference_model``, block by block), mean F.cross_entropy over the
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
-    parameters that then require grad train."""
+    parameters that then require grad train. ``dropout``: the model's dropout as shardlm draws it
+    (``shardlm.dropout``, keyed by seed, step and the sample's position in the global batch);
+    otherwise torch's own (use it only with dropout 0)."""
+    from contextlib import nullcontext
+
     from transformers import get_scheduler
 
+    from shardlm.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
     from shardlm.parallelize import reference_model
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
@@ -99,6 +104,8 @@ def plain_reference(
     model = reference_model(model_path, seed)  # a plain transformers model with shardlm's seeded values
     if wrap is not None:
         model = wrap(model)
+    if dropout:
+        lora_dropout_sites(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -114,7 +121,9 @@ def plain_reference(
     out = []
     for step in range(steps):
         idx = torch.tensor(order.indices(step))
-        logits = model(input_ids=data.input_ids[idx]).logits
+        key = DropoutKey(t.seed, step, torch.arange(global_batch))
+        with DeterministicDropout(key) if dropout else nullcontext():
+            logits = model(input_ids=data.input_ids[idx]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=-100)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)

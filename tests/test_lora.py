@@ -28,9 +28,9 @@ TARGETS_OF = {"gpt2": "c_attn", "qwen3": "q_proj", "llama": "q_proj"}
 GLOBAL_BATCH = 4
 
 
-def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0) -> str:
+def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0, dropout: float = 0.0) -> str:
     """A peft adapter for the seeded base of ``model_path`` with random (non-zero) lora_B, so
-    every gradient path is live from step 1."""
+    every gradient path is live from step 1 (``dropout``: its ``lora_dropout``)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -38,7 +38,7 @@ def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0) -
 
     base = reference_model(model_path, seed)
     conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
-    cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv)
+    cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv, lora_dropout=dropout)
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

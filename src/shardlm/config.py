@@ -280,6 +280,10 @@ def validate(cfg: Config) -> None:
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
 
     check_geometry(cfg.model, p.tp)
+    if p.world_size > 1:
+        from shardlm.dropout import check_layerdrop
+
+        check_layerdrop(cfg.model)
     if cfg.lora is not None:
         from shardlm.lora import check_lora
 

@@ -333,10 +333,16 @@ class GlobalBatchOrder:
         return [int(self._perm(p // self.num_samples)[p % self.num_samples]) for p in positions]
 
 
+def micro_batch_start(micro: int, dp_rank: int, dp_size: int, per_device: int) -> int:
+    """Position in the global batch of the first sample of this dp rank's micro-step ``micro``
+    (also what ``dropout.py`` keys a sample's masks on)."""
+    return (micro * dp_size + dp_rank) * per_device
+
+
 def micro_batch(
     ds: TokenDataset, order: GlobalBatchOrder, step: int, micro: int, dp_rank: int, dp_size: int, per_device: int
 ) -> Batch:
     """This data-parallel rank's share of accumulation micro-step ``micro`` of global batch ``step``."""
-    start = (micro * dp_size + dp_rank) * per_device
+    start = micro_batch_start(micro, dp_rank, dp_size, per_device)
     idx = torch.tensor(order.indices(step)[start : start + per_device])
     return Batch(ds.input_ids[idx], ds.labels[idx])

@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from shardlm.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.errors import ConfigError
 
 STYLES = (
@@ -93,6 +94,10 @@ class Plan:
     # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
     sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
+    # per dropout call site of a forward, in call order (``dropout.py``): the dim along which its
+    # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
+    # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
+    dropout_sites: list[int | None] = field(default_factory=list)
 
 
 class _ShardTracker(TorchFunctionMode):
@@ -104,6 +109,17 @@ class _ShardTracker(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
         self.slices: dict[int, set[int]] = {}
+        # per dropout call: (input sharded, its shape, its probability)
+        self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
+
+    def _record_dropout(self, func, args, kwargs) -> None:
+        """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
+        if is_dropout_call(func):
+            x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+            sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
+            self.dropout_sites.append(
+                (sharded, dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs))
+            )
 
     def mark(self, t: torch.Tensor, sharded: bool) -> None:
         self.keep.append(t)
@@ -118,6 +134,7 @@ class _ShardTracker(TorchFunctionMode):
         if name in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             # mask helpers ask data questions ("is this a packed sequence?"); meta has no data
             return _DATA_DEPENDENT[name]
+        self._record_dropout(func, args, kwargs)
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
@@ -163,8 +180,9 @@ def _parts_from_consumer(tracker: _ShardTracker, out: torch.Tensor) -> list[int]
     return list(arg)
 
 
-def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """Directions of every linear inside the decoder blocks, and packed parts, from one meta forward."""
+def _trace(model: nn.Module, shape: tuple[int, int] = (1, 8)) -> tuple[dict[str, str], dict[str, list[int]], list]:
+    """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
+    sites (``_ShardTracker.dropout_sites``), from one meta forward of a ``shape`` batch."""
     from transformers import AutoModelForCausalLM
 
     config = model.config.__class__.from_dict(model.config.to_dict())
@@ -213,7 +231,7 @@ def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
         hooks.append(module.register_forward_hook(post(name)))
     try:
         with tracker:
-            meta(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
+            meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
     finally:
         for h in hooks:
             h.remove()
@@ -223,7 +241,29 @@ def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
             found = _parts_from_consumer(tracker, outputs[name])
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
-    return styles, parts
+    return styles, parts, tracker.dropout_sites
+
+
+def _dropout_dims(model: nn.Module, sites: list[tuple[bool, tuple[int, ...], float]]) -> list[int | None]:
+    """The sharded dim of each dropout site's input (see ``Plan.dropout_sites``).
+
+    Shardedness is known per tensor, not per dim, so a second trace with another batch size and
+    sequence length tells the batch/sequence dims (their sizes change) from the feature dims
+    (they do not); the sharded one is the first feature dim: heads in ``[batch, heads, q, k]``
+    attention probabilities, features in ``[batch, seq, ffn]`` or ``[batch*seq, ffn]``. The
+    second trace runs only for a model that drops on a sharded tensor (p > 0); other sharded
+    sites get -1, which ``dropout.traced_dim`` refuses should one ever draw a mask.
+    """
+    if not any(sharded and p > 0 for sharded, _, p in sites):
+        return [-1 if sharded else None for sharded, _, _ in sites]
+    other = _trace(model, (2, 5))[2]
+    if len(other) != len(sites):
+        raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
+    dims: list[int | None] = []
+    for (sharded, a, _), (_, b, _) in zip(sites, other):
+        fixed = [d for d in range(len(a)) if len(a) == len(b) and a[d] == b[d]]
+        dims.append((fixed[0] if fixed else -1) if sharded else None)
+    return dims
 
 
 def rms_norm_eps(module: nn.Module) -> float | None:
@@ -284,7 +324,8 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     plan = Plan()
     if tp == 1:
         return plan
-    styles, plan.parts = _trace(model)
+    styles, plan.parts, sites = _trace(model)
+    plan.dropout_sites = _dropout_dims(model, sites)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
     styles[emb] = "embedding"

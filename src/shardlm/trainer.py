@@ -3,7 +3,8 @@
 One optimizer step:
   1. every dp rank takes its micro-batches of the global batch (``data.py``); on the first step
      and every logging step the TP ranks of each group compare a checksum of their batches, since
-     a TP group computing on different inputs trains garbage without any error;
+     a TP group computing on different inputs trains garbage without any error (after the first
+     two steps' and every logging step's update they compare their replicated parameters too);
   2. one all-reduce counts the labelled tokens of the whole global batch;
   3. each micro-step backpropagates ``sum of token losses / global count`` (``loss.py``);
      FSDP2 sums gradients across dp ranks;
@@ -24,6 +25,12 @@ checkpointing (``GradientCheckpointingLayer``, non-reentrant ``torch.utils.check
 each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the block stay outside
 the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
 working). The recompute replays the TP styles' hooks, so it produces the same numbers.
+
+Dropout (``dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
+masks are a hash of (seed, step, call site, the element's position in the global batch and in
+the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one process, and the
+recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
+everywhere) runs without the mode after the first step.
 
 Evaluation (``eval``): token-weighted loss over the eval set in file order, sharded over dp like
 training, under ``torch.no_grad`` and ``model.eval()``; logged as ``eval_loss`` and ``eval_ppl``.
@@ -49,7 +56,8 @@ from torch.distributed.tensor import DTensor
 from shardlm import checkpoint, faults
 from shardlm.clip import clip_grad_norm_
 from shardlm.config import Config, TrainConfig
-from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch
+from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.errors import ConfigError
 from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
 from shardlm.mesh import Mesh, build_mesh, init_distributed
@@ -94,7 +102,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         name = type(model).__name__
         raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
-    kwargs = {"use_reentrant": False}
+    # context_fn: the recompute redraws the forward's dropout masks (dropout.checkpoint_context_fn)
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -124,6 +133,41 @@ def check_tp_batches(batches: list[Batch], tp_group: dist.ProcessGroup, step: in
         f"tensor-parallel ranks {ranks} got different batches at step {step + 1} (ranks {groups}); every rank of "
         "a TP group must read the same samples: give each rank the same dataset and seed"
     )
+
+
+def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters replicated across the TP ranks (Replicate on the mesh's ``tp`` dim): every
+    TP rank must hold the same values (under FSDP: the same shard)."""
+    out = []
+    for name, param in model.named_parameters():
+        names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+        if "tp" in names and param.placements[names.index("tp")].is_replicate():
+            out.append((name, param))
+    return out
+
+
+@torch.no_grad()
+def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
+    """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
+    checksums per parameter): the TP group would be training different models without any error,
+    e.g. from random numbers drawn per rank that ``dropout.py`` does not replace."""
+    if not params:
+        return
+    sums = []
+    for _, param in params:
+        local = param.to_local().double()
+        sums += [local.sum(), local.pow(2).sum()]
+    mine = torch.nan_to_num(torch.stack(sums), nan=1e300)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+    differ = (both[: mine.numel()] != -both[mine.numel() :]).view(-1, 2).any(1).nonzero().flatten().tolist()
+    if differ:
+        names = [params[i][0] for i in differ]
+        raise RuntimeError(
+            f"tensor-parallel ranks {dist.get_process_group_ranks(tp_group)} hold different values of replicated "
+            f"parameter {names[0]} ({len(names)} differ) after step {step}: they are training different models; "
+            "something in the model draws random numbers per rank (an attention kernel's own dropout?)"
+        )
 
 
 def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
@@ -169,6 +213,9 @@ class Trainer:
             self.eval_dataset = build_eval_dataset(self.config)
         self.num_params = count_params(self.model)
         self._tp_checked = False
+        self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
+        self._tp_replicas = tp_replicated_params(self.model) if self.mesh.parallel.tp > 1 else []
+        lora_dropout_sites(self.model, getattr(self.model, "shardlm_plan", None), self.mesh.parallel.tp)
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -181,6 +228,18 @@ class Trainer:
         ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
             return self.model(input_ids=input_ids).logits
+
+    def dropout_mode(self, micro: int) -> DeterministicDropout | None:
+        """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
+        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch."""
+        if self._has_dropout is False:
+            return None
+        t, p = self.config.train, self.mesh.parallel
+        start = micro_batch_start(micro, self.mesh.dp_rank, p.dp_size, t.per_device_train_batch_size)
+        positions = torch.arange(start, start + t.per_device_train_batch_size)
+        sites = tuple(getattr(getattr(self.model, "shardlm_plan", None), "dropout_sites", ()))
+        tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
+        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites))
 
     def train_step(self) -> dict:
         t, p = self.config.train, self.mesh.parallel
@@ -197,8 +256,12 @@ class Trainer:
         count = self._all_reduce_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
         loss_sum = torch.zeros((), device=device)
-        for batch in batches:
-            logits = self.forward(batch.input_ids)
+        for micro, batch in enumerate(batches):
+            mode = self.dropout_mode(micro)
+            with mode or nullcontext():
+                logits = self.forward(batch.input_ids)
+            if mode is not None and self._has_dropout is None:
+                self._has_dropout = mode.used
             with loss_context(isinstance(logits, DTensor)):
                 micro_loss = token_loss_sum(logits, batch.labels)
                 (micro_loss / denom).backward()
@@ -215,6 +278,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if p.tp > 1 and (self.step <= 2 or self.step % t.logging_steps == 0):
+            check_tp_replicas(self._tp_replicas, self.mesh.tp.get_group(), self.step)
         elapsed = time.perf_counter() - start
         tokens = int(self._all_reduce_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
         record = {
