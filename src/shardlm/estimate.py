@@ -45,9 +45,10 @@ are made) and the optimizer step (the model state plus ``optimizer_temporaries``
 makes one fp32 temporary per trainable element, ``sqrt(exp_avg_sq)``). ``runtime`` is the
 resident memory of a process that has imported torch and transformers, measured here and
 printed on its own line: it is not in the total (on a GPU it is outside the allocator).
-Measured against the peak RSS of real runs minus that baseline (``benchmarks/README.md``):
-349M Llama at tp2 x fsdp2, batch 1 x 256, fp32: 1.80 GiB estimated, 1.76 GiB measured. On CPU
-that holds because ``mesh.release_freed_memory`` lets freed tensors go back to the OS.
+Measured against the peak RSS of real runs minus that baseline (``make bench-scale``,
+``benchmarks/README.md``): +3.4% (349M Llama, tp2 x fsdp2), -6.5% (125M, tp2), -5.3% (349M,
+fsdp2, activation checkpointing). On CPU that holds because ``mesh.release_freed_memory`` lets
+freed tensors go back to the OS.
 """
 
 from __future__ import annotations
