@@ -34,10 +34,11 @@ MODELS = {  # Llama shapes (GQA); the 349M one is the model of the scale issue
     "349m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=2816),
 }  # fmt: skip
-CONFIGS = {  # name: (model, layout, per-rank batch, seq, bf16, train overrides)
+CONFIGS = {  # name: (model, layout, per-rank batch, seq, bf16, train overrides; lora_r: a LoRA run)
     "349m_tp2_fsdp2": ("349m", {"tp": 2, "fsdp": 2}, 1, 256, False, {}),
     "160m_tp2": ("160m", {"tp": 2}, 2, 256, False, {}),
     "349m_fsdp2_ckpt": ("349m", {"fsdp": 2}, 2, 256, False, {"gradient_checkpointing": True}),
+    "349m_tp2_fsdp2_lora_bf16": ("349m", {"tp": 2, "fsdp": 2}, 1, 256, True, {"lora_r": 16}),
 }
 
 
@@ -68,18 +69,27 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     import torch.distributed as dist
 
     from shardlm import Trainer, build_mesh, checkpoint, init_distributed, parallelize
-    from shardlm.config import Config, DataConfig, ParallelConfig, TrainConfig
+    from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, TrainConfig
     from shardlm.data import TokenDataset
     from shardlm.trainer import mixed_precision_policy
 
     init_distributed()
     baseline = rss_mb()
+    extra = dict(extra)
+    lora = (
+        LoraConfig(r=extra.pop("lora_r"), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        if "lora_r" in extra
+        else None
+    )
     train = TrainConfig(
         output_dir=out, max_steps=steps, per_device_train_batch_size=batch, save_steps=0, bf16=bf16, **extra
     )
-    cfg = Config(model=path, data=DataConfig(seq_len=seq), parallel=ParallelConfig(**layout), train=train)
+    cfg = Config(model=path, data=DataConfig(seq_len=seq), parallel=ParallelConfig(**layout), train=train, lora=lora)
     mesh = build_mesh(cfg.parallel)
-    model = parallelize(path, mesh, seed=0, mp_policy=mixed_precision_policy(train))
+    frozen = torch.bfloat16 if lora is not None and bf16 else None
+    model = parallelize(
+        path, mesh, seed=0, mp_policy=mixed_precision_policy(train), lora_config=lora, frozen_dtype=frozen
+    )
     gen = torch.Generator().manual_seed(0)  # the same samples on every rank (TP ranks check it)
     ids = torch.randint(0, model.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq), generator=gen)
     trainer = Trainer(model, cfg, TokenDataset(ids, ids.clone()), mesh)

@@ -2,7 +2,7 @@
 
 torch's dropout draws its mask from each process's RNG. Under tensor parallelism that breaks
 training silently: the TP ranks of a group hold the *same* replicated activations (the residual
-stream), their RNG states differ (``init_from_seed`` consumes rank 0's alone), so each rank drops
+stream) but nothing makes their RNG states agree (a rank-0-only draw, a seed per rank), so each rank drops
 different elements, the "replicated" activations and then the replicated parameters drift apart,
 and a checkpoint keeps one rank's copy. DTensor's offset-based RNG would fix this on CUDA only
 (torch 2.13 refuses CPU) and only for DTensor activations, which most of ours are not.
