@@ -69,8 +69,26 @@ STYLES = (
 )
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
-# answers for data-dependent questions asked of meta tensors during the trace
-_DATA_DEPENDENT = {"item": 0, "__bool__": False, "tolist": []}
+_VIEW_OPS = {"view", "reshape", "unflatten"}
+# answers for data-dependent questions a modeling file asks of a meta tensor during the trace
+# ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
+_DATA_DEPENDENT = {
+    "item": 0,
+    "__bool__": False,
+    "__int__": 0,
+    "__index__": 0,
+    "__float__": 0.0,
+    "tolist": [],
+    "__contains__": False,
+    "equal": False,
+    "allclose": False,
+    "is_nonzero": False,
+}
+_NO_ROWS = {"nonzero", "argwhere"}  # data-dependent shapes: answered as "no element matches"
+TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
+# class names of mixture-of-experts (and mixture-of-attention) layers: routed tokens, refused for now
+_MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
+_MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -93,31 +111,54 @@ class Plan:
     # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
     sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
+    # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
+    replicated: dict[str, str] = field(default_factory=dict)
 
 
 class _ShardTracker(TorchFunctionMode):
-    """Propagates 'sharded across TP ranks' through every torch op of a meta forward."""
+    """Propagates 'sharded across TP ranks' through every torch op of a meta forward.
 
-    def __init__(self) -> None:
+    Each sharded tensor carries its *sources*: the column-parallel linears whose outputs it was
+    computed from. When something cannot act on a sharded tensor (a parameter of a module that
+    is not split with it, a per-head tensor that is not split with the heads), the sources are
+    recorded as a violation: ``_trace`` then keeps that whole sub-block replicated.
+    """
+
+    def __init__(self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=()) -> None:
         super().__init__()
-        self.sharded: set[int] = set()
+        self.sharded: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
         self.slices: dict[int, set[int]] = {}
+        self.param_owner = param_owner or {}
+        self.legit = legit if legit is not None else {}  # fqns whose parameters may meet sharded tensors
+        self.heads = {h for h in heads if h > 1}
+        self.violations: list[tuple[frozenset[str], str]] = []
+        self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
 
-    def mark(self, t: torch.Tensor, sharded: bool) -> None:
+    def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
         self.keep.append(t)
-        (self.sharded.add if sharded else self.sharded.discard)(id(t))
+        if sources:
+            self.sharded[id(t)] = sources
+        else:
+            self.sharded.pop(id(t), None)
 
     def is_sharded(self, t) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.sharded
 
+    def sources(self, t) -> frozenset[str]:
+        return self.sharded.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            # mask helpers ask data questions ("is this a packed sequence?"); meta has no data
-            return _DATA_DEPENDENT[name]
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            if name in _DATA_DEPENDENT:
+                return _DATA_DEPENDENT[name]
+            if name in _NO_ROWS:
+                if kwargs.get("as_tuple") or (len(args) > 1 and args[1] is True):
+                    return tuple(torch.empty(0, dtype=torch.long, device="meta") for _ in range(args[0].dim()))
+                return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
@@ -126,13 +167,41 @@ class _ShardTracker(TorchFunctionMode):
         self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
             self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
+        if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            self.first_view.setdefault(id(args[0]), tuple(out.shape))
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             self._record_slice(args[0], args[1])
-        if any(id(t) in self.sharded for t in inputs):
+        sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        if sources:
+            self._check(name, inputs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self.mark(t, True)
+                    self.mark(t, sources)
         return out
+
+    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str]) -> None:
+        """Record what cannot act on this op's sharded input(s) as they stand."""
+        sharded = [t for t in inputs if id(t) in self.sharded]
+        for t in inputs:
+            if id(t) in self.sharded:
+                continue
+            if isinstance(t, nn.Parameter):
+                owner = self.param_owner.get(id(t), "?")
+                if owner not in self.legit:
+                    self.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
+            elif t.dim() and t.numel() > 1 and self.heads:
+                for s in sharded:
+                    # the heads dim of split activations is never the last (that is head_dim or keys)
+                    for i in range(2, min(t.dim(), s.dim()) + 1):
+                        if t.shape[-i] == s.shape[-i] and t.shape[-i] in self.heads:
+                            self.violations.append(
+                                (
+                                    sources,
+                                    f"a per-head tensor of shape {tuple(t.shape)} (ALiBi slopes, position "
+                                    f"biases) is not split with the heads ({name})",
+                                )
+                            )
+                            return
 
     def _record_slice(self, tensor: torch.Tensor, index) -> None:
         index = index if isinstance(index, tuple) else (index,)
@@ -163,47 +232,87 @@ def _parts_from_consumer(tracker: _ShardTracker, out: torch.Tensor) -> list[int]
     return list(arg)
 
 
-def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """Directions of every linear inside the decoder blocks, and packed parts, from one meta forward."""
-    from transformers import AutoModelForCausalLM
-
+def _build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
+    """A fresh meta copy of ``model``'s architecture (``eager``: eager attention, every op visible;
+    else the attention the ranks will run)."""
     config = model.config.__class__.from_dict(model.config.to_dict())
-    config._attn_implementation = "eager"
+    if eager:
+        config._attn_implementation = "eager"
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    tracker = _ShardTracker()
+        return type(model)._from_config(config)
+
+
+def _meta_forward(meta: nn.Module) -> None:
+    meta(input_ids=torch.zeros(1, TRACE_SEQ, dtype=torch.long, device="meta"))
+
+
+@dataclass
+class _Traced:
+    styles: dict[str, str]
+    parts: dict[str, list[int]]
+    violations: list[tuple[frozenset[str], str]]
+    closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
+    views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
+
+
+def _trace(model: nn.Module, forced: frozenset[str] = frozenset()) -> _Traced:
+    """Directions of every linear inside the decoder blocks, and packed parts, from one meta
+    forward; ``forced``: linears kept replicated (their outputs are whole on every rank)."""
+    meta = _build_meta(model)
     styles: dict[str, str] = {}
+    param_owner = {
+        id(p): f"{m_name} ({type(m).__name__})"
+        for m_name, m in meta.named_modules()
+        for p in m.parameters(recurse=False)
+    }
+    legit: dict[str, bool] = {}
+    tracker = _ShardTracker(param_owner, legit, _head_counts(meta.config))
     outputs: dict[str, torch.Tensor] = {}
+    closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
+    running: list[str] = []  # modules whose forward is running (named when an exception escapes)
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
+    head_widths = _head_widths(meta.config)
 
     def pre(name):
+        label = f"{name} ({{}})"
+
         def hook(module, args):
+            running.append(name)
             if not args or not isinstance(args[0], torch.Tensor):
                 return
-            sharded_in = tracker.is_sharded(args[0])
-            if is_linear(module) and name.startswith(block_prefixes):
-                styles[name] = "rowwise" if sharded_in else "colwise"
-            elif sharded_in and any(True for _ in module.parameters(recurse=False)):
+            sources = tracker.sources(args[0])
+            owner = label.format(type(module).__name__)
+            if is_linear(module) and name in forced:
+                styles[name] = "replicate"
+                if sources:
+                    tracker.violations.append((sources, f"{owner} reads its split activations"))
+            elif is_linear(module) and name.startswith(block_prefixes):
+                styles[name] = "rowwise" if sources else "colwise"
+                legit[owner] = True
+                if sources:
+                    closer_inputs[name] = closer_inputs.get(name, frozenset()) | sources
+            elif sources and any(True for _ in module.parameters(recurse=False)):
                 width = args[0].shape[-1]
-                if any(p.shape[-1] == width and p.numel() == width for p in module.parameters(recurse=False)) and (
-                    width not in _head_widths(meta.config)
-                ):
-                    if rms_norm_eps(module) is None:
-                        raise ConfigError(
-                            f"parallel.tp: {name} ({type(module).__name__}) normalizes across the tensor-parallel "
-                            f"width {width}; this model cannot be split with tp > 1 yet, use parallel.fsdp instead"
-                        )
-                    styles[name] = "sharded_norm"
-                    return
-                styles[name] = "replicate_grad_allreduce"
+                params = list(module.parameters(recurse=False))
+                if all(p.dim() == 1 and p.numel() == width for p in params) and width in head_widths:
+                    styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
+                    legit[owner] = True
+                elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
+                    styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
+                    legit[owner] = True
+                else:
+                    what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
+                    tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
 
         return hook
 
     def post(name):
         def hook(module, args, out):
-            if name in styles and styles[name] in ("colwise", "rowwise"):
-                tracker.mark(out, styles[name] == "colwise")
+            if running and running[-1] == name:
+                running.pop()
+            if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
+                tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 outputs[name] = out
 
         return hook
@@ -213,17 +322,22 @@ def _trace(model: nn.Module) -> tuple[dict[str, str], dict[str, list[int]]]:
         hooks.append(module.register_forward_hook(post(name)))
     try:
         with tracker:
-            meta(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
+            _meta_forward(meta)
+    except Exception as exc:
+        if running:
+            exc.shardlm_module = f"{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})"
+        raise
     finally:
         for h in hooks:
             h.remove()
-    parts = {}
+    parts, views = {}, {}
     for name, style in styles.items():
-        if style == "colwise":
+        if style == "colwise" and name in outputs:
+            views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
             found = _parts_from_consumer(tracker, outputs[name])
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
-    return styles, parts
+    return _Traced(styles, parts, tracker.violations, closer_inputs, views)
 
 
 def rms_norm_eps(module: nn.Module) -> float | None:
@@ -244,9 +358,43 @@ def rms_norm_eps(module: nn.Module) -> float | None:
         return eps if torch.allclose(probe(x), want, rtol=1e-5, atol=1e-6) else None
 
 
+def _config_value(config, name: str):
+    """``config.name``, or None where the config has no single value (Gemma 4's per-layer
+    ``head_dim`` raises rather than answer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
+def _per_layer_values(config, name: str) -> set[int]:
+    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any."""
+    found = set()
+    per_layer = _config_value(config, "per_layer_config")
+    for layer in per_layer.values() if isinstance(per_layer, dict) else per_layer or []:
+        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
+        if isinstance(value, int):
+            found.add(value)
+    return found
+
+
 def _head_widths(config) -> set[int]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {head_dim}
+    """Head dims of the attention layers (several where layers differ, as in Gemma 4)."""
+    heads = _geometry(config).get("num_attention_heads")
+    hidden = _config_value(config, "hidden_size")
+    widths = {w for w in [_config_value(config, "head_dim")] if isinstance(w, int)} | _per_layer_values(
+        config, "head_dim"
+    )
+    if not widths and heads and isinstance(hidden, int):
+        widths.add(hidden // heads)
+    return widths
+
+
+def _head_counts(config) -> set[int]:
+    """Head counts (query and kv), per-layer ones included: dims of per-head tensors."""
+    geo = _geometry(config)
+    counts = {geo[k] for k in ("num_attention_heads", "num_key_value_heads") if k in geo}
+    return counts | _per_layer_values(config, "num_attention_heads") | _per_layer_values(config, "num_key_value_heads")
 
 
 def _hf_directions(model: nn.Module) -> dict[str, str]:
@@ -279,19 +427,122 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def infer_plan(model: nn.Module, tp: int) -> Plan:
-    """The full plan for ``model`` (meta or real) at TP degree ``tp``."""
+    """The full plan for ``model`` (meta or real) at TP degree ``tp``.
+
+    Whatever the trace cannot handle ends as a ``ConfigError`` naming the module (one line for the
+    CLI, raised before any rank is spawned), never as a traceback: an unexpected exception while
+    tracing means a modeling file does something the trace does not know yet, so the model is
+    refused for tp > 1 rather than guessed at.
+    """
     check_config_geometry(model.config, tp)
-    plan = Plan()
     if tp == 1:
-        return plan
-    styles, plan.parts = _trace(model)
+        return Plan()
+    try:
+        return _infer(model, tp)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        where = getattr(exc, "shardlm_module", None) or type(model).__name__
+        detail = " ".join(str(exc).split())[:160]
+        raise ConfigError(
+            f"parallel.tp: {where}: tracing the tensor-parallel plan failed ({type(exc).__name__}: {detail}); "
+            f"shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+        ) from None
+
+
+_MAX_ROUNDS = 8
+
+
+def _infer(model: nn.Module, tp: int) -> Plan:
+    """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
+    running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
+    _refuse_moe(model)
+    forced: frozenset[str] = frozenset()
+    reasons: dict[str, str] = {}
+    for _ in range(_MAX_ROUNDS):
+        traced = _trace(model, forced)
+        region: set[str] = set()
+        for sources, why in traced.violations:
+            for fqn in _closure(traced, set(sources)) - forced - region:
+                reasons.setdefault(fqn, why)
+                region.add(fqn)
+        if not region and not traced.violations:
+            plan = _assemble(model, tp, traced)
+            failure = _dry_run(model, plan, tp, traced)
+            if failure is None:
+                return _finish(model, plan, forced, reasons)
+            owner, why = failure
+            region = {
+                f
+                for f, st in traced.styles.items()
+                if f.rpartition(".")[0] == owner and st in ("colwise", "rowwise", "packed_colwise")
+            } - forced
+            for fqn in region:
+                reasons.setdefault(fqn, why)
+            if not region:
+                raise ConfigError(
+                    f"parallel.tp: {owner}: {why}; shardlm cannot split this model with tp > 1 yet, "
+                    "parallel.fsdp trains it"
+                )
+        if not region:  # violations but nothing new to keep replicated: give up
+            why = traced.violations[0][1]
+            raise ConfigError(
+                f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+            )
+        forced = forced | region
+    raise ConfigError(
+        f"parallel.tp: {type(model).__name__}: no consistent tensor-parallel plan after {_MAX_ROUNDS} rounds "
+        f"({next(iter(reasons.values()), '')}); parallel.fsdp trains it"
+    )
+
+
+def _refuse_moe(model: nn.Module) -> None:
+    """Mixture-of-experts layers route tokens between experts: not split yet (a separate issue).
+    Found by class name (``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA``)
+    inside the model, or by an expert count in its config."""
+    blocks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if name.startswith(tuple(f"{b}." for b in blocks)) and _MOE_CLASS.search(cls):
+            raise ConfigError(
+                f"parallel.tp: {name} ({cls}) is a mixture-of-experts layer, which shardlm cannot split with "
+                "tp > 1 yet; parallel.fsdp trains it"
+            )
+    configs = [model.config, _config_value(model.config, "text_config")]
+    for key in _MOE_COUNTS:
+        counts = [_config_value(c, key) for c in configs if c is not None]
+        if any(isinstance(n, int) and n > 1 for n in counts):
+            raise ConfigError(
+                f"parallel.tp: {type(model).__name__} is a mixture-of-experts model "
+                f"({key}={max(n or 0 for n in counts)}), which shardlm cannot split with tp > 1 yet; "
+                "parallel.fsdp trains it"
+            )
+
+
+def _closure(traced: _Traced, bad: set[str]) -> set[str]:
+    """``bad`` plus every row-parallel linear reading from it and every column-parallel linear
+    feeding those: the whole sub-block, which then stays replicated."""
+    bad = set(bad)
+    changed = True
+    while changed:
+        changed = False
+        for closer, sources in traced.closer_inputs.items():
+            if sources & bad and not ({closer} | sources) <= bad:
+                bad |= {closer} | sources
+                changed = True
+    return bad
+
+
+def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
+    plan = Plan(parts=dict(traced.parts))
+    styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
     styles[emb] = "embedding"
     if head is not None:
         styles[head] = "lm_head"
     for name, module in model.named_modules():
-        if name not in styles and any(True for _ in module.parameters(recurse=False)):
+        if styles.get(name) is None and any(True for _ in module.parameters(recurse=False)):
             styles[name] = "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
     for fqn, direction in _hf_directions(model).items():
@@ -304,12 +555,109 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     return plan
 
 
+def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
+    plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
+    split = [f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")]
+    if forced and not split:
+        first = reasons[min(forced)]
+        raise ConfigError(
+            f"parallel.tp: no layer of {type(model).__name__} can be split: {first}; shardlm cannot split this "
+            "model with tp > 1 yet, parallel.fsdp trains it"
+        )
+    return plan
+
+
+def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[str, str] | None:
+    """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
+    attention modules their local head counts (``localize_geometry``), as the ranks will.
+
+    Returns ``(module, why)`` for the sub-block that breaks, or None. This catches layouts that a
+    global trace cannot see: head counts hard-wired into a reshape (Falcon's multi-query
+    ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), and fused
+    projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
+    ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
+    with the global trace's)."""
+    from shardlm.styles import localize_geometry
+
+    meta = _build_meta(model, eager=False)
+    localize_geometry(meta, plan, tp)
+    for fqn, style in plan.styles.items():
+        module = meta.get_submodule(fqn)
+        conv1d = type(module).__name__ == "Conv1D"
+        if style in ("colwise", "packed_colwise") and is_linear(module):
+            rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
+            shape = list(module.weight.shape)
+            shape[1 if conv1d else 0] = rows
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+            if module.bias is not None:
+                module.bias = nn.Parameter(torch.empty(rows, device="meta"))
+            if conv1d:
+                module.nf = rows
+        elif style == "rowwise" and is_linear(module):
+            shape = list(module.weight.shape)
+            shape[0 if conv1d else 1] //= tp
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+        elif style == "sharded_norm":
+            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+    stack: list[str] = []
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in meta.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o, name=name: _pop(stack, name, o, outputs)))
+    tracker = _ShardTracker()
+    try:
+        with tracker:
+            _meta_forward(meta)
+    except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
+        owner = _owner_of_split_linears(plan, stack)
+        detail = " ".join(str(exc).split())[:120]
+        return owner, f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})"
+    finally:
+        for h in hooks:
+            h.remove()
+    for fqn, global_view in traced.views.items():
+        out = outputs.get(fqn)
+        if out is None or fqn not in plan.styles or not global_view:
+            continue
+        local_view = tracker.first_view.get(id(out), ())[out.dim() :]
+        if local_view and local_view != global_view:
+            owner = fqn.rpartition(".")[0]
+            return owner, (
+                f"{fqn} ({type(meta.get_submodule(fqn)).__name__}) is fused in groups whose size depends on the "
+                f"split (reshaped to {global_view} whole, {local_view} per rank): its layout is fixed by the "
+                "checkpoint"
+            )
+    return None
+
+
+def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
+    if stack and stack[-1] == name:
+        stack.pop()
+    if isinstance(out, torch.Tensor):
+        outputs[name] = out
+
+
+def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
+    """The innermost running module that owns split linears (or the parent of a running one)."""
+    split = {f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")}
+    parents = {f.rpartition(".")[0] for f in split}
+    for name in reversed(stack):
+        if name in split:
+            return name.rpartition(".")[0]
+        if name in parents:
+            return name
+    return stack[-1] if stack else ""
+
+
 def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
     geo = _geometry(model.config)
     heads = geo.get("num_attention_heads", 0)
     kv = geo.get("num_key_value_heads", heads)
-    d = next(iter(_head_widths(model.config)))
+    if not heads or not plan.attention:
+        return  # nothing split per head (attention-free, or every attention block kept replicated)
+    d = min(_head_widths(model.config) or {0})
     replicated = kv < tp
     plan.kv_heads = (kv, 1 if replicated else kv // tp)
 
@@ -428,7 +776,7 @@ def _valid_tps(sizes: dict[str, int]) -> list[int]:
     """TP degrees that divide every size, and divide or are a multiple of the kv head count (a
     rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated)."""
     kv = sizes.get("num_key_value_heads")
-    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv]
+    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv or 1]
     return [
         t
         for t in range(1, min(rest) + 1)
@@ -447,8 +795,8 @@ def _geometry(config) -> dict[str, int]:
     found = {}
     for key, names in aliases.items():
         for n in names:
-            v = getattr(config, n, None)
-            if isinstance(v, int) and v > 0:
+            v = _config_value(config, n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 found[key] = v
                 break
     return found

@@ -283,13 +283,21 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     Only modules that own a head-count attribute and hold column-parallel children are touched;
     a module reading ``self.config`` for head counts gets its own localized copy of the config.
     """
+    from shardlm.plan import _config_value
+
     config = model.config
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads = _config_value(config, "num_attention_heads") or _config_value(config, "n_head")
+    if not isinstance(heads, int) or not plan.attention:
+        return  # attention-free, or every attention block kept replicated
+    kv = _config_value(config, "num_key_value_heads") or _config_value(config, "num_kv_heads") or heads
+    head_dim = _config_value(config, "head_dim") or config.hidden_size // heads
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
+            # repeats k/v by it; sdpa packs by it)
+            module.num_key_value_groups = max(1, (heads // tp) // local_kv)
         if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS + _KV_ATTRS):
             continue
         for attr in _HEAD_ATTRS + _KV_ATTRS + _WIDTH_ATTRS:
@@ -300,8 +308,6 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
                 setattr(module, attr, value // tp)
             elif attr in _KV_ATTRS and value == kv:
                 setattr(module, attr, local_kv)
-        if isinstance(getattr(module, "num_key_value_groups", None), int):
-            module.num_key_value_groups = (heads // tp) // local_kv
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
