@@ -117,8 +117,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks})")
         else:
             print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
+    by_reason: dict[str, list[str]] = {}
+    for fqn, why in plan.replicated.items():
+        by_reason.setdefault(why, []).append(fqn)
+    for why, fqns in by_reason.items():
+        print(f"kept replicated (exact, not split): {', '.join(fqns)}: {why}")
     kv, _ = plan.kv_heads
-    if kv < args.tp:
+    if kv and kv < args.tp and plan.attention:
         print(
             f"key/value heads replicated: num_key_value_heads={kv} < tp={args.tp}, so rank r reads kv head "
             f"r // {args.tp // kv}; its k/v weights are stored whole on every rank, each rank computes the rows of "

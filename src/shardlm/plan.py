@@ -32,6 +32,28 @@ width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` 
 module is refused). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
+What cannot be split is kept replicated, sub-block by sub-block, or refused; never guessed:
+
+* every split tensor carries its *sources* (the column-parallel linears it came from). A module
+  or parameter that would act on split activations and is none of the above (a depthwise
+  ``conv1d`` of a short-convolution or Mamba mixer, a state-space parameter, a learned
+  activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
+  slopes, position biases: found as a non-parameter tensor sharing the head-count dim of a split
+  one, the trace using batch 1 and a prime sequence length so the sizes cannot be confused), is
+  a *violation*: its sources, the row-parallel linears reading them and the column-parallel
+  linears feeding those stay replicated (``Plan.replicated``, with the reason) and the trace runs
+  again. Replicated modules compute the whole sub-block on every rank: exact, just not split.
+* the plan is then dry-run on meta at one rank's shapes (``_dry_run``): what only breaks there
+  (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
+  silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
+  reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
+* mixture-of-experts layers are refused (``_refuse_moe``); so is a model none of whose block
+  layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
+  one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
+  never show a traceback, and ``parallel.fsdp`` trains all of these.
+* data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
+  ``.item()``, ``nonzero``) are answered on meta without data (``_DATA_DEPENDENT``).
+
 Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
 computes) and stored *replicated* on the TP mesh, gradients summed over TP:
 
@@ -747,6 +769,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
+        if fqn in plan.replicated:
+            source += "; its sub-block is kept replicated (listed below)"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
