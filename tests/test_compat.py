@@ -71,8 +71,10 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
             continue
         kept = [line for line in out.splitlines() if line.startswith("kept replicated")]
         assert text in out and not err.strip(), (name, out, err)
-        assert any(f" {replicated}," in f"{line}," or f" {replicated}:" in line for line in kept) if replicated else (
-            not kept
+        assert (
+            any(f" {replicated}," in f"{line}," or f" {replicated}:" in line for line in kept)
+            if replicated
+            else (not kept)
         ), (name, kept)
     # anything the trace does not expect becomes one line naming the running module
     import shardlm.plan as plan
