@@ -159,6 +159,7 @@ def shrink(d: dict) -> dict:
                 for new, old in enumerate(keep)
                 if str(old).zfill(width) in per_layer
             }
+    original = dict(d)
     for k, v in list(d.items()):
         if k == "per_layer_config":
             continue
@@ -168,6 +169,13 @@ def shrink(d: dict) -> dict:
             d[k] = SIZES[k]
         elif isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             d[k] = 0.0
+    # head sizes equal in the published config stay equal (DeepSeek's head_dim is its rope dim)
+    dims = [k for k in HEAD_DIM if isinstance(original.get(k), int)]
+    for k in dims:
+        same = [j for j in dims if original[j] == original[k]]
+        d[k] = min(d[j] for j in same)
+    if all(isinstance(d.get(k), int) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     if keep is not None:
         for k in DEPTH:
             if isinstance(d.get(k), int):
@@ -181,6 +189,8 @@ def shrink(d: dict) -> dict:
     for hk, dk in (("num_heads", "head_dim"), ("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
         if isinstance(expand, int) and isinstance(hidden, int) and isinstance(d.get(hk), int) and d.get(dk):
             d[hk] = expand * hidden // d[dk]
+    if "is_decoder" in d and not d.get("is_encoder_decoder"):
+        d["is_decoder"] = True  # encoders used as causal LMs (BERT-likes, Reformer) need it
     # token ids outside the small vocabulary: moved to its top, one slot each
     vocab = d.get("vocab_size")
     if isinstance(vocab, int):

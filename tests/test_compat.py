@@ -31,12 +31,12 @@ MODELS = {
 # what `shardlm plan --tp 2` says: (exit code, text in its output, a linear it keeps replicated)
 EXPECT = {
     "gpt2_pad": (0, "packed transformer.h.0.attn.c_attn", None),
-    "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.0.per_layer_input_gate"),
-    "codegen": (0, "fused in groups whose size depends on the split", "transformer.h.0.attn.qkv_proj"),
-    "bloom": (0, "ALiBi", "transformer.h.0.self_attention.query_key_value"),
-    "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.0.self_attention.query_key_value"),
-    "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.0.attn.c_attn"),
-    "lfm2_conv": (0, "model.layers.0.conv (Lfm2ShortConv)", "model.layers.0.conv.in_proj"),
+    "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.*.per_layer_input_gate"),
+    "codegen": (0, "fused in groups whose size depends on the split", "transformer.h.*.attn.qkv_proj"),
+    "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
+    "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
+    "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
+    "lfm2_conv": (0, "model.layers.*.conv (Lfm2ShortConv)", "model.layers.*.conv.in_proj"),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
     "mixtral": (2, "error: parallel.tp: model.layers.0.mlp (MixtralSparseMoeBlock) is a mixture-of-experts", None),
 }

@@ -85,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from shardlm.parallelize import build_meta_model
-    from shardlm.plan import check_geometry, describe_plan, infer_plan
+    from shardlm.plan import _any_block, check_geometry, describe_plan, infer_plan
 
     if args.tp < 2:
         raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
@@ -121,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for fqn, why in plan.replicated.items():
         by_reason.setdefault(why, []).append(fqn)
     for why, fqns in by_reason.items():
-        print(f"kept replicated (exact, not split): {', '.join(fqns)}: {why}")
+        names = list(dict.fromkeys(_any_block(f) for f in fqns))  # one name for every block
+        print(f"kept replicated (exact, not split): {', '.join(names)}: {why}")
     kv, _ = plan.kv_heads
     if kv and kv < args.tp and plan.attention:
         print(

@@ -107,6 +107,13 @@ _DATA_DEPENDENT = {
     "is_nonzero": False,
 }
 _NO_ROWS = {"nonzero", "argwhere"}  # data-dependent shapes: answered as "no element matches"
+# ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
+# would reduce its own columns only (a parameter-free norm, a softmax gate)
+_REDUCTIONS = {
+    "sum", "mean", "softmax", "log_softmax", "norm", "var", "std", "var_mean", "std_mean", "amax", "amin",
+    "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod", "logsumexp", "prod",
+    "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
+}  # fmt: skip
 TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
 # class names of mixture-of-experts (and mixture-of-attention) layers: routed tokens, refused for now
 _MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
@@ -157,6 +164,8 @@ class _ShardTracker(TorchFunctionMode):
         self.heads = {h for h in heads if h > 1}
         self.violations: list[tuple[frozenset[str], str]] = []
         self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
+        self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
+        self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
 
     def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
         self.keep.append(t)
@@ -195,7 +204,9 @@ class _ShardTracker(TorchFunctionMode):
             self._record_slice(args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
         if sources:
-            self._check(name, inputs, sources)
+            if not self.inside:
+                self._check(name, inputs, sources)
+                self._check_reduction(name, args, kwargs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
@@ -224,6 +235,34 @@ class _ShardTracker(TorchFunctionMode):
                                 )
                             )
                             return
+
+    def _check_reduction(self, name: str, args: tuple, kwargs: dict, sources: frozenset[str]) -> None:
+        """A reduction over the last dim of a flat column-parallel output (its width not yet viewed
+        into heads) would reduce each rank's columns only."""
+        if (
+            name not in _REDUCTIONS
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+            or id(args[0]) not in self.sharded
+        ):
+            return
+        t = args[0]
+        if not t.dim() or t.shape[-1] not in {self.widths.get(src) for src in sources}:
+            return
+        if name in ("layer_norm", "rms_norm", "group_norm"):
+            dims = {t.dim() - 1}
+        else:
+            pos = 2 if name == "topk" else 1
+            dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
+            if isinstance(dim, torch.Tensor) or (
+                name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor)
+            ):
+                return  # elementwise max/min of two tensors
+            if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
+                dim = -1
+            dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
+        if dims is None or t.dim() - 1 in dims:
+            self.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
 
     def _record_slice(self, tensor: torch.Tensor, index) -> None:
         index = index if isinstance(index, tuple) else (index,)
@@ -277,10 +316,11 @@ class _Traced:
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
 
 
-def _trace(model: nn.Module, forced: frozenset[str] = frozenset()) -> _Traced:
+def _trace(model: nn.Module, forced: frozenset[str] = frozenset(), meta: nn.Module | None = None) -> _Traced:
     """Directions of every linear inside the decoder blocks, and packed parts, from one meta
-    forward; ``forced``: linears kept replicated (their outputs are whole on every rank)."""
-    meta = _build_meta(model)
+    forward; ``forced``: linears kept replicated (their outputs are whole on every rank);
+    ``meta``: a meta copy of ``model`` to trace (built if not given; the trace leaves it as is)."""
+    meta = meta if meta is not None else _build_meta(model)
     styles: dict[str, str] = {}
     param_owner = {
         id(p): f"{m_name} ({type(m).__name__})"
@@ -311,6 +351,7 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset()) -> _Traced:
                     tracker.violations.append((sources, f"{owner} reads its split activations"))
             elif is_linear(module) and name.startswith(block_prefixes):
                 styles[name] = "rowwise" if sources else "colwise"
+                tracker.widths[name] = out_features(module)
                 legit[owner] = True
                 if sources:
                     closer_inputs[name] = closer_inputs.get(name, frozenset()) | sources
@@ -320,9 +361,11 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset()) -> _Traced:
                 if all(p.dim() == 1 and p.numel() == width for p in params) and width in head_widths:
                     styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     legit[owner] = True
+                    tracker.inside.append(name)
                 elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
                     styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
                     legit[owner] = True
+                    tracker.inside.append(name)
                 else:
                     what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
                     tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
@@ -333,6 +376,8 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset()) -> _Traced:
         def hook(module, args, out):
             if running and running[-1] == name:
                 running.pop()
+            if tracker.inside and tracker.inside[-1] == name:
+                tracker.inside.pop()
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 outputs[name] = out
@@ -481,12 +526,13 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     _refuse_moe(model)
     forced: frozenset[str] = frozenset()
     reasons: dict[str, str] = {}
+    meta = _build_meta(model)
     for _ in range(_MAX_ROUNDS):
-        traced = _trace(model, forced)
+        traced = _trace(model, forced, meta)
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:
-                reasons.setdefault(fqn, why)
+                reasons.setdefault(fqn, _any_block(why))
                 region.add(fqn)
         if not region and not traced.violations:
             plan = _assemble(model, tp, traced)
@@ -494,17 +540,19 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             if failure is None:
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
-            region = {
-                f
-                for f, st in traced.styles.items()
-                if f.rpartition(".")[0] == owner and st in ("colwise", "rowwise", "packed_colwise")
-            } - forced
+            split = {f for f, st in traced.styles.items() if st in ("colwise", "rowwise", "packed_colwise")}
+            # its own split linears, else every split linear under it (BigBird: attention.self, .output)
+            region = {f for f in split if f.rpartition(".")[0] == owner} or {
+                f for f in split if f.startswith(f"{owner}.") or not owner
+            }
+            # the same module of every other block fails alike: one round for all of them
+            region = _every_block(region, split) - forced
+            why = _any_block(why)
             for fqn in region:
                 reasons.setdefault(fqn, why)
             if not region:
                 raise ConfigError(
-                    f"parallel.tp: {owner}: {why}; shardlm cannot split this model with tp > 1 yet, "
-                    "parallel.fsdp trains it"
+                    f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
                 )
         if not region:  # violations but nothing new to keep replicated: give up
             why = traced.violations[0][1]
@@ -516,6 +564,22 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         f"parallel.tp: {type(model).__name__}: no consistent tensor-parallel plan after {_MAX_ROUNDS} rounds "
         f"({next(iter(reasons.values()), '')}); parallel.fsdp trains it"
     )
+
+
+def _block_key(fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.#.attn.c_attn``."""
+    return re.sub(r"\.\d+(?=\.|$)", ".#", fqn) + "."
+
+
+def _any_block(text: str) -> str:
+    """Module names in ``text`` with their block index as ``*`` (one reason for every block)."""
+    return re.sub(r"(?<=[A-Za-z_])\.\d+(?=[.\s)]|$)", ".*", text)
+
+
+def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
+    """``fqns`` and the same modules in every other block, among ``candidates``."""
+    keys = {_block_key(f) for f in fqns}
+    return {f for f in candidates if _block_key(f) in keys}
 
 
 def _refuse_moe(model: nn.Module) -> None:
