@@ -73,6 +73,16 @@ def _group(model_type: str, model, refusal: str | None) -> str:
     return "dense decoder-only"
 
 
+def _quiet() -> None:
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def survey(model_type: str, root: str) -> dict:
     """Build, train one step in one process, plan at tp=2; reference losses when a plan is made."""
     import torch
@@ -276,6 +286,7 @@ def main() -> None:
     parser.add_argument("--types", help="comma-separated model types (default: all causal-LM types)")
     parser.add_argument("--out", help="directory for compatibility.md/json (default docs/, only for a full run)")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the tp2 x fsdp2 runs")
+    parser.add_argument("--jobs", type=int, default=2, help="processes building and planning models (default 2)")
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_chunk:
@@ -296,12 +307,13 @@ def main() -> None:
     types = args.types.split(",") if args.types else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     start = time.time()
     workdir = tempfile.mkdtemp(prefix="shardlm-matrix-")
+    from concurrent.futures import ProcessPoolExecutor
+
     rows = []
-    for t in types:
-        t0 = time.time()
-        rows.append(survey(t, workdir))
-        r = rows[-1]
-        print(f"{t:28s} build={r['build'][:30]:30s} plan={r.get('plan', '-')} ({time.time() - t0:.1f}s)", flush=True)
+    with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:  # one process each: imports dominate
+        for t, r in zip(types, pool.map(survey, types, [workdir] * len(types))):
+            rows.append(r)
+            print(f"{t:28s} build={r['build'][:30]:30s} plan={r.get('plan', '-')}", flush=True)
     planned = {r["path"]: r for r in rows if r.get("path")}
     tp2 = run_chunks(list(planned), {"tp": 2}, 4, workdir)
     for path, r in planned.items():

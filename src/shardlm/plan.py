@@ -15,6 +15,9 @@ A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
 ``replicate`` every other module owning parameters (norms, learned positions)
+``replicate_local``  a module that uses its children's parameters directly (a mixer calling
+             ``conv1d(x, self.conv1d.weight)``) and everything under it, none of it split:
+             parameters replicated, the module computes on local views of them
 
 The algorithm (no table of model names): run one forward of the model on the meta device
 under a ``TorchFunctionMode`` that tracks which tensors are *sharded* across TP ranks. A
@@ -88,6 +91,7 @@ STYLES = (
     "replicate_grad_allreduce",
     "sharded_norm",
     "replicate",
+    "replicate_local",
 )
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -165,6 +169,9 @@ class _ShardTracker(TorchFunctionMode):
         self.violations: list[tuple[frozenset[str], str]] = []
         self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
+        self.running: list[str] = []  # modules whose forward is running, innermost last
+        self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
+        self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
 
     def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
@@ -198,6 +205,10 @@ class _ShardTracker(TorchFunctionMode):
         self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
             self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
+            if isinstance(t, nn.Parameter) and id(t) in self.param_owner and id(t) not in self.tied and self.running:
+                owner = self.param_owner[id(t)]
+                if owner.split(" (")[0] != self.running[-1]:
+                    self.foreign.setdefault(owner, self.running[-1])
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
@@ -314,6 +325,7 @@ class _Traced:
     violations: list[tuple[frozenset[str], str]]
     closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
+    foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
 
 
 def _trace(model: nn.Module, forced: frozenset[str] = frozenset(), meta: nn.Module | None = None) -> _Traced:
@@ -322,6 +334,10 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset(), meta: nn.Modu
     ``meta``: a meta copy of ``model`` to trace (built if not given; the trace leaves it as is)."""
     meta = meta if meta is not None else _build_meta(model)
     styles: dict[str, str] = {}
+    registrations: dict[int, int] = {}
+    for _, m in meta.named_modules():
+        for p in m.parameters(recurse=False):
+            registrations[id(p)] = registrations.get(id(p), 0) + 1
     param_owner = {
         id(p): f"{m_name} ({type(m).__name__})"
         for m_name, m in meta.named_modules()
@@ -329,10 +345,12 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset(), meta: nn.Modu
     }
     legit: dict[str, bool] = {}
     tracker = _ShardTracker(param_owner, legit, _head_counts(meta.config))
+    tracker.tied = {i for i, n in registrations.items() if n > 1}
     outputs: dict[str, torch.Tensor] = {}
     closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
     running: list[str] = []  # modules whose forward is running (named when an exception escapes)
+    tracker.running = running
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
     head_widths = _head_widths(meta.config)
 
@@ -404,7 +422,7 @@ def _trace(model: nn.Module, forced: frozenset[str] = frozenset(), meta: nn.Modu
             found = _parts_from_consumer(tracker, outputs[name])
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
-    return _Traced(styles, parts, tracker.violations, closer_inputs, views)
+    return _Traced(styles, parts, tracker.violations, closer_inputs, views, tracker.foreign)
 
 
 def rms_norm_eps(module: nn.Module) -> float | None:
@@ -538,6 +556,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
+                _refuse_unplaceable(model, plan, traced)
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in ("colwise", "rowwise", "packed_colwise")}
@@ -629,7 +648,8 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
         styles[head] = "lm_head"
     for name, module in model.named_modules():
         if styles.get(name) is None and any(True for _ in module.parameters(recurse=False)):
-            styles[name] = "replicate"
+            # learned positions make their own position tensors (MVP, XLM): local copies
+            styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
@@ -639,6 +659,59 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     return plan
+
+
+_SPLIT = ("colwise", "rowwise", "packed_colwise", "sharded_norm")
+
+
+def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
+    """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
+
+    * a parameter used directly by another module's forward (a mixer calling
+      ``conv1d(x, self.conv1d.weight)``): styles act at module boundaries, so it would meet
+      plain tensors as a DTensor (where nothing under that module is split, it becomes
+      ``replicate_local`` instead: it computes on local copies of its parameters);
+    * a module with parameters of its own (replicated) around split children (GPT-NeoX-Japanese's
+      attention ``dense_bias`` added to a row-parallel output);
+    * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
+      prediction head), other than tied input/output embeddings.
+    """
+    split_all = [f for f, st in plan.styles.items() if st in _SPLIT]
+    for owner, user in traced.foreign.items():
+        fqn = owner.split(" (")[0]
+        if plan.styles.get(fqn) is None:
+            continue
+        if user and not any(f == user or f.startswith(f"{user}.") for f in split_all):
+            # nothing split under the user (a mixer kept replicated): it runs on local copies
+            plan.styles[user] = "replicate_local"
+            for name, module in model.get_submodule(user).named_modules():
+                if name and any(True for _ in module.parameters(recurse=False)):
+                    plan.styles[f"{user}.{name}"] = "replicate_local"
+            continue
+        raise ConfigError(
+            f"parallel.tp: {_any_block(user)} ({type(model.get_submodule(user)).__name__}) uses a parameter of "
+            f"{_any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
+            "this model with tp > 1 yet, parallel.fsdp trains it"
+        )
+    split = [f for f, st in plan.styles.items() if st in _SPLIT]
+    for fqn, style in plan.styles.items():
+        if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
+            raise ConfigError(
+                f"parallel.tp: {_any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
+                "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
+                "model with tp > 1 yet, parallel.fsdp trains it"
+            )
+    places: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            places.setdefault(id(p), []).append(name)
+    for names in places.values():
+        kinds = {plan.styles.get(n) for n in names}
+        if len(kinds) > 1 and kinds != {"embedding", "lm_head"}:
+            raise ConfigError(
+                f"parallel.tp: a parameter is shared by {' and '.join(names)} with different styles "
+                f"({', '.join(sorted(str(k) for k in kinds))}), which shardlm cannot split yet; parallel.fsdp trains it"
+            )
 
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
