@@ -14,9 +14,10 @@ A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
              q_norm/k_norm): replicated, gradients summed over the TP group
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
-``replicate`` every other module owning parameters (norms, learned positions)
-``replicate_local``  a module that uses its children's parameters directly (a mixer calling
-             ``conv1d(x, self.conv1d.weight)``) and everything under it, none of it split:
+``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole)
+``replicate_local``  learned position embeddings (they make position tensors of their own), and
+             a module that uses its children's parameters directly (a mixer calling
+             ``conv1d(x, self.conv1d.weight)``) with everything under it, none of it split:
              parameters replicated, the module computes on local views of them
 
 The algorithm (no table of model names): run one forward of the model on the meta device
@@ -31,8 +32,8 @@ projection is fused: a split/chunk/slice of the last dim means packed parts (GPT
 Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving (GPT-NeoX),
 which plain column sharding already keeps whole. A module with parameters that reads a
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
-width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (any other
-module is refused). The model's own
+width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (anything
+else is a violation, below). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 What cannot be split is kept replicated, sub-block by sub-block, or refused; never guessed:
@@ -50,6 +51,10 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
   silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
   reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
+* a module whose code uses its children's parameters directly (Mamba and short-convolution
+  mixers call ``conv1d(x, self.conv1d.weight)``), with nothing under it split, becomes
+  ``replicate_local``; where something under it is split, or a parameter is shared by modules
+  of different styles (BERT's LM-head bias), the model is refused (``_refuse_unplaceable``).
 * mixture-of-experts layers are refused (``_refuse_moe``); so is a model none of whose block
   layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
