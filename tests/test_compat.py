@@ -3,7 +3,7 @@
 Tiny models from each type's own transformers config defaults (``scripts/tiny.py``), only
 sizes shrunk. ``shardlm plan`` never shows a traceback: it makes a plan (keeping replicated
 the sub-blocks that cannot be split, with the reason) or refuses in one line naming the module.
-Every accepted plan trains at tp=2 exactly like one process (one spawn for all of them).
+Accepted plans train at tp=2 exactly like one process (five of them, in one spawn).
 """
 
 from __future__ import annotations
@@ -91,8 +91,13 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
     assert "ZeroDivisionError" in lines[0] and "parallel.fsdp trains it" in lines[0], lines
 
 
+# trained in the spawn (a model costs ~5-10 s there on 2 cores); Gemma 4 and GPT-BigCode train
+# with parity in `make matrix` (docs/compatibility.md), here only their plans are checked
+TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
+
+
 def test_published_configs_train_at_tp2_like_one_process(dirs):
-    paths = [dirs[name] for name in MODELS]
+    paths = [dirs[name] for name in TRAINED]
     got = run_ranks(shardlm_losses, 2, paths, {"tp": 2}, 4, 1, 3)
-    for name, path in zip(MODELS, paths):
+    for name, path in zip(TRAINED, paths):
         assert_parity(got[path], plain_reference(path, 4, steps=3), label=name)

@@ -651,8 +651,11 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     styles[emb] = "embedding"
     if head is not None:
         styles[head] = "lm_head"
+    # parameters the embedding and LM head place (BERT's prediction head owns the LM head's bias too)
+    placed = {id(p) for n in (emb, head) if n is not None for p in model.get_submodule(n).parameters(recurse=False)}
     for name, module in model.named_modules():
-        if styles.get(name) is None and any(True for _ in module.parameters(recurse=False)):
+        own = [p for p in module.parameters(recurse=False) if id(p) not in placed]
+        if styles.get(name) is None and own:
             # learned positions make their own position tensors (MVP, XLM): local copies
             styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
@@ -693,8 +696,9 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
                 if name and any(True for _ in module.parameters(recurse=False)):
                     plan.styles[f"{user}.{name}"] = "replicate_local"
             continue
+        who = f"{_any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
         raise ConfigError(
-            f"parallel.tp: {_any_block(user)} ({type(model.get_submodule(user)).__name__}) uses a parameter of "
+            f"parallel.tp: {who} uses a parameter of "
             f"{_any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
             "this model with tp > 1 yet, parallel.fsdp trains it"
         )
@@ -711,7 +715,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
         for p in module.parameters(recurse=False):
             places.setdefault(id(p), []).append(name)
     for names in places.values():
-        kinds = {plan.styles.get(n) for n in names}
+        kinds = {plan.styles[n] for n in names if n in plan.styles}  # unstyled: placed by another owner
         if len(kinds) > 1 and kinds != {"embedding", "lm_head"}:
             raise ConfigError(
                 f"parallel.tp: a parameter is shared by {' and '.join(names)} with different styles "
