@@ -85,6 +85,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 
     boom.__wrapped__ = plan._meta_forward
     monkeypatch.setattr(plan, "_meta_forward", boom)
+    monkeypatch.setattr(plan, "_PLANS", {})  # traced again, not taken from this process's plans
     assert main(["plan", dirs["gemma4_text"], "--tp", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "model.layers.0.self_attn (Gemma4TextAttention): tracing the tensor-parallel" in lines[0]

@@ -527,6 +527,20 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     check_config_geometry(model.config, tp)
     if tp == 1:
         return Plan()
+    import copy
+    import json
+
+    key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str))
+    if key not in _PLANS:
+        _PLANS[key] = _infer_or_refuse(model, tp)
+    return copy.deepcopy(_PLANS[key])
+
+
+# plans already traced in this process (a model's plan is traced again by parallelize, estimate, LoRA checks)
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
     try:
         return _infer(model, tp)
     except ConfigError:
