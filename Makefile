@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardlm-installed
 PYTHON ?= python3
 
-.PHONY: setup test demo bench bench-scale lint clean
+.PHONY: setup test demo bench bench-scale lint clean matrix
 
 setup: $(STAMP)
 
@@ -35,7 +35,11 @@ bench-scale: setup
 	$(PY) benchmarks/scale.py
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Compatibility matrix of every causal-LM type of the installed transformers (docs/compatibility.md)
+matrix: setup
+	$(PY) scripts/matrix.py

@@ -85,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from shardlm.parallelize import build_meta_model
-    from shardlm.plan import check_geometry, describe_plan, infer_plan
+    from shardlm.plan import _any_block, check_geometry, describe_plan, infer_plan
 
     if args.tp < 2:
         raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
@@ -117,8 +117,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks})")
         else:
             print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
+    by_reason: dict[str, list[str]] = {}
+    for fqn, why in plan.replicated.items():
+        by_reason.setdefault(why, []).append(fqn)
+    for why, fqns in by_reason.items():
+        names = list(dict.fromkeys(_any_block(f) for f in fqns))  # one name for every block
+        print(f"kept replicated (exact, not split): {', '.join(names)}: {why}")
     kv, _ = plan.kv_heads
-    if kv < args.tp:
+    if kv and kv < args.tp and plan.attention:
         print(
             f"key/value heads replicated: num_key_value_heads={kv} < tp={args.tp}, so rank r reads kv head "
             f"r // {args.tp // kv}; its k/v weights are stored whole on every rank, each rank computes the rows of "

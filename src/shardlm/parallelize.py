@@ -63,8 +63,16 @@ def build_meta_model(model_path: str) -> nn.Module:
     """The model's structure with parameters on the meta device (fp32 master weights)."""
     from transformers import AutoModelForCausalLM
 
-    with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(_load_config(model_path))
+    config = _load_config(model_path)
+    try:
+        with _params_on_meta():
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build: the user's model directory
+        detail = " ".join(str(exc).split())[:200]
+        raise ConfigError(
+            f"model: transformers cannot build a causal LM from '{model_path}/config.json' "
+            f"({type(exc).__name__}: {detail})"
+        ) from None
     return model.float()
 
 

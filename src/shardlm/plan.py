@@ -14,7 +14,11 @@ A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
              q_norm/k_norm): replicated, gradients summed over the TP group
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
-``replicate`` every other module owning parameters (norms, learned positions)
+``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole)
+``replicate_local``  learned position embeddings (they make position tensors of their own), and
+             a module that uses its children's parameters directly (a mixer calling
+             ``conv1d(x, self.conv1d.weight)``) with everything under it, none of it split:
+             parameters replicated, the module computes on local views of them
 
 The algorithm (no table of model names): run one forward of the model on the meta device
 under a ``TorchFunctionMode`` that tracks which tensors are *sharded* across TP ranks. A
@@ -28,9 +32,35 @@ projection is fused: a split/chunk/slice of the last dim means packed parts (GPT
 Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving (GPT-NeoX),
 which plain column sharding already keeps whole. A module with parameters that reads a
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
-width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (any other
-module is refused). The model's own
+width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (anything
+else is a violation, below). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
+
+What cannot be split is kept replicated, sub-block by sub-block, or refused; never guessed:
+
+* every split tensor carries its *sources* (the column-parallel linears it came from). A module
+  or parameter that would act on split activations and is none of the above (a depthwise
+  ``conv1d`` of a short-convolution or Mamba mixer, a state-space parameter, a learned
+  activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
+  slopes, position biases: found as a non-parameter tensor sharing the head-count dim of a split
+  one, the trace using batch 1 and a prime sequence length so the sizes cannot be confused), is
+  a *violation*: its sources, the row-parallel linears reading them and the column-parallel
+  linears feeding those stay replicated (``Plan.replicated``, with the reason) and the trace runs
+  again. Replicated modules compute the whole sub-block on every rank: exact, just not split.
+* the plan is then dry-run on meta at one rank's shapes (``_dry_run``): what only breaks there
+  (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
+  silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
+  reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
+* a module whose code uses its children's parameters directly (Mamba and short-convolution
+  mixers call ``conv1d(x, self.conv1d.weight)``), with nothing under it split, becomes
+  ``replicate_local``; where something under it is split, or a parameter is shared by modules
+  of different styles (BERT's LM-head bias), the model is refused (``_refuse_unplaceable``).
+* mixture-of-experts layers are refused (``_refuse_moe``); so is a model none of whose block
+  layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
+  one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
+  never show a traceback, and ``parallel.fsdp`` trains all of these.
+* data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
+  ``.item()``, ``nonzero``) are answered on meta without data (``_DATA_DEPENDENT``).
 
 Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
 computes) and stored *replicated* on the TP mesh, gradients summed over TP:
@@ -67,11 +97,37 @@ STYLES = (
     "replicate_grad_allreduce",
     "sharded_norm",
     "replicate",
+    "replicate_local",
 )
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
-# answers for data-dependent questions asked of meta tensors during the trace
-_DATA_DEPENDENT = {"item": 0, "__bool__": False, "tolist": []}
+_VIEW_OPS = {"view", "reshape", "unflatten"}
+# answers for data-dependent questions a modeling file asks of a meta tensor during the trace
+# ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
+_DATA_DEPENDENT = {
+    "item": 0,
+    "__bool__": False,
+    "__int__": 0,
+    "__index__": 0,
+    "__float__": 0.0,
+    "tolist": [],
+    "__contains__": False,
+    "equal": False,
+    "allclose": False,
+    "is_nonzero": False,
+}
+_NO_ROWS = {"nonzero", "argwhere"}  # data-dependent shapes: answered as "no element matches"
+# ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
+# would reduce its own columns only (a parameter-free norm, a softmax gate)
+_REDUCTIONS = {
+    "sum", "mean", "softmax", "log_softmax", "norm", "var", "std", "var_mean", "std_mean", "amax", "amin",
+    "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod", "logsumexp", "prod",
+    "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
+}  # fmt: skip
+TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
+# class names of mixture-of-experts (and mixture-of-attention) layers: routed tokens, refused for now
+_MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
+_MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -94,6 +150,8 @@ class Plan:
     # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
     sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
+    # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
+    replicated: dict[str, str] = field(default_factory=dict)
     # per dropout call site of a forward, in call order (``dropout.py``): the dim along which its
     # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
     # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
@@ -101,14 +159,30 @@ class Plan:
 
 
 class _ShardTracker(TorchFunctionMode):
-    """Propagates 'sharded across TP ranks' through every torch op of a meta forward."""
+    """Propagates 'sharded across TP ranks' through every torch op of a meta forward.
 
-    def __init__(self) -> None:
+    Each sharded tensor carries its *sources*: the column-parallel linears whose outputs it was
+    computed from. When something cannot act on a sharded tensor (a parameter of a module that
+    is not split with it, a per-head tensor that is not split with the heads), the sources are
+    recorded as a violation: ``_trace`` then keeps that whole sub-block replicated.
+    """
+
+    def __init__(self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=()) -> None:
         super().__init__()
-        self.sharded: set[int] = set()
+        self.sharded: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
         self.slices: dict[int, set[int]] = {}
+        self.param_owner = param_owner or {}
+        self.legit = legit if legit is not None else {}  # fqns whose parameters may meet sharded tensors
+        self.heads = {h for h in heads if h > 1}
+        self.violations: list[tuple[frozenset[str], str]] = []
+        self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
+        self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
+        self.running: list[str] = []  # modules whose forward is running, innermost last
+        self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
+        self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
+        self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
 
@@ -121,19 +195,29 @@ class _ShardTracker(TorchFunctionMode):
                 (sharded, dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs))
             )
 
-    def mark(self, t: torch.Tensor, sharded: bool) -> None:
+    def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
         self.keep.append(t)
-        (self.sharded.add if sharded else self.sharded.discard)(id(t))
+        if sources:
+            self.sharded[id(t)] = sources
+        else:
+            self.sharded.pop(id(t), None)
 
     def is_sharded(self, t) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.sharded
 
+    def sources(self, t) -> frozenset[str]:
+        return self.sharded.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            # mask helpers ask data questions ("is this a packed sequence?"); meta has no data
-            return _DATA_DEPENDENT[name]
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            if name in _DATA_DEPENDENT:
+                return _DATA_DEPENDENT[name]
+            if name in _NO_ROWS:
+                if kwargs.get("as_tuple") or (len(args) > 1 and args[1] is True):
+                    return tuple(torch.empty(0, dtype=torch.long, device="meta") for _ in range(args[0].dim()))
+                return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
         self._record_dropout(func, args, kwargs)
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -143,13 +227,75 @@ class _ShardTracker(TorchFunctionMode):
         self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
             self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
+            if isinstance(t, nn.Parameter) and id(t) in self.param_owner and id(t) not in self.tied and self.running:
+                owner = self.param_owner[id(t)]
+                if owner.split(" (")[0] != self.running[-1]:
+                    self.foreign.setdefault(owner, self.running[-1])
+        if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            self.first_view.setdefault(id(args[0]), tuple(out.shape))
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             self._record_slice(args[0], args[1])
-        if any(id(t) in self.sharded for t in inputs):
+        sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        if sources:
+            if not self.inside:
+                self._check(name, inputs, sources)
+                self._check_reduction(name, args, kwargs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self.mark(t, True)
+                    self.mark(t, sources)
         return out
+
+    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str]) -> None:
+        """Record what cannot act on this op's sharded input(s) as they stand."""
+        sharded = [t for t in inputs if id(t) in self.sharded]
+        for t in inputs:
+            if id(t) in self.sharded:
+                continue
+            if isinstance(t, nn.Parameter):
+                owner = self.param_owner.get(id(t), "?")
+                if owner not in self.legit:
+                    self.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
+            elif t.dim() and t.numel() > 1 and self.heads:
+                for s in sharded:
+                    # the heads dim of split activations is never the last (that is head_dim or keys)
+                    for i in range(2, min(t.dim(), s.dim()) + 1):
+                        if t.shape[-i] == s.shape[-i] and t.shape[-i] in self.heads:
+                            self.violations.append(
+                                (
+                                    sources,
+                                    f"a per-head tensor of shape {tuple(t.shape)} (ALiBi slopes, position "
+                                    f"biases) is not split with the heads ({name})",
+                                )
+                            )
+                            return
+
+    def _check_reduction(self, name: str, args: tuple, kwargs: dict, sources: frozenset[str]) -> None:
+        """A reduction over the last dim of a flat column-parallel output (its width not yet viewed
+        into heads) would reduce each rank's columns only."""
+        if (
+            name not in _REDUCTIONS
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+            or id(args[0]) not in self.sharded
+        ):
+            return
+        t = args[0]
+        if not t.dim() or t.shape[-1] not in {self.widths.get(src) for src in sources}:
+            return
+        if name in ("layer_norm", "rms_norm", "group_norm"):
+            dims = {t.dim() - 1}
+        else:
+            pos = 2 if name == "topk" else 1
+            dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
+            if isinstance(dim, torch.Tensor) or (
+                name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor)
+            ):
+                return  # elementwise max/min of two tensors
+            if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
+                dim = -1
+            dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
+        if dims is None or t.dim() - 1 in dims:
+            self.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
 
     def _record_slice(self, tensor: torch.Tensor, index) -> None:
         index = index if isinstance(index, tuple) else (index,)
@@ -180,48 +326,107 @@ def _parts_from_consumer(tracker: _ShardTracker, out: torch.Tensor) -> list[int]
     return list(arg)
 
 
-def _trace(model: nn.Module, shape: tuple[int, int] = (1, 8)) -> tuple[dict[str, str], dict[str, list[int]], list]:
-    """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
-    sites (``_ShardTracker.dropout_sites``), from one meta forward of a ``shape`` batch."""
-    from transformers import AutoModelForCausalLM
-
+def _build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
+    """A fresh meta copy of ``model``'s architecture (``eager``: eager attention, every op visible;
+    else the attention the ranks will run)."""
     config = model.config.__class__.from_dict(model.config.to_dict())
-    config._attn_implementation = "eager"
+    if eager:
+        config._attn_implementation = "eager"
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    tracker = _ShardTracker()
+        return type(model)._from_config(config)
+
+
+def _meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> None:
+    meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+
+
+@dataclass
+class _Traced:
+    styles: dict[str, str]
+    parts: dict[str, list[int]]
+    violations: list[tuple[frozenset[str], str]]
+    closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
+    views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
+    foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
+    dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``_ShardTracker.dropout_sites``
+
+
+def _trace(
+    model: nn.Module,
+    forced: frozenset[str] = frozenset(),
+    meta: nn.Module | None = None,
+    shape: tuple[int, int] = (1, TRACE_SEQ),
+) -> _Traced:
+    """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
+    sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
+    outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
+    given; the trace leaves it as is)."""
+    meta = meta if meta is not None else _build_meta(model)
     styles: dict[str, str] = {}
+    registrations: dict[int, int] = {}
+    for _, m in meta.named_modules():
+        for p in m.parameters(recurse=False):
+            registrations[id(p)] = registrations.get(id(p), 0) + 1
+    param_owner = {
+        id(p): f"{m_name} ({type(m).__name__})"
+        for m_name, m in meta.named_modules()
+        for p in m.parameters(recurse=False)
+    }
+    legit: dict[str, bool] = {}
+    tracker = _ShardTracker(param_owner, legit, _head_counts(meta.config))
+    tracker.tied = {i for i, n in registrations.items() if n > 1}
     outputs: dict[str, torch.Tensor] = {}
+    closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
+    running: list[str] = []  # modules whose forward is running (named when an exception escapes)
+    tracker.running = running
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
+    head_widths = _head_widths(meta.config)
 
     def pre(name):
+        label = f"{name} ({{}})"
+
         def hook(module, args):
+            running.append(name)
             if not args or not isinstance(args[0], torch.Tensor):
                 return
-            sharded_in = tracker.is_sharded(args[0])
-            if is_linear(module) and name.startswith(block_prefixes):
-                styles[name] = "rowwise" if sharded_in else "colwise"
-            elif sharded_in and any(True for _ in module.parameters(recurse=False)):
+            sources = tracker.sources(args[0])
+            owner = label.format(type(module).__name__)
+            if is_linear(module) and name in forced:
+                styles[name] = "replicate"
+                if sources:
+                    tracker.violations.append((sources, f"{owner} reads its split activations"))
+            elif is_linear(module) and name.startswith(block_prefixes):
+                styles[name] = "rowwise" if sources else "colwise"
+                tracker.widths[name] = out_features(module)
+                legit[owner] = True
+                if sources:
+                    closer_inputs[name] = closer_inputs.get(name, frozenset()) | sources
+            elif sources and any(True for _ in module.parameters(recurse=False)):
                 width = args[0].shape[-1]
-                if any(p.shape[-1] == width and p.numel() == width for p in module.parameters(recurse=False)) and (
-                    width not in _head_widths(meta.config)
-                ):
-                    if rms_norm_eps(module) is None:
-                        raise ConfigError(
-                            f"parallel.tp: {name} ({type(module).__name__}) normalizes across the tensor-parallel "
-                            f"width {width}; this model cannot be split with tp > 1 yet, use parallel.fsdp instead"
-                        )
-                    styles[name] = "sharded_norm"
-                    return
-                styles[name] = "replicate_grad_allreduce"
+                params = list(module.parameters(recurse=False))
+                if all(p.dim() == 1 and p.numel() == width for p in params) and width in head_widths:
+                    styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
+                    legit[owner] = True
+                    tracker.inside.append(name)
+                elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
+                    styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
+                    legit[owner] = True
+                    tracker.inside.append(name)
+                else:
+                    what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
+                    tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
 
         return hook
 
     def post(name):
         def hook(module, args, out):
-            if name in styles and styles[name] in ("colwise", "rowwise"):
-                tracker.mark(out, styles[name] == "colwise")
+            if running and running[-1] == name:
+                running.pop()
+            if tracker.inside and tracker.inside[-1] == name:
+                tracker.inside.pop()
+            if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
+                tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 outputs[name] = out
 
         return hook
@@ -231,20 +436,25 @@ def _trace(model: nn.Module, shape: tuple[int, int] = (1, 8)) -> tuple[dict[str,
         hooks.append(module.register_forward_hook(post(name)))
     try:
         with tracker:
-            meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+            _meta_forward(meta, shape)
+    except Exception as exc:
+        if running:
+            exc.shardlm_module = f"{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})"
+        raise
     finally:
         for h in hooks:
             h.remove()
-    parts = {}
+    parts, views = {}, {}
     for name, style in styles.items():
-        if style == "colwise":
+        if style == "colwise" and name in outputs:
+            views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
             found = _parts_from_consumer(tracker, outputs[name])
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
-    return styles, parts, tracker.dropout_sites
+    return _Traced(styles, parts, tracker.violations, closer_inputs, views, tracker.foreign, tracker.dropout_sites)
 
 
-def _dropout_dims(model: nn.Module, sites: list[tuple[bool, tuple[int, ...], float]]) -> list[int | None]:
+def _dropout_dims(model: nn.Module, traced: _Traced, forced: frozenset[str]) -> list[int | None]:
     """The sharded dim of each dropout site's input (see ``Plan.dropout_sites``).
 
     Shardedness is known per tensor, not per dim, so a second trace with another batch size and
@@ -254,9 +464,10 @@ def _dropout_dims(model: nn.Module, sites: list[tuple[bool, tuple[int, ...], flo
     second trace runs only for a model that drops on a sharded tensor (p > 0); other sharded
     sites get -1, which ``dropout.traced_dim`` refuses should one ever draw a mask.
     """
+    sites = traced.dropout_sites
     if not any(sharded and p > 0 for sharded, _, p in sites):
         return [-1 if sharded else None for sharded, _, _ in sites]
-    other = _trace(model, (2, 5))[2]
+    other = _trace(model, forced, shape=(2, 5)).dropout_sites
     if len(other) != len(sites):
         raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
     dims: list[int | None] = []
@@ -284,9 +495,43 @@ def rms_norm_eps(module: nn.Module) -> float | None:
         return eps if torch.allclose(probe(x), want, rtol=1e-5, atol=1e-6) else None
 
 
+def _config_value(config, name: str):
+    """``config.name``, or None where the config has no single value (Gemma 4's per-layer
+    ``head_dim`` raises rather than answer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
+def _per_layer_values(config, name: str) -> set[int]:
+    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any."""
+    found = set()
+    per_layer = _config_value(config, "per_layer_config")
+    for layer in per_layer.values() if isinstance(per_layer, dict) else per_layer or []:
+        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
+        if isinstance(value, int):
+            found.add(value)
+    return found
+
+
 def _head_widths(config) -> set[int]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {head_dim}
+    """Head dims of the attention layers (several where layers differ, as in Gemma 4)."""
+    heads = _geometry(config).get("num_attention_heads")
+    hidden = _config_value(config, "hidden_size")
+    widths = {w for w in [_config_value(config, "head_dim")] if isinstance(w, int)} | _per_layer_values(
+        config, "head_dim"
+    )
+    if not widths and heads and isinstance(hidden, int):
+        widths.add(hidden // heads)
+    return widths
+
+
+def _head_counts(config) -> set[int]:
+    """Head counts (query and kv), per-layer ones included: dims of per-head tensors."""
+    geo = _geometry(config)
+    counts = {geo[k] for k in ("num_attention_heads", "num_key_value_heads") if k in geo}
+    return counts | _per_layer_values(config, "num_attention_heads") | _per_layer_values(config, "num_key_value_heads")
 
 
 def _hf_directions(model: nn.Module) -> dict[str, str]:
@@ -319,21 +564,162 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def infer_plan(model: nn.Module, tp: int) -> Plan:
-    """The full plan for ``model`` (meta or real) at TP degree ``tp``."""
+    """The full plan for ``model`` (meta or real) at TP degree ``tp``.
+
+    Whatever the trace cannot handle ends as a ``ConfigError`` naming the module (one line for the
+    CLI, raised before any rank is spawned), never as a traceback: an unexpected exception while
+    tracing means a modeling file does something the trace does not know yet, so the model is
+    refused for tp > 1 rather than guessed at.
+    """
     check_config_geometry(model.config, tp)
-    plan = Plan()
     if tp == 1:
-        return plan
-    styles, plan.parts, sites = _trace(model)
-    plan.dropout_sites = _dropout_dims(model, sites)
+        return Plan()
+    import copy
+    import json
+
+    key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str))
+    if key not in _PLANS:
+        _PLANS[key] = _infer_or_refuse(model, tp)
+    return copy.deepcopy(_PLANS[key])
+
+
+# plans already traced in this process (a model's plan is traced again by parallelize, estimate, LoRA checks)
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
+    try:
+        return _infer(model, tp)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        where = getattr(exc, "shardlm_module", None) or type(model).__name__
+        detail = " ".join(str(exc).split())[:160]
+        raise ConfigError(
+            f"parallel.tp: {where}: tracing the tensor-parallel plan failed ({type(exc).__name__}: {detail}); "
+            f"shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+        ) from None
+
+
+_MAX_ROUNDS = 8
+
+
+def _infer(model: nn.Module, tp: int) -> Plan:
+    """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
+    running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
+    _refuse_moe(model)
+    forced: frozenset[str] = frozenset()
+    reasons: dict[str, str] = {}
+    meta = _build_meta(model)
+    for _ in range(_MAX_ROUNDS):
+        traced = _trace(model, forced, meta)
+        region: set[str] = set()
+        for sources, why in traced.violations:
+            for fqn in _closure(traced, set(sources)) - forced - region:
+                reasons.setdefault(fqn, _any_block(why))
+                region.add(fqn)
+        if not region and not traced.violations:
+            plan = _assemble(model, tp, traced)
+            failure = _dry_run(model, plan, tp, traced)
+            if failure is None:
+                _refuse_unplaceable(model, plan, traced)
+                plan.dropout_sites = _dropout_dims(model, traced, forced)
+                return _finish(model, plan, forced, reasons)
+            owner, why = failure
+            split = {f for f, st in traced.styles.items() if st in ("colwise", "rowwise", "packed_colwise")}
+            # its own split linears, else every split linear under it (BigBird: attention.self, .output)
+            region = {f for f in split if f.rpartition(".")[0] == owner} or {
+                f for f in split if f.startswith(f"{owner}.") or not owner
+            }
+            # the same module of every other block fails alike: one round for all of them
+            region = _every_block(region, split) - forced
+            why = _any_block(why)
+            for fqn in region:
+                reasons.setdefault(fqn, why)
+            if not region:
+                raise ConfigError(
+                    f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+                )
+        if not region:  # violations but nothing new to keep replicated: give up
+            why = traced.violations[0][1]
+            raise ConfigError(
+                f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+            )
+        forced = forced | region
+    raise ConfigError(
+        f"parallel.tp: {type(model).__name__}: no consistent tensor-parallel plan after {_MAX_ROUNDS} rounds "
+        f"({next(iter(reasons.values()), '')}); parallel.fsdp trains it"
+    )
+
+
+def _block_key(fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.#.attn.c_attn``."""
+    return re.sub(r"\.\d+(?=\.|$)", ".#", fqn) + "."
+
+
+def _any_block(text: str) -> str:
+    """Module names in ``text`` with their block index as ``*`` (one reason for every block)."""
+    return re.sub(r"(?<=[A-Za-z_])\.\d+(?=[.\s)]|$)", ".*", text)
+
+
+def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
+    """``fqns`` and the same modules in every other block, among ``candidates``."""
+    keys = {_block_key(f) for f in fqns}
+    return {f for f in candidates if _block_key(f) in keys}
+
+
+def _refuse_moe(model: nn.Module) -> None:
+    """Mixture-of-experts layers route tokens between experts: not split yet (a separate issue).
+    Found by class name (``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA``)
+    inside the model, or by an expert count in its config."""
+    blocks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if name.startswith(tuple(f"{b}." for b in blocks)) and _MOE_CLASS.search(cls):
+            raise ConfigError(
+                f"parallel.tp: {name} ({cls}) is a mixture-of-experts layer, which shardlm cannot split with "
+                "tp > 1 yet; parallel.fsdp trains it"
+            )
+    configs = [model.config, _config_value(model.config, "text_config")]
+    for key in _MOE_COUNTS:
+        counts = [_config_value(c, key) for c in configs if c is not None]
+        if any(isinstance(n, int) and n > 1 for n in counts):
+            raise ConfigError(
+                f"parallel.tp: {type(model).__name__} is a mixture-of-experts model "
+                f"({key}={max(n or 0 for n in counts)}), which shardlm cannot split with tp > 1 yet; "
+                "parallel.fsdp trains it"
+            )
+
+
+def _closure(traced: _Traced, bad: set[str]) -> set[str]:
+    """``bad`` plus every row-parallel linear reading from it and every column-parallel linear
+    feeding those: the whole sub-block, which then stays replicated."""
+    bad = set(bad)
+    changed = True
+    while changed:
+        changed = False
+        for closer, sources in traced.closer_inputs.items():
+            if sources & bad and not ({closer} | sources) <= bad:
+                bad |= {closer} | sources
+                changed = True
+    return bad
+
+
+def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
+    plan = Plan(parts=dict(traced.parts))
+    styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
     styles[emb] = "embedding"
     if head is not None:
         styles[head] = "lm_head"
+    # parameters the embedding and LM head place (BERT's prediction head owns the LM head's bias too)
+    placed = {id(p) for n in (emb, head) if n is not None for p in model.get_submodule(n).parameters(recurse=False)}
     for name, module in model.named_modules():
-        if name not in styles and any(True for _ in module.parameters(recurse=False)):
-            styles[name] = "replicate"
+        own = [p for p in module.parameters(recurse=False) if id(p) not in placed]
+        if styles.get(name) is None and own:
+            # learned positions make their own position tensors (MVP, XLM): local copies
+            styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
@@ -345,12 +731,163 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     return plan
 
 
+_SPLIT = ("colwise", "rowwise", "packed_colwise", "sharded_norm")
+
+
+def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
+    """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
+
+    * a parameter used directly by another module's forward (a mixer calling
+      ``conv1d(x, self.conv1d.weight)``): styles act at module boundaries, so it would meet
+      plain tensors as a DTensor (where nothing under that module is split, it becomes
+      ``replicate_local`` instead: it computes on local copies of its parameters);
+    * a module with parameters of its own (replicated) around split children (GPT-NeoX-Japanese's
+      attention ``dense_bias`` added to a row-parallel output);
+    * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
+      prediction head), other than tied input/output embeddings.
+    """
+    split_all = [f for f, st in plan.styles.items() if st in _SPLIT]
+    for owner, user in traced.foreign.items():
+        fqn = owner.split(" (")[0]
+        if plan.styles.get(fqn) is None:
+            continue
+        if user and not any(f == user or f.startswith(f"{user}.") for f in split_all):
+            # nothing split under the user (a mixer kept replicated): it runs on local copies
+            plan.styles[user] = "replicate_local"
+            for name, module in model.get_submodule(user).named_modules():
+                if name and any(True for _ in module.parameters(recurse=False)):
+                    plan.styles[f"{user}.{name}"] = "replicate_local"
+            continue
+        who = f"{_any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
+        raise ConfigError(
+            f"parallel.tp: {who} uses a parameter of "
+            f"{_any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
+            "this model with tp > 1 yet, parallel.fsdp trains it"
+        )
+    split = [f for f, st in plan.styles.items() if st in _SPLIT]
+    for fqn, style in plan.styles.items():
+        if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
+            raise ConfigError(
+                f"parallel.tp: {_any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
+                "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
+                "model with tp > 1 yet, parallel.fsdp trains it"
+            )
+    places: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            places.setdefault(id(p), []).append(name)
+    for names in places.values():
+        kinds = {plan.styles[n] for n in names if n in plan.styles}  # unstyled: placed by another owner
+        if len(kinds) > 1 and kinds != {"embedding", "lm_head"}:
+            raise ConfigError(
+                f"parallel.tp: a parameter is shared by {' and '.join(names)} with different styles "
+                f"({', '.join(sorted(str(k) for k in kinds))}), which shardlm cannot split yet; parallel.fsdp trains it"
+            )
+
+
+def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
+    plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
+    split = [f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")]
+    if forced and not split:
+        first = reasons[min(forced)]
+        raise ConfigError(
+            f"parallel.tp: no layer of {type(model).__name__} can be split: {first}; shardlm cannot split this "
+            "model with tp > 1 yet, parallel.fsdp trains it"
+        )
+    return plan
+
+
+def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[str, str] | None:
+    """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
+    attention modules their local head counts (``localize_geometry``), as the ranks will.
+
+    Returns ``(module, why)`` for the sub-block that breaks, or None. This catches layouts that a
+    global trace cannot see: head counts hard-wired into a reshape (Falcon's multi-query
+    ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), and fused
+    projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
+    ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
+    with the global trace's)."""
+    from shardlm.styles import localize_geometry
+
+    meta = _build_meta(model, eager=False)
+    localize_geometry(meta, plan, tp)
+    for fqn, style in plan.styles.items():
+        module = meta.get_submodule(fqn)
+        conv1d = type(module).__name__ == "Conv1D"
+        if style in ("colwise", "packed_colwise") and is_linear(module):
+            rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
+            shape = list(module.weight.shape)
+            shape[1 if conv1d else 0] = rows
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+            if module.bias is not None:
+                module.bias = nn.Parameter(torch.empty(rows, device="meta"))
+            if conv1d:
+                module.nf = rows
+        elif style == "rowwise" and is_linear(module):
+            shape = list(module.weight.shape)
+            shape[0 if conv1d else 1] //= tp
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+        elif style == "sharded_norm":
+            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+    stack: list[str] = []
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in meta.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o, name=name: _pop(stack, name, o, outputs)))
+    tracker = _ShardTracker()
+    try:
+        with tracker:
+            _meta_forward(meta)
+    except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
+        owner = _owner_of_split_linears(plan, stack)
+        detail = " ".join(str(exc).split())[:120]
+        return owner, f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})"
+    finally:
+        for h in hooks:
+            h.remove()
+    for fqn, global_view in traced.views.items():
+        out = outputs.get(fqn)
+        if out is None or fqn not in plan.styles or not global_view:
+            continue
+        local_view = tracker.first_view.get(id(out), ())[out.dim() :]
+        if local_view and local_view != global_view:
+            owner = fqn.rpartition(".")[0]
+            return owner, (
+                f"{fqn} ({type(meta.get_submodule(fqn)).__name__}) is fused in groups whose size depends on the "
+                f"split (reshaped to {global_view} whole, {local_view} per rank): its layout is fixed by the "
+                "checkpoint"
+            )
+    return None
+
+
+def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
+    if stack and stack[-1] == name:
+        stack.pop()
+    if isinstance(out, torch.Tensor):
+        outputs[name] = out
+
+
+def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
+    """The innermost running module that owns split linears (or the parent of a running one)."""
+    split = {f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")}
+    parents = {f.rpartition(".")[0] for f in split}
+    for name in reversed(stack):
+        if name in split:
+            return name.rpartition(".")[0]
+        if name in parents:
+            return name
+    return stack[-1] if stack else ""
+
+
 def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
     geo = _geometry(model.config)
     heads = geo.get("num_attention_heads", 0)
     kv = geo.get("num_key_value_heads", heads)
-    d = next(iter(_head_widths(model.config)))
+    if not heads or not plan.attention:
+        return  # nothing split per head (attention-free, or every attention block kept replicated)
+    d = min(_head_widths(model.config) or {0})
     replicated = kv < tp
     plan.kv_heads = (kv, 1 if replicated else kv // tp)
 
@@ -440,6 +977,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
+        if fqn in plan.replicated:
+            source += "; its sub-block is kept replicated (listed below)"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
@@ -469,7 +1008,7 @@ def _valid_tps(sizes: dict[str, int]) -> list[int]:
     """TP degrees that divide every size, and divide or are a multiple of the kv head count (a
     rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated)."""
     kv = sizes.get("num_key_value_heads")
-    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv]
+    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv or 1]
     return [
         t
         for t in range(1, min(rest) + 1)
@@ -488,8 +1027,8 @@ def _geometry(config) -> dict[str, int]:
     found = {}
     for key, names in aliases.items():
         for n in names:
-            v = getattr(config, n, None)
-            if isinstance(v, int) and v > 0:
+            v = _config_value(config, n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 found[key] = v
                 break
     return found

@@ -128,6 +128,8 @@ class ReplicateParallel(ParallelStyle):
 
     @staticmethod
     def _unwrap_outputs(module: nn.Module, outputs, mesh: DeviceMesh):
+        if isinstance(outputs, DTensor) and isinstance(module, nn.Embedding):
+            return outputs.to_local().clone()  # learned positions are added to in place (XLM)
         if isinstance(outputs, DTensor):
             return outputs.to_local()
         if isinstance(outputs, tuple):
@@ -225,6 +227,38 @@ class SlicedColwise(ParallelStyle):
         return module
 
 
+class LocalReplicate(ParallelStyle):
+    """``replicate_local``: parameters replicated on the TP mesh (DTensors, like ``replicate``), but
+    while the module runs, it and its submodules see local views of them, so code that uses a
+    child's parameter directly (``conv1d(x, self.conv1d.weight)``) or makes plain tensors of its
+    own computes on plain tensors throughout. Every rank computes the same values; the views'
+    gradients arrive as replicated gradients of the parameters. The swap happens in the module's
+    own forward hooks, so FSDP2 (which unshards a whole block before) and activation
+    checkpointing (which reruns the module) see their parameters as they left them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _shard_params(
+            module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
+        )
+        saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+        def to_local(mod, args):
+            for sub in mod.modules():
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        saved.append((sub, name, param))
+                        sub._parameters[name] = param.to_local(grad_placements=[Replicate()])
+
+        def restore(mod, args, out):
+            while saved:
+                sub, name, param = saved.pop()
+                sub._parameters[name] = param
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module
+
+
 class ShardedRMSNorm(ParallelStyle):
     """RMSNorm across a sharded width (OLMo-2's q_norm/k_norm after column-parallel q/k): the
     weight is sharded like the activation; each rank sums the squares of its slice and one
@@ -260,13 +294,16 @@ def make_style(style: str, parts: list[int] | None = None, rows: list | None = N
     if style == "packed_colwise":
         return PackedColwiseParallel(len(parts))
     if style == "embedding":
-        # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced
-        return RowwiseParallel(input_layouts=Replicate())
+        # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
+        # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
+        return Rowwise(input_layouts=Replicate())
     if style == "lm_head":
         # logits stay sharded over the vocabulary: the loss runs under loss_parallel
         return Colwise(output_layouts=Shard(-1), use_local_output=False)
     if style in ("replicate", "replicate_grad_allreduce"):
         return ReplicateParallel()
+    if style == "replicate_local":
+        return LocalReplicate()
     if style == "sharded_norm":
         return ShardedRMSNorm()
     raise ValueError(f"unknown TP style '{style}'")
@@ -283,13 +320,21 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     Only modules that own a head-count attribute and hold column-parallel children are touched;
     a module reading ``self.config`` for head counts gets its own localized copy of the config.
     """
+    from shardlm.plan import _config_value
+
     config = model.config
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads = _config_value(config, "num_attention_heads") or _config_value(config, "n_head")
+    if not isinstance(heads, int) or not plan.attention:
+        return  # attention-free, or every attention block kept replicated
+    kv = _config_value(config, "num_key_value_heads") or _config_value(config, "num_kv_heads") or heads
+    head_dim = _config_value(config, "head_dim") or config.hidden_size // heads
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
+            # repeats k/v by it; sdpa packs by it)
+            module.num_key_value_groups = max(1, (heads // tp) // local_kv)
         if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS + _KV_ATTRS):
             continue
         for attr in _HEAD_ATTRS + _KV_ATTRS + _WIDTH_ATTRS:
@@ -300,8 +345,6 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
                 setattr(module, attr, value // tp)
             elif attr in _KV_ATTRS and value == kv:
                 setattr(module, attr, local_kv)
-        if isinstance(getattr(module, "num_key_value_groups", None), int):
-            module.num_key_value_groups = (heads // tp) // local_kv
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):

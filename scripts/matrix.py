@@ -1,0 +1,336 @@
+"""The compatibility matrix: every causal-LM model type of the installed transformers, at tp=2.
+
+For each type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (transformers' list, not ours), a tiny
+random model is built from the type's own config defaults, sizes shrunk (``scripts/tiny.py``),
+dropout off. Recorded per type:
+
+* build: the model trains one step in one process (else the exception class: not ours to fix);
+* plan: ``infer_plan`` at tp=2 made (with the sub-blocks kept replicated), refused (the
+  one-line ``error:``), or an exception (a bug: the plan must never raise anything else);
+* tp=2 parity: 3 steps of shardlm at tp=2 against the plain one-process loop of
+  ``tests/helpers.py`` (max relative difference of loss and grad_norm), models batched into few
+  spawns; a spawn that dies or hangs is cut off and the rest run in a new one;
+* tp=2 x fsdp=2 parity for a subset (one 4-rank spawn).
+
+Writes ``docs/compatibility.md`` and ``docs/compatibility.json``. ``make matrix`` runs it;
+``--types a,b`` limits it to some types (the output is then not written unless ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO / "src")]
+STEPS = 3
+TOL = (1e-5, 1e-4)  # loss, grad_norm relative: the tolerances of tests/test_autotp.py
+FSDP_SUBSET = ["gpt2", "llama", "bloom", "codegen", "falcon", "gpt_bigcode", "lfm2", "qwen3", "gemma3_text", "opt"]
+CHUNK_TIMEOUT_S = 420
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(seconds: int):
+    def handler(signum, frame):
+        raise _Timeout(f"over {seconds} s")
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.alarm(seconds)
+
+
+def _group(model_type: str, model, refusal: str | None) -> str:
+    from transformers.models.auto import modeling_auto as ma
+
+    names = {type(m).__name__ for m in model.modules()}
+    if refusal and "mixture-of-experts" in refusal:
+        return "MoE"
+    if any(s in n for n in names for s in ("Moe", "MoE", "Expert")):
+        return "MoE"
+    config = model.config
+    if any(getattr(config, k, None) is not None for k in ("vision_config", "audio_config", "text_config")) or (
+        model_type in getattr(ma, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})
+    ):
+        return "multimodal"
+    hybrid = ("Mamba", "ShortConv", "DeltaNet", "Rwkv", "Rglru", "Recurrent", "Ssm", "SSM", "xLSTM", "Mlstm", "Conv")
+    if any(s in n for n in names for s in hybrid if n != "Conv1D"):
+        return "hybrid/SSM"
+    if (
+        model_type in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+        or model_type in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    ):
+        return "encoder-decoder decoders"
+    return "dense decoder-only"
+
+
+def _quiet() -> None:
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def survey(model_type: str, root: str) -> dict:
+    """Build, train one step in one process, plan at tp=2; reference losses when a plan is made."""
+    import torch
+    from helpers import plain_reference
+    from tiny import tiny_config
+
+    from shardlm.errors import ConfigError
+    from shardlm.parallelize import build_meta_model
+    from shardlm.plan import infer_plan
+
+    row = {"type": model_type}
+    path = os.path.join(root, model_type.replace("/", "_"), "model")
+    try:
+        _alarm(90)
+        config = tiny_config(model_type)
+        os.makedirs(path, exist_ok=True)
+        config.save_pretrained(path)
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()
+        ids = torch.randint(0, 64, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as exc:  # noqa: BLE001 - recorded: the type does not build at tiny sizes
+        signal.alarm(0)
+        row.update(build=f"{type(exc).__name__}: {' '.join(str(exc).split())[:100]}", group="(does not build)")
+        return row
+    row["build"] = "ok"
+    try:
+        plan = infer_plan(build_meta_model(path), 2)
+        row["plan"] = "made"
+        row["replicated"] = sorted({w for w in plan.replicated.values()})[:2]
+        row["n_replicated"] = len(plan.replicated)
+        row["n_split"] = sum(s in ("colwise", "rowwise", "packed_colwise") for s in plan.styles.values())
+    except ConfigError as exc:
+        row["plan"] = "refused"
+        row["refusal"] = f"error: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a bug in shardlm: recorded with its class
+        row["plan"] = "error"
+        row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+        row["traceback"] = traceback.format_exc(limit=-3)
+    finally:
+        signal.alarm(0)
+    row["group"] = _group(model_type, model, row.get("refusal"))
+    if row["plan"] == "made":
+        try:
+            _alarm(120)
+            row["reference"] = plain_reference(path, 4, steps=STEPS)
+            row["path"] = path
+        except Exception as exc:  # noqa: BLE001
+            row["plan_note"] = f"reference failed: {type(exc).__name__}"
+        finally:
+            signal.alarm(0)
+    return row
+
+
+def rank_body(paths: list[str], layout: dict, per_device: int, results: str) -> None:
+    """One spawn, many models: each trains ``STEPS`` steps; rank 0 appends a JSON line per model
+    (so a chunk that dies or hangs still leaves what finished)."""
+    import torch.distributed as dist
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    for path in paths:
+        try:
+            cfg = train_config(path, layout, per_device, 1, STEPS)
+            mesh = build_mesh(cfg.parallel)
+            model = parallelize(path, mesh, seed=cfg.train.seed)
+            history = Trainer(model, cfg, token_dataset(), mesh).train()
+            out = {"path": path, "losses": [(h["loss"], h["grad_norm"]) for h in history]}
+        except Exception as exc:  # noqa: BLE001 - recorded per model
+            out = {"path": path, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"}
+        if dist.get_rank() == 0:
+            with open(results, "a") as fh:
+                fh.write(json.dumps(out) + "\n")
+
+
+def run_chunks(paths: list[str], layout: dict, per_device: int, workdir: str) -> dict:
+    """Run ``paths`` in as few spawns as possible; a spawn cut off by its timeout marks the model
+    it was on and the rest start again in a new spawn."""
+    results: dict[str, dict] = {}
+    todo = list(paths)
+    name = "x".join(f"{k}{v}" for k, v in layout.items())
+    while todo:
+        out = os.path.join(workdir, f"{name}_{len(results)}.jsonl")
+        args = json.dumps({"paths": todo, "layout": layout, "per_device": per_device, "results": out})
+        cmd = [sys.executable, __file__, "--rank-chunk", args]
+        try:
+            subprocess.run(cmd, timeout=CHUNK_TIMEOUT_S, capture_output=True, start_new_session=True)
+            why = "the spawn failed"
+        except subprocess.TimeoutExpired:
+            why = f"no result within the chunk's {CHUNK_TIMEOUT_S} s"
+        done = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+        for r in done:
+            results[r["path"]] = r
+        todo = [p for p in todo if p not in results]
+        if todo:
+            results[todo[0]] = {"path": todo[0], "error": why}
+            todo = todo[1:]
+    return results
+
+
+def _rel(got: list, ref: list) -> tuple[float, float]:
+    loss = max(abs(a[0] - b[0]) / max(abs(b[0]), 1e-12) for a, b in zip(got, ref))
+    norm = max(abs(a[1] - b[1]) / max(abs(b[1]), 1e-12) for a, b in zip(got, ref))
+    return loss, norm
+
+
+def _parity(row: dict, result: dict | None) -> dict:
+    if result is None:
+        return {}
+    if "error" in result:
+        return {"status": "error", "detail": result["error"]}
+    loss, norm = _rel(result["losses"], row["reference"])
+    ok = loss <= TOL[0] and norm <= TOL[1] and len(result["losses"]) == STEPS
+    return {"status": "parity" if ok else "MISMATCH", "loss_rel": loss, "grad_norm_rel": norm}
+
+
+GROUPS = ["dense decoder-only", "encoder-decoder decoders", "hybrid/SSM", "multimodal", "MoE", "(does not build)"]
+
+
+def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
+    import torch
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean = [{k: v for k, v in r.items() if k not in ("reference", "path", "traceback")} for r in rows]
+    counts = _counts(rows)
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "seconds": round(seconds), **counts}
+    (out_dir / "compatibility.json").write_text(json.dumps({"meta": meta, "rows": clean}, indent=1) + "\n")
+    lines = [
+        "# Compatibility matrix (generated by `make matrix`, `scripts/matrix.py`)",
+        "",
+        f"Every causal-LM model type of transformers {transformers.__version__} "
+        f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, {len(rows)} types), as a tiny random model built from the "
+        "type's own config defaults with only the sizes shrunk and dropout off. **plan**: `shardlm plan --tp 2` "
+        "made a plan (`k/n`: k linears kept replicated of n), or refused with one line. **tp=2**: 3 training steps "
+        "against one process (max relative difference of loss and grad_norm; parity means <= 1e-5 and 1e-4). "
+        f"**tp2 x fsdp2**: the same on 4 ranks, for a subset. Took {seconds / 60:.1f} min on "
+        f"{os.cpu_count()} CPU cores.",
+        "",
+        f"Counts: {counts['built']} build at tiny sizes; of them {counts['parity']} train at tp=2 with parity, "
+        f"{counts['refused']} are refused with one line, {counts['mismatch']} mismatch, {counts['run_error']} fail "
+        f"in training at tp=2, {counts['plan_error']} raise in the plan.",
+        "",
+    ]
+    for group in GROUPS:
+        members = [r for r in rows if r.get("group") == group]
+        if not members:
+            continue
+        lines += [f"## {group} ({len(members)})", "", "| model type | plan | tp=2 | tp2 x fsdp2 |", "|---|---|---|---|"]
+        for r in sorted(members, key=lambda r: r["type"]):
+            lines.append(
+                f"| {r['type']} | {_plan_cell(r)} | {_run_cell(r.get('tp2'))} | {_run_cell(r.get('tp2_fsdp2'))} |"
+            )
+        lines.append("")
+    (out_dir / "compatibility.md").write_text("\n".join(lines))
+
+
+def _plan_cell(r: dict) -> str:
+    if r["build"] != "ok":
+        return f"does not build: `{r['build']}`"
+    if r["plan"] == "made":
+        note = (
+            f" ({r['n_replicated']}/{r['n_replicated'] + r['n_split']} replicated: {r['replicated'][0]})"
+            if r.get("n_replicated")
+            else ""
+        )
+        return ("made" + note).replace("|", "\\|")
+    if r["plan"] == "refused":
+        return f"refused: `{r['refusal']}`".replace("|", "\\|")
+    return f"**ERROR** `{r['error']}`".replace("|", "\\|")
+
+
+def _run_cell(p: dict | None) -> str:
+    if not p:
+        return ""
+    if p["status"] == "error":
+        return f"error: `{p['detail']}`".replace("|", "\\|")
+    return f"{p['status']} ({p['loss_rel']:.1e}, {p['grad_norm_rel']:.1e})"
+
+
+def _counts(rows: list[dict]) -> dict:
+    built = [r for r in rows if r["build"] == "ok"]
+    status = [r.get("tp2", {}).get("status") for r in built]
+    return {
+        "types": len(rows),
+        "built": len(built),
+        "parity": status.count("parity"),
+        "mismatch": status.count("MISMATCH"),
+        "run_error": status.count("error"),
+        "refused": sum(r["plan"] == "refused" for r in built),
+        "plan_error": sum(r["plan"] == "error" for r in built),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", help="comma-separated model types (default: all causal-LM types)")
+    parser.add_argument("--out", help="directory for compatibility.md/json (default docs/, only for a full run)")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip the tp2 x fsdp2 runs")
+    parser.add_argument("--jobs", type=int, default=2, help="processes building and planning models (default 2)")
+    parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_chunk:
+        from shardlm.launch import spawn
+
+        a = json.loads(args.rank_chunk)
+        world = a["layout"].get("tp", 1) * a["layout"].get("fsdp", 1)
+        spawn(rank_body, world, a["paths"], a["layout"], a["per_device"], a["results"])
+        return
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    types = args.types.split(",") if args.types else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    start = time.time()
+    workdir = tempfile.mkdtemp(prefix="shardlm-matrix-")
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows = []
+    with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:  # one process each: imports dominate
+        for t, r in zip(types, pool.map(survey, types, [workdir] * len(types))):
+            rows.append(r)
+            print(f"{t:28s} build={r['build'][:30]:30s} plan={r.get('plan', '-')}", flush=True)
+    planned = {r["path"]: r for r in rows if r.get("path")}
+    tp2 = run_chunks(list(planned), {"tp": 2}, 4, workdir)
+    for path, r in planned.items():
+        r["tp2"] = _parity(r, tp2.get(path))
+        print(f"tp=2 {r['type']:28s} {r['tp2']}", flush=True)
+    if not args.no_fsdp:
+        subset = [p for p, r in planned.items() if r["type"] in FSDP_SUBSET and r["tp2"].get("status") == "parity"]
+        both = run_chunks(subset, {"tp": 2, "fsdp": 2}, 2, workdir)
+        for path in subset:
+            planned[path]["tp2_fsdp2"] = _parity(planned[path], both.get(path))
+            print(f"tp2xfsdp2 {planned[path]['type']:28s} {planned[path]['tp2_fsdp2']}", flush=True)
+    seconds = time.time() - start
+    print(json.dumps(_counts(rows)), f"{seconds / 60:.1f} min")
+    out = args.out or (None if args.types else str(REPO / "docs"))
+    if out:
+        write_docs(rows, seconds, Path(out))
+
+
+if __name__ == "__main__":
+    main()
