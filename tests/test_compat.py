@@ -79,9 +79,9 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
     # anything the trace does not expect becomes one line naming the running module
     import shardlm.plan as plan
 
-    def boom(meta):
+    def boom(meta, *shape):
         meta.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: 1 / 0)
-        plan._meta_forward.__wrapped__(meta)
+        plan._meta_forward.__wrapped__(meta, *shape)
 
     boom.__wrapped__ = plan._meta_forward
     monkeypatch.setattr(plan, "_meta_forward", boom)
