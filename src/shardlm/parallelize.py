@@ -186,7 +186,7 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
         filled = set()
         for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
             if key in targets:
-                fill_from_full(targets[key], tensor.to(targets[key].device))
+                fill_from_full(targets[key], tensor)  # the piece is cut on the CPU, then copied over
                 filled.add(key)
     except UnwrittenInit as exc:
         if dist.get_rank() == 0:
