@@ -234,6 +234,9 @@ def _copy_hf_files(cfg, dest: str) -> None:
         for name in names:
             if os.path.isfile(os.path.join(folder, name)):
                 shutil.copy2(os.path.join(folder, name), os.path.join(dest, name))
+    from shardlm.published import record_layout
+
+    record_layout(cfg.model, dest)  # the published layout the weights were read in, for consolidation
 
 
 def _fsync_dir(path: str) -> None:

@@ -280,6 +280,12 @@ def validate(cfg: Config) -> None:
     from shardlm.plan import check_geometry  # local import: reading the model config pulls in transformers
 
     check_geometry(cfg.model, p.tp)
+    from shardlm.parallelize import has_weights
+
+    if has_weights(cfg.model):  # the checkpoint's names, converted by transformers' rules, cover the model
+        from shardlm.published import check as check_weights
+
+        check_weights(cfg.model)
     if p.world_size > 1:
         from shardlm.dropout import check_layerdrop
 

@@ -116,6 +116,8 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
                 {k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()},
             )
         )
+    if hasattr(unpack, "published_shapes"):  # the names and shapes save_pretrained writes (published.py)
+        expected = unpack.published_shapes(expected)
     produced = {k: v[0] for s in sources for k, v in s.outputs.items()}
     if produced != expected:
         wrong = sorted(set(produced) ^ set(expected)) or [k for k in produced if produced[k] != expected[k]]
@@ -217,13 +219,16 @@ def consolidate(
 
         return consolidate_lora(step_dir, marker, out, target, merge)
     metadata = read_metadata(step_dir)
-    unpack = unpack_for(marker)
+    from shardlm.published import PublishedUnpack, check_reload
+
+    unpack = PublishedUnpack(os.path.join(step_dir, "hf"), unpack_for(marker))  # the published layout
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
     with staged(out) as tmp:
         count = _write(step_dir, tmp, groups, target, unpack)
         _copy_hf_files(step_dir, tmp, target)
         checked = verify(step_dir, tmp, target, unpack, sources)
+        check_reload(os.path.join(step_dir, "hf"), tmp)  # from_pretrained's names: none missing or unexpected
         if checked != count:
             raise VerificationError(f"wrote {count} tensors but verified {checked}")
     print(CHECK_MESSAGE.format(n=checked), flush=True)

@@ -17,9 +17,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -29,7 +27,7 @@ from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.plan import Plan, infer_plan
 from shardlm.seeded_init import UnwrittenInit, seeded_state
-from shardlm.shards import LoadPlanner, fill_from_full, packed_view
+from shardlm.shards import fill_from_full
 from shardlm.styles import localize_geometry, make_style, tp_partial_grad_params
 
 
@@ -165,15 +163,11 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(model: nn.Module, model_path: str) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader):
-    each rank reads only its own rows, a packed projection's parts included (``shards.py``)."""
-    reader = HuggingFaceStorageReader(model_path)
-    available = set(reader.read_metadata().state_dict_metadata)
-    state = _base_state(model)
-    missing = [k for k in state if k not in available]
-    if missing:
-        raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
-    with torch.no_grad():
-        dcp.load(packed_view({k: v.detach() for k, v in state.items()}), storage_reader=reader, planner=LoadPlanner())
+    each rank reads only its own rows, a packed projection's parts included (``shards.py``), the
+    checkpoint's names and merged/concatenated tensors mapped by transformers' rules (``published.py``)."""
+    from shardlm import published  # the checkpoint's names through transformers' conversion rules (issue 15)
+
+    published.load(_base_state(model), model_path)
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:

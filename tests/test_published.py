@@ -1,0 +1,266 @@
+"""Published checkpoint layouts (issue 15): checkpoints written by transformers' own
+``save_pretrained`` in the names real checkpoints use are loaded through transformers' conversion
+rules, shard by shard, and consolidated back to the same files.
+
+Layouts, each a tiny model written by ``save_pretrained``:
+- rename: GPT-NeoX (Pythia's ``embed_out.weight``; ``lm_head.weight`` in memory), EXAONE
+  (``transformer.h.*.attn.attention.*`` -> ``model.layers.*.self_attn.*`` and more);
+- prefix change: Qwen3.5 text (``model.language_model.*``; written as transformers writes a model
+  it loaded from that layout: ``_weight_conversions`` set, as ``from_pretrained`` sets it);
+- merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` -> fused ``gate_up_proj`` /
+  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 and dp_replicate=2 x fsdp=2).
+
+Trained one step at learning rate 0 (weights unchanged, bit for bit) at tp=2 and tp=2 x fsdp=2 (two
+spawns), each saved and consolidated: the consolidated files hold the original files' names, shapes
+and bits, and ``from_pretrained`` reports no missing or unexpected keys. Process-free: the name
+mapping, each rule kind's boxes against transformers' own converter, and the refusal before spawning.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from families import VOCAB, family_config
+from helpers import run_ranks, token_dataset, train_config
+
+from shardlm import published
+from shardlm.cli import main
+from shardlm.consolidate import CHECK_MESSAGE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _configs() -> dict:
+    import transformers as tf
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return {
+        "gpt_neox": (family_config("gpt_neox"), False),
+        "exaone": (
+            tf.ExaoneConfig(**small, intermediate_size=64, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+            False,
+        ),
+        "qwen3_5_text": (
+            tf.Qwen3_5TextConfig(
+                **small, head_dim=8, intermediate_size=64, layer_types=["full_attention", "full_attention"]
+            ),
+            True,
+        ),
+        "mixtral": (tf.MixtralConfig(**small, intermediate_size=16, num_local_experts=4), False),
+    }
+
+
+# what the published files hold and the model does not (and the other way round)
+ON_DISK = {
+    "gpt_neox": ("embed_out.weight", "lm_head.weight"),
+    "exaone": ("transformer.h.0.attn.attention.out_proj.weight", "model.layers.0.self_attn.o_proj.weight"),
+    "qwen3_5_text": ("model.language_model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
+    "mixtral": ("model.layers.0.block_sparse_moe.experts.3.w3.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+}
+LAYOUTS = {  # world size -> {model: layout}
+    2: {"gpt_neox": {"tp": 2}, "exaone": {"tp": 2}, "qwen3_5_text": {"tp": 2}, "mixtral": {"fsdp": 2}},
+    4: {
+        "gpt_neox": {"tp": 2, "fsdp": 2},
+        "exaone": {"tp": 2, "fsdp": 2},
+        "qwen3_5_text": {"tp": 2, "fsdp": 2},
+        "mixtral": {"dp_replicate": 2, "fsdp": 2},
+    },
+}
+
+
+def write_published(path: str, name: str) -> str:
+    """``save_pretrained`` of a seeded tiny model of ``name``, in the layout transformers writes."""
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    config, loaded_from_published = _configs()[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if loaded_from_published:  # what from_pretrained leaves on a model loaded from the prefixed layout
+        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    model.save_pretrained(path)
+    return path
+
+
+def _files(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        out.update(load_file(os.path.join(path, file)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("published")
+    return {name: write_published(str(root / name), name) for name in _configs()}
+
+
+def test_names_map_through_transformers_rules(models):
+    for name, path in models.items():
+        disk, memory = ON_DISK[name]
+        assert disk in published._header(path) and memory not in published._header(path), name
+        layout = published.check(path)  # covers the model with its shapes
+        assert memory in layout.by_key and not layout.unexpected, name
+        assert layout.used, name
+    kinds = published.describe(published.check(models["mixtral"]))
+    assert kinds == {"rename": 17, "boxes": 4}  # 2 layers x (gate_up_proj, down_proj) from 24 per-expert tensors
+
+
+def _converter_cases():
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split, WeightConverter
+
+    g = torch.Generator().manual_seed(0)
+    experts = {f"m.experts.{e}.{w}.weight": torch.randn(6, 4, generator=g) for e in range(3) for w in ("w1", "w3")}
+    return {
+        "merge+concatenate": (
+            WeightConverter(
+                [".experts.*.w1.weight", ".experts.*.w3.weight"],
+                ".experts.gate_up_proj",
+                [MergeModulelist(dim=0), Concatenate(dim=1)],
+            ),
+            "m.experts.gate_up_proj",
+            experts,
+        ),
+        "merge": (
+            WeightConverter(".experts.*.w1.weight", ".experts.down_proj", [MergeModulelist(dim=0)]),
+            "m.experts.down_proj",
+            {k: v for k, v in experts.items() if ".w1." in k},
+        ),
+        "concatenate": (
+            WeightConverter(["a.q.weight", "a.k.weight", "a.v.weight"], "a.qkv.weight", [Concatenate(dim=0)]),
+            "x.a.qkv.weight",
+            {
+                "x.a.q.weight": torch.randn(4, 3, generator=g),
+                "x.a.k.weight": torch.randn(2, 3, generator=g),
+                "x.a.v.weight": torch.randn(2, 3, generator=g),
+            },
+        ),
+        "chunk": (
+            WeightConverter("w12.weight", ["gate.weight", "up.weight"], [Chunk(dim=0)]),
+            "x.gate.weight",
+            {"x.w12.weight": torch.randn(8, 3, generator=g)},
+        ),
+        "split": (
+            WeightConverter("in_proj.weight", ["in_qkv.weight", "in_z.weight"], [Split(dim=1)]),
+            "x.in_qkv.weight",
+            {"x.in_proj.weight": torch.randn(3, 7, generator=g)},
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["merge+concatenate", "merge", "concatenate", "chunk", "split"])
+def test_boxes_equal_transformers_converter(kind):
+    """Each source placed by its boxes (``_pieces``, ``_local_boxes``: how a rank reads) gives
+    exactly what transformers' own converter gives on the whole tensors."""
+    from transformers.core_model_loading import dot_natural_key
+
+    converter, key, tensors = _converter_cases()[kind]
+    model = torch.nn.Module()  # Split sizes its parts from the model's parameters
+    model.x = torch.nn.Module()
+    model.x.in_qkv, model.x.in_z = torch.nn.Linear(5, 3, bias=False), torch.nn.Linear(2, 3, bias=False)
+    model.config = None
+    unit = published.Unit(key, converter, {}, kind="convert")
+    for name in sorted(tensors, key=dot_natural_key):
+        renamed, pattern = converter.rename_source_key(name)
+        assert pattern is not None and renamed == key, (name, renamed)
+        unit.sources.setdefault(pattern, []).append(name)
+    expected = published._run_converter(unit, model, tensors)
+    unit.outputs = {k: tuple(v.shape) for k, v in expected.items()}
+    available = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    pieces = published._pieces(unit, available)
+    assert pieces is not None and set(pieces) == set(expected)
+    for out, want in expected.items():
+        got = torch.full_like(want, float("nan"))
+        for piece in pieces[out]:
+            for offsets, view in published._local_boxes(got, piece):
+                box = tensors[piece.source]
+                for dim, (start, length) in enumerate(zip(offsets, view.shape)):
+                    box = box.narrow(dim, start, length)
+                view.copy_(box)
+        assert torch.equal(got, want), (kind, out)
+
+
+def _train_yaml(path: Path, model: str, output_dir: Path) -> Path:
+    path.write_text(
+        f"model: {model}\ntokenizer: {REPO / 'examples' / 'tiny-llama'}\n"
+        f"data:\n  path: {REPO / 'examples' / 'data' / 'corpus.txt'}\n  seq_len: 16\n"
+        f"parallel: {{tp: 2}}\ntrain:\n  output_dir: {output_dir}\n  max_steps: 1\n"
+    )
+    return path
+
+
+def test_refused_before_spawning(models, tmp_path, capsys):
+    """Names that, converted, do not cover the model: one line naming the first gap, exit 2, no rank."""
+    from safetensors.torch import save_file
+
+    cases = {
+        "gpt_neox": (("embed_out.weight",), "lacks weights for lm_head.weight (and 0 more)"),
+        "mixtral": (
+            (
+                "model.layers.1.block_sparse_moe.experts.2.w1.weight",
+                "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+            ),
+            "lacks weights for model.layers.1.mlp.experts.gate_up_proj (converted: [3, 32, 32], "
+            "the model needs [4, 32, 32]) (and 0 more)",
+        ),
+    }
+    for name, (drop, message) in cases.items():
+        model = tmp_path / name
+        model.mkdir()
+        tensors = _files(models[name])
+        for key in drop:
+            del tensors[key]
+        save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+        (model / "config.json").write_bytes((Path(models[name]) / "config.json").read_bytes())
+        out = tmp_path / f"out-{name}"
+        layout = "parallel.fsdp=2 parallel.tp=1" if name == "mixtral" else "parallel.tp=2"
+        assert main(["train", str(_train_yaml(tmp_path / f"{name}.yaml", str(model), out)), *layout.split()]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0] == f"error: model: '{model}' {message}", err
+        assert not out.exists()
+
+
+def train_lr0(jobs: list[tuple[str, dict, str]]) -> None:
+    """Rank body: one step at learning rate 0 per (model, layout, output_dir), saved at the end."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    for path, layout, output_dir in jobs:
+        cfg = train_config(path, layout, 2, 1, 1, output_dir=output_dir, learning_rate=0.0, save_steps=1)
+        mesh = build_mesh(cfg.parallel)
+        Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory) -> dict:
+    """Two spawns: every model on 2 ranks (tp=2; Mixtral fsdp=2) and on 4 (tp=2 x fsdp=2; Mixtral
+    dp_replicate=2 x fsdp=2); ``{(world, model): output_dir}``."""
+    root = tmp_path_factory.mktemp("published-runs")
+    out = {}
+    for world, layouts in LAYOUTS.items():
+        jobs = [(models[name], layout, str(root / f"{name}-{world}")) for name, layout in layouts.items()]
+        run_ranks(train_lr0, world, jobs)
+        out.update({(world, name): job[2] for name, job in zip(layouts, jobs)})
+    return out
+
+
+@pytest.mark.parametrize("world", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(_configs()))
+def test_round_trip_gives_back_the_published_files(models, runs, world, name, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "hf")
+    assert main(["consolidate", runs[(world, name)], out]) == 0
+    original = _files(models[name])
+    assert capsys.readouterr().out.strip().endswith(CHECK_MESSAGE.format(n=len(original)))
+    written = _files(out)
+    assert written.keys() == original.keys()
+    for key, tensor in original.items():
+        assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
