@@ -264,3 +264,27 @@ def test_round_trip_gives_back_the_published_files(models, runs, world, name, tm
         assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def test_lora_merge_writes_the_published_layout(models, tmp_path):
+    """``consolidate --merge`` of a LoRA run on a published GPT-NeoX: the merged model is saved by
+    ``save_pretrained`` (Pythia's ``embed_out.weight``) and verified under those names. One process."""
+    import torch.distributed as dist
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.config import LoraConfig
+    from shardlm.consolidate import consolidate
+
+    path = models["gpt_neox"]
+    init_distributed()
+    try:
+        cfg = train_config(path, {}, 2, 1, 1, output_dir=str(tmp_path / "out"), learning_rate=0.0, save_steps=1)
+        cfg.lora = LoraConfig(r=4, target_modules=["query_key_value", "dense"])
+        mesh = build_mesh(cfg.parallel)
+        Trainer(parallelize(path, mesh, lora_config=cfg.lora), cfg, token_dataset(), mesh).train()
+    finally:
+        dist.destroy_process_group()
+    consolidate(str(tmp_path / "out"), str(tmp_path / "merged"), merge=True)
+    merged, original = _files(str(tmp_path / "merged")), _files(path)
+    assert merged.keys() == original.keys()  # lora_B starts at zero: the merged model is the base
+    assert all(torch.equal(merged[k], original[k]) for k in original)

@@ -76,7 +76,9 @@ def _write_merged(adapter_dir: str, out: str, marker: dict, dtype: torch.dtype) 
     merged = PeftModel.from_pretrained(_base_model(marker), adapter_dir).merge_and_unload()
     merged = merged.to(dtype)
     merged.save_pretrained(out)
-    state = merged.state_dict()
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(merged, merged.state_dict())  # the names save_pretrained wrote (published.py)
     count = 0
     for file in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):
         with safe_open(os.path.join(out, file), "pt") as fh:
