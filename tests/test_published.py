@@ -288,3 +288,41 @@ def test_lora_merge_writes_the_published_layout(models, tmp_path):
     merged, original = _files(str(tmp_path / "merged")), _files(path)
     assert merged.keys() == original.keys()  # lora_B starts at zero: the merged model is the base
     assert all(torch.equal(merged[k], original[k]) for k in original)
+
+
+def test_an_operation_without_boxes_is_read_whole(tmp_path):
+    """A rule kind with no box geometry (``Interleave``, registered for a tiny Llama through
+    transformers' public ``register_checkpoint_conversion_mapping``): ``save_pretrained`` writes the
+    interleaved tensors, the loader reads them whole and runs transformers' converter (one process,
+    in a process group)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers import conversion_mapping as cm
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    from shardlm import init_distributed
+    from shardlm.parallelize import _base_state, build_meta_model
+
+    rule = [WeightConverter("mlp.up_proj.weight", "mlp.up_proj.weight", [Interleave(dim=0)])]
+    cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", rule)
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config("llama"))
+        path = str(tmp_path / "llama")
+        model.save_pretrained(path)
+        on_disk = _files(path)["model.layers.0.mlp.up_proj.weight"]
+        assert not torch.equal(on_disk, model.model.layers[0].mlp.up_proj.weight)
+        assert published.describe(published.check(path)) == {"rename": 19, "whole": 2}
+        fresh = build_meta_model(path)
+        fresh.to_empty(device="cpu")
+        init_distributed()
+        try:
+            published.load(_base_state(fresh), path)
+        finally:
+            dist.destroy_process_group()
+        saved = model.state_dict()
+        for key, tensor in fresh.state_dict().items():
+            assert torch.equal(tensor, saved[key]), key
+    finally:
+        cm._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM")
+        cm.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")
