@@ -290,39 +290,54 @@ def test_lora_merge_writes_the_published_layout(models, tmp_path):
     assert all(torch.equal(merged[k], original[k]) for k in original)
 
 
-def test_an_operation_without_boxes_is_read_whole(tmp_path):
-    """A rule kind with no box geometry (``Interleave``, registered for a tiny Llama through
-    transformers' public ``register_checkpoint_conversion_mapping``): ``save_pretrained`` writes the
-    interleaved tensors, the loader reads them whole and runs transformers' converter (one process,
-    in a process group)."""
+def _registered_rule(kind: str) -> list:
+    from transformers.core_model_loading import Chunk, Interleave, WeightConverter
+
+    if kind == "interleave":  # no box geometry: read whole
+        return [WeightConverter("mlp.up_proj.weight", "mlp.up_proj.weight", [Interleave(dim=0)])]
+    # one published tensor -> two in memory; written back by joining them (the reverse Concatenate)
+    return [WeightConverter("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])]
+
+
+@pytest.mark.parametrize(
+    "kind,read", [("interleave", {"rename": 19, "whole": 2}), ("chunk", {"rename": 17, "boxes": 4})]
+)
+def test_registered_rules_load_and_consolidate(kind, read, tmp_path, capsys):
+    """Rule kinds no tiny causal LM above has, registered for a tiny Llama through transformers'
+    public ``register_checkpoint_conversion_mapping``: ``Interleave`` (no box geometry: each rank
+    reads the tensor whole) and ``Chunk`` (boxes; consolidation joins the two in-memory tensors
+    back into the one published tensor). One process: lr 0, saved, consolidated, equal to the files
+    ``save_pretrained`` wrote, and ``from_pretrained`` (with the rule) misses nothing."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers import conversion_mapping as cm
-    from transformers.core_model_loading import Interleave, WeightConverter
 
-    from shardlm import init_distributed
-    from shardlm.parallelize import _base_state, build_meta_model
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
-    rule = [WeightConverter("mlp.up_proj.weight", "mlp.up_proj.weight", [Interleave(dim=0)])]
-    cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", rule)
+    cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", _registered_rule(kind))
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config("llama"))
         path = str(tmp_path / "llama")
         model.save_pretrained(path)
-        on_disk = _files(path)["model.layers.0.mlp.up_proj.weight"]
-        assert not torch.equal(on_disk, model.model.layers[0].mlp.up_proj.weight)
-        assert published.describe(published.check(path)) == {"rename": 19, "whole": 2}
-        fresh = build_meta_model(path)
-        fresh.to_empty(device="cpu")
+        original = _files(path)
+        assert ("model.layers.0.mlp.gate_up.weight" in original) == (kind == "chunk")
+        assert published.describe(published.check(path)) == read
         init_distributed()
         try:
-            published.load(_base_state(fresh), path)
+            cfg = train_config(path, {}, 2, 1, 1, output_dir=str(tmp_path / "out"), learning_rate=0.0, save_steps=1)
+            mesh = build_mesh(cfg.parallel)
+            Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()
         finally:
             dist.destroy_process_group()
-        saved = model.state_dict()
-        for key, tensor in fresh.state_dict().items():
-            assert torch.equal(tensor, saved[key]), key
+        out = str(tmp_path / "hf")
+        assert main(["consolidate", str(tmp_path / "out"), out]) == 0
+        assert capsys.readouterr().out.strip().endswith(CHECK_MESSAGE.format(n=len(original)))
+        written = _files(out)
+        assert written.keys() == original.keys()
+        assert all(torch.equal(written[k], original[k]) for k in original)
+        _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     finally:
         cm._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM")
         cm.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")

@@ -221,7 +221,10 @@ def consolidate(
     metadata = read_metadata(step_dir)
     from shardlm.published import PublishedUnpack, check_reload
 
-    unpack = PublishedUnpack(os.path.join(step_dir, "hf"), unpack_for(marker))  # the published layout
+    def read(state: dict) -> None:
+        load_dcp(state, step_dir, no_dist=True)
+
+    unpack = PublishedUnpack(os.path.join(step_dir, "hf"), unpack_for(marker), read)  # the published layout
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
     with staged(out) as tmp:

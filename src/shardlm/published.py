@@ -384,12 +384,6 @@ def record_layout(model_path: str, dest: str) -> None:
         json.dump(record, fh, indent=1)
 
 
-def _one_to_many(transform) -> bool:
-    """A load-time converter with several targets (``Chunk``, ``Split``): its reverse joins several
-    in-memory tensors into one, which a per-tensor reverse cannot do."""
-    return hasattr(transform, "operations") and len(transform.target_patterns) > 1
-
-
 def saving_model(hf_dir: str) -> nn.Module:
     """The meta model of ``hf_dir`` with ``_weight_conversions`` set as ``save_pretrained`` would
     find it: the recorded rules (a model loaded from a checkpoint), else those transformers uses
@@ -415,21 +409,57 @@ def saving_model(hf_dir: str) -> nn.Module:
             chosen.append(transforms[index])
     else:
         chosen = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
-    model._weight_conversions = [t for t in chosen if not _one_to_many(t)]
+    model._weight_conversions = chosen
     return model
+
+
+def _joined_groups(model: nn.Module, keys: list[str]) -> dict[str, list[str]]:
+    """In-memory keys that one reverse converter joins into one tensor (the reverse of a load-time
+    ``Chunk``/``Split``), grouped as ``revert_weight_conversion`` groups them: ``{key: group}``."""
+    from transformers.core_model_loading import WeightConverter, apply_converters, dot_natural_key
+
+    reverse = [t.reverse_transform() for t in model._weight_conversions[::-1]]
+    converters = [t for t in reverse if isinstance(t, WeightConverter)]
+    groups: dict[str, list[str]] = defaultdict(list)
+    for key in sorted(keys, key=dot_natural_key):
+        renamed, pattern = apply_converters(key, converters)
+        if pattern is not None:
+            groups[renamed].append(key)
+    return {k: g for g in groups.values() if len(g) > 1 for k in g}
 
 
 class PublishedUnpack:
     """``consolidate``'s unpack: one checkpoint tensor -> its tensors in the published layout
-    (transformers' ``revert_weight_conversion`` on that tensor), after ``inner``."""
+    (transformers' ``revert_weight_conversion``), after ``inner``. Where the reverse joins several
+    in-memory tensors into one, the group's first tensor gives the joined tensor (the others are
+    read for it by ``read``, which fills ``{"model.<name>": tensor}`` from the checkpoint) and the
+    others give nothing."""
 
-    def __init__(self, hf_dir: str, inner):
+    def __init__(self, hf_dir: str, inner, read=None):
         self.model = saving_model(hf_dir)
         self.inner = inner
+        self.read = read
+        self.shapes = _untied_shapes(self.model)
+        self.groups = _joined_groups(self.model, list(self.shapes))
+
+    def _members(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        others = [k for k in self.groups[name] if k != name]
+        if tensor.is_meta:
+            state = {f"model.{k}": _meta_tensor(self.shapes[k], tensor.dtype) for k in others}
+        else:
+            state = {f"model.{k}": torch.empty(self.shapes[k], dtype=tensor.dtype) for k in others}
+            self.read(state)
+        return {name: tensor, **{k[len("model.") :]: v for k, v in state.items()}}
 
     def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
+        if name in self.groups:
+            if self.groups[name][0] != name:
+                return {}  # written with the group's first tensor
+            members = self._members(name, tensor)
+            inner = {k: v for n, t in members.items() for k, v in self.inner(n, t).items()}
+            return revert_weight_conversion(self.model, inner)
         out = {}
         for key, value in self.inner(name, tensor).items():
             out.update(revert_weight_conversion(self.model, {key: value}))
