@@ -8,7 +8,10 @@ Layouts, each a tiny model written by ``save_pretrained``:
 - prefix change: Qwen3.5 text (``model.language_model.*``; written as transformers writes a model
   it loaded from that layout: ``_weight_conversions`` set, as ``from_pretrained`` sets it);
 - merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` -> fused ``gate_up_proj`` /
-  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 and dp_replicate=2 x fsdp=2).
+  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 and dp_replicate=2 x fsdp=2);
+- chunk and concatenate across a TP split: rules registered for a Llama through transformers'
+  public ``register_checkpoint_conversion_mapping`` (no causal LM of transformers 5.24 that shardlm
+  splits with TP uses them), ``llama_rules``; ``Interleave`` (read whole) in one process.
 
 Trained one step at learning rate 0 (weights unchanged, bit for bit) at tp=2 and tp=2 x fsdp=2 (two
 spawns), each saved and consolidated: the consolidated files hold the original files' names, shapes
@@ -19,6 +22,7 @@ mapping, each rule kind's boxes against transformers' own converter, and the ref
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,7 +54,41 @@ def _configs() -> dict:
             True,
         ),
         "mixtral": (tf.MixtralConfig(**small, intermediate_size=16, num_local_experts=4), False),
+        "llama_rules": (family_config("llama"), False),  # with REGISTERED_RULES
     }
+
+
+def _llama_rules() -> list:
+    """Rules no tiny causal LM above has, for a Llama: ``Chunk`` (one published ``gate_up`` -> the
+    column-parallel gate/up projections) and ``Concatenate`` along the columns (two published
+    halves -> ``q_proj``, whose rows TP splits: each rank reads a box of both halves)."""
+    from transformers.core_model_loading import Chunk, Concatenate, WeightConverter
+
+    return [
+        WeightConverter("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)]),
+        WeightConverter(["self_attn.q_a.weight", "self_attn.q_b.weight"], "self_attn.q_proj.weight", [Concatenate(1)]),
+    ]
+
+
+REGISTERED_RULES = {"llama_rules": ("LlamaForCausalLM", _llama_rules)}
+
+
+@contextmanager
+def registered(name: str, rules=None):
+    """Rules registered through transformers' public ``register_checkpoint_conversion_mapping``
+    for the block (in this process; each rank registers its own), then removed."""
+    from transformers import conversion_mapping as cm
+
+    if name not in REGISTERED_RULES and rules is None:
+        yield
+        return
+    cls, make = REGISTERED_RULES.get(name, (name, None))
+    cm.register_checkpoint_conversion_mapping(cls, rules if rules is not None else make())
+    try:
+        yield
+    finally:
+        cm._checkpoint_conversion_mapping_cache.pop(cls)
+        cm.USER_REGISTERED_MAPPINGS.discard(cls)
 
 
 # what the published files hold and the model does not (and the other way round)
@@ -59,14 +97,22 @@ ON_DISK = {
     "exaone": ("transformer.h.0.attn.attention.out_proj.weight", "model.layers.0.self_attn.o_proj.weight"),
     "qwen3_5_text": ("model.language_model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
     "mixtral": ("model.layers.0.block_sparse_moe.experts.3.w3.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+    "llama_rules": ("model.layers.1.self_attn.q_b.weight", "model.layers.1.mlp.up_proj.weight"),
 }
 LAYOUTS = {  # world size -> {model: layout}
-    2: {"gpt_neox": {"tp": 2}, "exaone": {"tp": 2}, "qwen3_5_text": {"tp": 2}, "mixtral": {"fsdp": 2}},
+    2: {
+        "gpt_neox": {"tp": 2},
+        "exaone": {"tp": 2},
+        "qwen3_5_text": {"tp": 2},
+        "mixtral": {"fsdp": 2},
+        "llama_rules": {"tp": 2},
+    },
     4: {
         "gpt_neox": {"tp": 2, "fsdp": 2},
         "exaone": {"tp": 2, "fsdp": 2},
         "qwen3_5_text": {"tp": 2, "fsdp": 2},
         "mixtral": {"dp_replicate": 2, "fsdp": 2},
+        "llama_rules": {"tp": 2, "fsdp": 2},
     },
 }
 
@@ -78,10 +124,11 @@ def write_published(path: str, name: str) -> str:
 
     config, loaded_from_published = _configs()[name]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    if loaded_from_published:  # what from_pretrained leaves on a model loaded from the prefixed layout
-        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
-    model.save_pretrained(path)
+    with registered(name):
+        model = AutoModelForCausalLM.from_config(config)
+        if loaded_from_published:  # what from_pretrained leaves on a model loaded from the prefixed layout
+            model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+        model.save_pretrained(path)
     return path
 
 
@@ -104,7 +151,8 @@ def test_names_map_through_transformers_rules(models):
     for name, path in models.items():
         disk, memory = ON_DISK[name]
         assert disk in published._header(path) and memory not in published._header(path), name
-        layout = published.check(path)  # covers the model with its shapes
+        with registered(name):
+            layout = published.check(path)  # covers the model with its shapes
         assert memory in layout.by_key and not layout.unexpected, name
         assert layout.used, name
     kinds = published.describe(published.check(models["mixtral"]))
@@ -230,10 +278,11 @@ def train_lr0(jobs: list[tuple[str, dict, str]]) -> None:
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
-    for path, layout, output_dir in jobs:
+    for name, path, layout, output_dir in jobs:
         cfg = train_config(path, layout, 2, 1, 1, output_dir=output_dir, learning_rate=0.0, save_steps=1)
         mesh = build_mesh(cfg.parallel)
-        Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()
+        with registered(name):
+            Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +292,9 @@ def runs(models, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("published-runs")
     out = {}
     for world, layouts in LAYOUTS.items():
-        jobs = [(models[name], layout, str(root / f"{name}-{world}")) for name, layout in layouts.items()]
+        jobs = [(name, models[name], layout, str(root / f"{name}-{world}")) for name, layout in layouts.items()]
         run_ranks(train_lr0, world, jobs)
-        out.update({(world, name): job[2] for name, job in zip(layouts, jobs)})
+        out.update({(world, job[0]): job[3] for job in jobs})
     return out
 
 
@@ -255,14 +304,15 @@ def test_round_trip_gives_back_the_published_files(models, runs, world, name, tm
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "hf")
-    assert main(["consolidate", runs[(world, name)], out]) == 0
+    with registered(name):
+        assert main(["consolidate", runs[(world, name)], out]) == 0
+        _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     original = _files(models[name])
     assert capsys.readouterr().out.strip().endswith(CHECK_MESSAGE.format(n=len(original)))
     written = _files(out)
     assert written.keys() == original.keys()
     for key, tensor in original.items():
         assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
-    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
 
 
@@ -299,23 +349,20 @@ def _registered_rule(kind: str) -> list:
     return [WeightConverter("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])]
 
 
-@pytest.mark.parametrize(
-    "kind,read", [("interleave", {"rename": 19, "whole": 2}), ("chunk", {"rename": 17, "boxes": 4})]
-)
+@pytest.mark.parametrize("kind,read", [("interleave", {"rename": 19, "whole": 2})])
 def test_registered_rules_load_and_consolidate(kind, read, tmp_path, capsys):
-    """Rule kinds no tiny causal LM above has, registered for a tiny Llama through transformers'
-    public ``register_checkpoint_conversion_mapping``: ``Interleave`` (no box geometry: each rank
-    reads the tensor whole) and ``Chunk`` (boxes; consolidation joins the two in-memory tensors
-    back into the one published tensor). One process: lr 0, saved, consolidated, equal to the files
-    ``save_pretrained`` wrote, and ``from_pretrained`` (with the rule) misses nothing."""
+    """A rule kind no causal LM of transformers 5.24 has and that has no box geometry, registered
+    for a tiny Llama: ``Interleave`` (each rank reads the tensor whole and runs transformers'
+    converter). ``kind="chunk"`` runs the same for ``Chunk`` (boxes; consolidation joins the two
+    in-memory tensors back), which the spawned runs of ``llama_rules`` cover at tp=2. One process:
+    lr 0, saved, consolidated, equal to the files ``save_pretrained`` wrote, and ``from_pretrained``
+    (with the rule) misses nothing."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    from transformers import conversion_mapping as cm
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
-    cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", _registered_rule(kind))
-    try:
+    with registered("LlamaForCausalLM", _registered_rule(kind)):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config("llama"))
         path = str(tmp_path / "llama")
@@ -338,6 +385,3 @@ def test_registered_rules_load_and_consolidate(kind, read, tmp_path, capsys):
         assert all(torch.equal(written[k], original[k]) for k in original)
         _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    finally:
-        cm._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM")
-        cm.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")
