@@ -21,6 +21,7 @@ mapping, each rule kind's boxes against transformers' own converter, and the ref
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -273,29 +274,65 @@ def test_refused_before_spawning(models, tmp_path, capsys):
         assert not out.exists()
 
 
-def train_lr0(jobs: list[tuple[str, dict, str]]) -> None:
-    """Rank body: one step at learning rate 0 per (model, layout, output_dir), saved at the end."""
+def train_lr0(jobs: list[tuple[str, str, dict, str]]) -> dict[str, dict[str, int]]:
+    """Rank body: one step at learning rate 0 per (name, model, layout, output_dir), saved at the
+    end; per model, how many elements of each file tensor this rank read (DCP's HF reader)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
+    process = HuggingFaceStorageReader._process_read_request
+    counts: dict[str, dict[str, int]] = {}
+
+    def counted(self, f, req, planner):
+        reads[req.storage_index.fqn] = reads.get(req.storage_index.fqn, 0) + math.prod(req.lengths)
+        return process(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = counted
     for name, path, layout, output_dir in jobs:
+        reads = counts.setdefault(name, {})
         cfg = train_config(path, layout, 2, 1, 1, output_dir=output_dir, learning_rate=0.0, save_steps=1)
         mesh = build_mesh(cfg.parallel)
         with registered(name):
             Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()
+    return counts
 
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory) -> dict:
     """Two spawns: every model on 2 ranks (tp=2; Mixtral fsdp=2) and on 4 (tp=2 x fsdp=2; Mixtral
-    dp_replicate=2 x fsdp=2); ``{(world, model): output_dir}``."""
+    dp_replicate=2 x fsdp=2); ``{(world, model): output_dir}`` and ``{world: rank 0's reads}``."""
     root = tmp_path_factory.mktemp("published-runs")
-    out = {}
+    out: dict = {"reads": {}}
     for world, layouts in LAYOUTS.items():
         jobs = [(name, models[name], layout, str(root / f"{name}-{world}")) for name, layout in layouts.items()]
-        run_ranks(train_lr0, world, jobs)
+        out["reads"][world] = run_ranks(train_lr0, world, jobs)
         out.update({(world, job[0]): job[3] for job in jobs})
     return out
+
+
+def test_each_rank_reads_only_its_rows(models, runs):
+    """Rank 0 reads of every file tensor just the part its own pieces hold: half of each at tp=2
+    (a quarter of the split ones at tp=2 x fsdp=2 where FSDP splits them again), never a whole
+    checkpoint. Renamed keys, merged experts, chunks and concatenations alike."""
+    sizes = {name: {k: math.prod(v[0]) for k, v in published._header(path).items()} for name, path in models.items()}
+    for world, per_model in runs["reads"].items():
+        for name, reads in per_model.items():
+            assert reads.keys() <= sizes[name].keys(), name
+            assert sum(reads.values()) < sum(sizes[name].values()), (world, name)
+    # tp=2: the published gate_up (Chunk) and the q halves (Concatenate along the columns) half each
+    tp2 = runs["reads"][2]["llama_rules"]
+    for key in ("model.layers.0.mlp.gate_up.weight", "model.layers.0.self_attn.q_a.weight"):
+        assert tp2[key] == sizes["llama_rules"][key] // 2, (key, tp2[key])
+    assert (
+        runs["reads"][4]["llama_rules"]["model.layers.0.mlp.gate_up.weight"]
+        == sizes["llama_rules"]["model.layers.0.mlp.gate_up.weight"] // 4
+    )
+    # Mixtral at fsdp=2: half of every expert's rows... of the experts rank 0 holds: 2 of 4, whole
+    fsdp2 = runs["reads"][2]["mixtral"]
+    held = [k for k in fsdp2 if ".experts." in k]
+    assert held and all(fsdp2[k] == sizes["mixtral"][k] for k in held) and len(held) == 12, held
 
 
 @pytest.mark.parametrize("world", list(LAYOUTS))
