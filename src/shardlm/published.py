@@ -331,6 +331,8 @@ def load(state: dict[str, torch.Tensor], model_path: str, model: nn.Module | Non
     from shardlm.parallelize import build_meta_model
     from shardlm.shards import LoadPlanner, fill_from_full, packed_view
 
+    # a fresh meta model: the trained one's class is FSDP's subclass (transformers looks rules up by
+    # class name) and its keys may be peft's
     meta = model if model is not None else build_meta_model(model_path)
     available = _header(model_path)
     layout = map_checkpoint(meta, available)
