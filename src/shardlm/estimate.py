@@ -60,6 +60,9 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from shardlm.errors import ConfigError
+from shardlm.parallel.autotp import check_geometry, infer_plan
+from shardlm.parallel.build import build_meta_model, decoder_blocks
+from shardlm.parallel.hf import config_size, is_conv1d
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head", "sharded_norm")
@@ -108,7 +111,7 @@ def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
     """Dim of parameter ``pname`` that TP shards, or None when it is whole on every TP rank."""
     if style not in _TP_SHARDED:
         return None
-    conv1d = type(module).__name__ == "Conv1D"  # weight stored [in, out]
+    conv1d = is_conv1d(module)  # weight stored [in, out]
     if style == "embedding":
         return 0
     if style == "rowwise":
@@ -129,7 +132,7 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) 
 def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tuple[int, int], int | None]]:
     """(shape, tp dim) of lora_A ``[r, in]`` and lora_B ``[out, r]`` for a targeted linear."""
     w = module.weight
-    fan_in, fan_out = (w.shape[0], w.shape[1]) if type(module).__name__ == "Conv1D" else (w.shape[1], w.shape[0])
+    fan_in, fan_out = (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
     a_dim = 1 if style == "rowwise" else None
     b_dim = 0 if style in ("colwise", "packed_colwise") else None
     return [((r, fan_in), a_dim), ((fan_out, r), b_dim)]
@@ -184,23 +187,16 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
 
 
 def _dims(config) -> dict[str, int]:
-    def get(*names, default=None):
-        for n in names:
-            v = getattr(config, n, None)
-            if isinstance(v, int) and v > 0:
-                return v
-        return default
-
-    h = get("hidden_size", "n_embd", "d_model")
-    a = get("num_attention_heads", "n_head", "num_heads")
+    """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``."""
+    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
     return {
         "h": h,
         "a": a,
-        "k": get("num_key_value_heads", "num_kv_heads", default=a),
-        "d": get("head_dim", default=h // a),
-        "f": get("intermediate_size", "ffn_dim", "n_inner", default=4 * h),
-        "L": get("num_hidden_layers", "n_layer", "num_layers"),
-        "V": get("vocab_size"),
+        "k": config_size(config, "num_key_value_heads") or a,
+        "d": config_size(config, "head_dim") or h // a,
+        "f": config_size(config, "intermediate_size") or 4 * h,
+        "L": config_size(config, "num_hidden_layers"),
+        "V": config_size(config, "vocab_size"),
     }
 
 
@@ -231,8 +227,6 @@ def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix:
 
 def _block_elements(model: nn.Module, styles: dict[str, str], tp: int) -> tuple[int, int]:
     """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
-    from shardlm.parallelize import decoder_blocks
-
     blocks = decoder_blocks(model)
     if not blocks:
         return tp_local_elements(model, styles, tp), 1
@@ -276,9 +270,6 @@ def estimate(
     memory_gib: float | None = None,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank)."""
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import check_geometry, infer_plan
-
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),

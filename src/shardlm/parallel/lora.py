@@ -17,7 +17,7 @@ only places the pieces, from the style the plan gave ``X`` (``LoraParallel``):
 
 All matmuls run on local tensors (the DTensor parameters' ``to_local()``), so the only
 collectives are the layer's own reduction and, once per step, the sum of the replicated
-adapters' gradients (``model.shardlm_tp_partial_grads``, shared with ``replicate_grad_allreduce``).
+adapters' gradients (``ParallelModel.tp_partial_grads``, shared with ``replicate_grad_allreduce``).
 FSDP2 then shards whatever is left, as for any parameter.
 
 Only adapter and ``modules_to_save`` parameters require grad; the optimizer, the gradient
@@ -41,12 +41,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardlm.config import Config, LoraConfig
+from shardlm.config import LoraConfig
+from shardlm.distributed.shards import fill_from_full
 from shardlm.errors import ConfigError
-from shardlm.loss import as_local
-from shardlm.plan import Plan
-from shardlm.shards import fill_from_full
-from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style, sliced_linear
+from shardlm.parallel.hf import is_conv1d
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.tp import column_input, local_linear, make_style, shard_params, sliced_linear
+from shardlm.train.loss import as_local
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"
@@ -118,7 +119,7 @@ def peft_config(lcfg: LoraConfig, model: nn.Module):
         lora_dropout=lcfg.dropout,
         target_modules=lcfg.target_modules,
         modules_to_save=lcfg.modules_to_save,
-        fan_in_fan_out=any(_is_conv1d(m) for m in model.modules()),  # GPT-2's Conv1D: weight is [in, out]
+        fan_in_fan_out=any(is_conv1d(m) for m in model.modules()),  # GPT-2's Conv1D: weight is [in, out]
     )
 
 
@@ -136,24 +137,18 @@ def inject(model: nn.Module, lcfg: LoraConfig):
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         first = str(exc).strip().splitlines()[0]
         raise ConfigError(f"lora.target_modules: {first}") from None
-    model.shardlm_lora = cfg
     return cfg
 
 
-def check_lora(cfg: Config) -> None:
-    """Before spawning: values, the adapter directory, and that every target has a placement."""
-    lcfg = cfg.lora
+def check_lora(lcfg: LoraConfig, model: nn.Module, plan: Plan) -> None:
+    """Before spawning: values, the adapter directory, and that every target of ``model`` (a meta
+    model, adapted in place) has a placement in ``plan``."""
     if lcfg.r is not None and lcfg.r < 1:
         raise ConfigError(f"lora.r must be >= 1, got {lcfg.r}")
     if not 0.0 <= lcfg.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lcfg.dropout}")
     if lcfg.adapter and not os.path.isdir(lcfg.adapter):
         raise ConfigError(f"lora.adapter: '{lcfg.adapter}' is not a directory; pass a peft adapter directory")
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import infer_plan
-
-    model = build_meta_model(cfg.model)
-    plan = infer_plan(model, cfg.parallel.tp)
     inject(model, lcfg)
     from peft.tuners.lora import Linear as PeftLinear
 
@@ -198,27 +193,27 @@ class LoraParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
-        conv = _is_conv1d(base)  # weight [in, out]
+        conv = is_conv1d(base)  # weight [in, out]
         if self.rows is not None:
             rows = self.rows[mesh.get_local_rank()]
             for layer in (base, lora_a, lora_b):
-                _shard_params(layer, mesh, {"weight": Replicate(), "bias": Replicate()}, None)
+                shard_params(layer, mesh, {"weight": Replicate(), "bias": Replicate()}, None)
             base.forward = lambda x: sliced_linear(base, x, rows)
             lora_b.forward = lambda x: sliced_linear(lora_b, x, rows)
             lora_a.forward = lambda x: local_linear(lora_a, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
             return module
         if self.base_style == "rowwise":
-            _shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
-            _shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
-            _shard_params(lora_b, mesh, {"weight": Replicate()}, None)
+            shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
+            shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
+            shard_params(lora_b, mesh, {"weight": Replicate()}, None)
             base.forward = lambda x: local_linear(base, x, with_bias=False)
             module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh))
         else:
             out = self._out_placement(1 if conv else 0)
-            _shard_params(base, mesh, {"weight": out, "bias": self._out_placement(0)}, None)
-            _shard_params(lora_a, mesh, {"weight": Replicate()}, None)
-            _shard_params(lora_b, mesh, {"weight": self._out_placement(0)}, None)
+            shard_params(base, mesh, {"weight": out, "bias": self._out_placement(0)}, None)
+            shard_params(lora_a, mesh, {"weight": Replicate()}, None)
+            shard_params(lora_b, mesh, {"weight": self._out_placement(0)}, None)
             base.forward = lambda x: local_linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
         lora_a.forward = lambda x: local_linear(lora_a, x)

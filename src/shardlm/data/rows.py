@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.loss import IGNORE_INDEX
+from shardlm.train.loss import IGNORE_INDEX
 
 JSON_COLUMN = "__shardlm_json__"
 OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL = range(7)

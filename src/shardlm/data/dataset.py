@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import DataConfig
+from shardlm.data.rows import BAD_JSON, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
 from shardlm.errors import ConfigError
-from shardlm.loss import IGNORE_INDEX
-from shardlm.rows import BAD_JSON, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
+from shardlm.train.loss import IGNORE_INDEX
 
 log = logging.getLogger("shardlm")
 CACHE_VERSION = "shardlm-data-1"  # bump when what a row becomes changes

@@ -108,19 +108,14 @@ class StepGuard:
             )
 
 
-def stop_for_signal(trainer, saved: str | None) -> str:
-    """Every rank, after the step at which the ranks agreed to stop: save (unless ``saved``), tell the user.
+def stop_for_signal(step: int, path: str) -> str:
+    """Every rank, after the step at which the ranks agreed to stop and saved ``path``: tell the user.
 
     Returns the checkpoint directory.
     """
     global _received
-    from shardlm.checkpoint import save_checkpoint
-
-    path = saved or save_checkpoint(trainer)
     _received = None
-    log.info("stopping at step %d for SIGTERM; checkpoint %s", trainer.step, path)
+    log.info("stopping at step %d for SIGTERM; checkpoint %s", step, path)
     if dist.get_rank() == 0:
-        print(
-            f"received SIGTERM: saved {path} at step {trainer.step}, exiting; resume with train.resume=true", flush=True
-        )
+        print(f"received SIGTERM: saved {path} at step {step}, exiting; resume with train.resume=true", flush=True)
     return path
