@@ -63,9 +63,9 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
 from shardlm.parallel.hf import config_size, is_conv1d
+from shardlm.parallel.styles import lora_dims, sharded_dim
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head", "sharded_norm")
 GIB = 1024**3
 # rows alive during the forward/backward of a step, beside the model state
 STEP_ROWS = ("activations", "logits", "compute_weights", "reduce_scatter")
@@ -107,18 +107,6 @@ class Estimate:
         return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
 
 
-def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
-    """Dim of parameter ``pname`` that TP shards, or None when it is whole on every TP rank."""
-    if style not in _TP_SHARDED:
-        return None
-    conv1d = is_conv1d(module)  # weight stored [in, out]
-    if style == "embedding":
-        return 0
-    if style == "rowwise":
-        return None if pname == "bias" else (0 if conv1d else 1)
-    return 1 if conv1d and pname == "weight" else 0  # colwise, packed_colwise, lm_head, sharded_norm: output features
-
-
 def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
     """Elements of the largest local piece: TP chunk of ``tp_dim``, then FSDP's chunk of dim 0."""
     dims = list(shape)
@@ -133,8 +121,7 @@ def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tup
     """(shape, tp dim) of lora_A ``[r, in]`` and lora_B ``[out, r]`` for a targeted linear."""
     w = module.weight
     fan_in, fan_out = (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
-    a_dim = 1 if style == "rowwise" else None
-    b_dim = 0 if style in ("colwise", "packed_colwise") else None
+    a_dim, b_dim = lora_dims(style) if style is not None else (None, None)
     return [((r, fan_in), a_dim), ((fan_out, r), b_dim)]
 
 
@@ -151,7 +138,7 @@ def count_params(
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            n = local_numel(tuple(param.shape), _tp_dim(module, pname, style), tp, fsdp)
+            n = local_numel(tuple(param.shape), sharded_dim(style, module, pname), tp, fsdp)
             full += param.numel()
             local += n
             trainable += 0 if lora_r else n
@@ -221,7 +208,7 @@ def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix:
         for pname, p in sub.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                n += local_numel(tuple(p.shape), _tp_dim(sub, pname, styles.get(fqn)), tp, 1)
+                n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname), tp, 1)
     return n
 
 

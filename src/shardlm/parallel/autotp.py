@@ -1,6 +1,6 @@
 """AutoTP: derive a tensor-parallel plan for a Hugging Face causal LM from its dataflow.
 
-A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
+A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what each shards: ``styles.PLACEMENTS``):
 
 ``colwise``  Linear/Conv1D sharded by output features: it reads a replicated activation
 ``rowwise``  Linear/Conv1D sharded by input features: it reads a sharded activation and its
@@ -101,19 +101,9 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.tp import localize_geometry
 
-STYLES = (
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "embedding",
-    "lm_head",
-    "replicate_grad_allreduce",
-    "sharded_norm",
-    "replicate",
-    "replicate_local",
-)
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 _VIEW_OPS = {"view", "reshape", "unflatten"}
@@ -555,7 +545,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 plan.dropout_sites = _dropout_dims(model, traced, forced)
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
-            split = {f for f, st in traced.styles.items() if st in ("colwise", "rowwise", "packed_colwise")}
+            split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
             # its own split linears, else every split linear under it (BigBird: attention.self, .output)
             region = {f for f in split if f.rpartition(".")[0] == owner} or {
                 f for f in split if f.startswith(f"{owner}.") or not owner
@@ -660,7 +650,6 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     return plan
 
 
-_SPLIT = ("colwise", "rowwise", "packed_colwise", "sharded_norm")
 
 
 def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
@@ -675,7 +664,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
       prediction head), other than tied input/output embeddings.
     """
-    split_all = [f for f, st in plan.styles.items() if st in _SPLIT]
+    split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
         fqn = owner.split(" (")[0]
         if plan.styles.get(fqn) is None:
@@ -693,7 +682,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
             f"{any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
             "this model with tp > 1 yet, parallel.fsdp trains it"
         )
-    split = [f for f, st in plan.styles.items() if st in _SPLIT]
+    split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for fqn, style in plan.styles.items():
         if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
             raise ConfigError(
@@ -716,7 +705,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
-    split = [f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")]
+    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR]
     if forced and not split:
         first = reasons[min(forced)]
         raise ConfigError(
@@ -797,7 +786,7 @@ def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
 
 def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
     """The innermost running module that owns split linears (or the parent of a running one)."""
-    split = {f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")}
+    split = {f for f, s in plan.styles.items() if s in SPLIT_LINEAR}
     parents = {f.rpartition(".")[0] for f in split}
     for name in reversed(stack):
         if name in split:
@@ -875,29 +864,16 @@ def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     return infer_plan(model, tp).styles
 
 
-def _local_shape(shape: tuple[int, ...], name: str, style: str, conv1d: bool, tp: int) -> tuple[int, ...]:
-    """Shape of one rank's piece of a parameter of a module with ``style``."""
-    dim = None
-    if style in ("colwise", "packed_colwise", "lm_head", "embedding", "sharded_norm"):
-        dim = 0 if name != "weight" or not conv1d else 1
-    elif style == "rowwise" and name == "weight":
-        dim = 0 if conv1d else 1
-    if dim is None or len(shape) <= dim:
-        return shape
-    return tuple(s // tp if i == dim else s for i, s in enumerate(shape))
-
-
 def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
     """One row per styled module: style, global and local parameter shapes, fp32 bytes per
     rank, and where the decision came from (cross-checked against the model's own plan or not)."""
     rows, seen = [], {}
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
-        conv1d = is_conv1d(module)
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
         seen.update({id(p): f"{fqn}.{n}" for n, p in params})
-        local = {n: _local_shape(tuple(p.shape), n, style, conv1d, tp) for n, p in params}
+        local = {n: local_shape(tuple(p.shape), sharded_dim(style, module, n), tp) for n, p in params}
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"

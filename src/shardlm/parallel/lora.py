@@ -46,6 +46,7 @@ from shardlm.distributed.shards import fill_from_full
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import is_conv1d
 from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
 from shardlm.parallel.tp import column_input, local_linear, make_style, shard_params, sliced_linear
 from shardlm.train.loss import as_local
 
@@ -53,7 +54,6 @@ ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-BASE_STYLES = ("colwise", "rowwise", "packed_colwise")
 
 
 # ---------------------------------------------------------------- configuration
@@ -188,12 +188,17 @@ class LoraParallel(ParallelStyle):
         super().__init__()
         self.base_style, self.num_parts, self.rows = base_style, num_parts, rows
 
-    def _out_placement(self, dim: int):
-        return _StridedShard(dim, split_factor=self.num_parts) if self.base_style == "packed_colwise" else Shard(dim)
+    def _split(self, module: nn.Module, param: str | None = None, dim: int | None = None):
+        """The TP placement of ``module.<param>`` under the base style (or of dim ``dim``): a packed
+        projection's parts are each split on their own (``_StridedShard``)."""
+        dim = sharded_dim(self.base_style, module, param) if dim is None else dim
+        if dim is None:
+            return Replicate()
+        packed = self.base_style == Style.PACKED_COLWISE
+        return _StridedShard(dim, split_factor=self.num_parts) if packed else Shard(dim)
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
-        conv = is_conv1d(base)  # weight [in, out]
         if self.rows is not None:
             rows = self.rows[mesh.get_local_rank()]
             for layer in (base, lora_a, lora_b):
@@ -203,17 +208,14 @@ class LoraParallel(ParallelStyle):
             lora_a.forward = lambda x: local_linear(lora_a, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
             return module
-        if self.base_style == "rowwise":
-            shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
-            shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
-            shard_params(lora_b, mesh, {"weight": Replicate()}, None)
+        a_dim, b_dim = lora_dims(self.base_style)
+        shard_params(base, mesh, {"weight": self._split(base, "weight"), "bias": self._split(base, "bias")}, None)
+        shard_params(lora_a, mesh, {"weight": self._split(lora_a, dim=a_dim)}, None)
+        shard_params(lora_b, mesh, {"weight": self._split(lora_b, dim=b_dim)}, None)
+        if a_dim is not None:  # the base reads a sharded input: partial sums, reduced with the adapter's
             base.forward = lambda x: local_linear(base, x, with_bias=False)
             module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh))
-        else:
-            out = self._out_placement(1 if conv else 0)
-            shard_params(base, mesh, {"weight": out, "bias": self._out_placement(0)}, None)
-            shard_params(lora_a, mesh, {"weight": Replicate()}, None)
-            shard_params(lora_b, mesh, {"weight": self._out_placement(0)}, None)
+        else:  # the base reads a replicated input and writes its own output rows
             base.forward = lambda x: local_linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
         lora_a.forward = lambda x: local_linear(lora_a, x)
@@ -237,14 +239,14 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
         if _is_lora_layer(module) and fqn in plan.sliced:
             styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
         elif _is_lora_layer(module):
-            if style not in BASE_STYLES:
+            if style not in SPLIT_LINEAR:
                 raise ConfigError(
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
-                    f"cannot adapt (only {', '.join(BASE_STYLES)} layers); remove it from target_modules"
+                    f"cannot adapt (only {', '.join(SPLIT_LINEAR)} layers); remove it from target_modules"
                 )
             styles[fqn] = LoraParallel(style, len(plan.parts.get(fqn, [1])))
         elif _is_modules_to_save(module):
-            if fqn in plan.sliced or style == "replicate_grad_allreduce" or _tied(model, module):
+            if fqn in plan.sliced or style == Style.REPLICATE_GRAD_ALLREDUCE or _tied(model, module):
                 why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"
                 raise ConfigError(
                     f"lora.modules_to_save: '{fqn}' {why} under tensor parallelism, which shardlm cannot train "
@@ -267,7 +269,9 @@ def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     names = []
     for fqn, style in plan.styles.items():
         if _is_lora_layer(model.get_submodule(fqn)):
-            sides = ("lora_A", "lora_B") if fqn in plan.sliced else ("lora_B",) if style == "rowwise" else ("lora_A",)
+            # the adapter matrix beside the base's whole side: it meets a partial activation or gradient
+            partial = ("lora_B",) if style == Style.ROWWISE else ("lora_A",)
+            sides = ("lora_A", "lora_B") if fqn in plan.sliced else partial
             names += [f"{fqn}.{side}.{ADAPTER}.weight" for side in sides]
     return names
 

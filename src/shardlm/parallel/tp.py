@@ -47,6 +47,7 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import Style
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
@@ -287,30 +288,31 @@ class ShardedRMSNorm(ParallelStyle):
 
 
 def make_style(style: str, parts: list[int] | None = None, rows: list | None = None) -> ParallelStyle:
-    """The torch style for one word of the plan vocabulary (see ``plan.STYLES``); ``rows``: the
-    plan's ``sliced`` entry (replicated parameters, per-rank output rows)."""
+    """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
+    ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
+    output rows)."""
     if rows is not None:
         return SlicedColwise(rows)
-    if style == "colwise":
-        return Colwise()
-    if style == "rowwise":
-        return Rowwise()
-    if style == "packed_colwise":
-        return PackedColwiseParallel(len(parts))
-    if style == "embedding":
-        # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
-        # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
-        return Rowwise(input_layouts=Replicate())
-    if style == "lm_head":
-        # logits stay sharded over the vocabulary: the loss runs under loss_parallel
-        return Colwise(output_layouts=Shard(-1), use_local_output=False)
-    if style in ("replicate", "replicate_grad_allreduce"):
-        return ReplicateParallel()
-    if style == "replicate_local":
-        return LocalReplicate()
-    if style == "sharded_norm":
-        return ShardedRMSNorm()
-    raise ValueError(f"unknown TP style '{style}'")
+    match Style(style):
+        case Style.COLWISE:
+            return Colwise()
+        case Style.ROWWISE:
+            return Rowwise()
+        case Style.PACKED_COLWISE:
+            return PackedColwiseParallel(len(parts))
+        case Style.EMBEDDING:
+            # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
+            # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
+            return Rowwise(input_layouts=Replicate())
+        case Style.LM_HEAD:
+            # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+            return Colwise(output_layouts=Shard(-1), use_local_output=False)
+        case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
+            return ReplicateParallel()
+        case Style.REPLICATE_LOCAL:
+            return LocalReplicate()
+        case Style.SHARDED_NORM:
+            return ShardedRMSNorm()
 
 
 _WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
@@ -360,7 +362,7 @@ def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     return [
         f"{fqn}.{pname}"
         for fqn, style in plan.styles.items()
-        if style == "replicate_grad_allreduce" or fqn in plan.sliced
+        if style == Style.REPLICATE_GRAD_ALLREDUCE or fqn in plan.sliced
         for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
     ]
 
