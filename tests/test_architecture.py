@@ -11,6 +11,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardlm"
 # the CLI imports each command's modules inside its function, so ``shardlm --help`` does not pay
 # for torch and transformers (its module docstring says so)
 LAZY_ALLOWED = {"shardlm.cli"}
+# the packages in dependency order: each imports only from those before it (and itself)
+LAYERS = ["errors", "config", "data", "distributed", "parallel", "checkpoint", "train", "preflight", "estimate", "cli"]
 
 
 def module_name(path: Path) -> str:
@@ -80,6 +82,16 @@ def test_the_package_has_no_import_cycle():
     assert len(edges) > 20
     cycle = find_cycle({m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()})
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_packages_depend_one_way():
+    def layer(module: str) -> int:
+        parts = module.split(".")
+        return LAYERS.index(parts[1]) if len(parts) > 1 else len(LAYERS)  # the package root: on top
+
+    for module, targets in graph().items():
+        for target in targets:
+            assert layer(target) <= layer(module), f"{module} imports {target}, a later layer"
 
 
 def test_no_private_names_cross_modules_and_no_hidden_imports():

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from helpers import run_ranks
 
-from shardlm.train.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
+from shardlm.data.rows import IGNORE_INDEX
+from shardlm.distributed.shards import as_local
+from shardlm.train.loss import loss_context, token_loss_sum
 
 BATCH, SEQ, VOCAB = 3, 8, 64
 

@@ -50,9 +50,8 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import DataConfig
-from shardlm.data.rows import BAD_JSON, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
+from shardlm.data.rows import BAD_JSON, IGNORE_INDEX, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
 from shardlm.errors import ConfigError
-from shardlm.train.loss import IGNORE_INDEX
 
 log = logging.getLogger("shardlm")
 CACHE_VERSION = "shardlm-data-1"  # bump when what a row becomes changes

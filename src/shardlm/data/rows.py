@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.train.loss import IGNORE_INDEX
 
+IGNORE_INDEX = -100  # the label of a token that is not trained (the loss and torch skip it)
 JSON_COLUMN = "__shardlm_json__"
 OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL = range(7)
 REASONS = (

@@ -185,3 +185,8 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
+
+
+def as_local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss, a norm) as the plain tensor every rank holds."""
+    return value.to_local() if isinstance(value, DTensor) else value

@@ -650,8 +650,6 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     return plan
 
 
-
-
 def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 

@@ -42,13 +42,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.config import LoraConfig
-from shardlm.distributed.shards import fill_from_full
+from shardlm.distributed.shards import as_local, fill_from_full
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import is_conv1d
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
 from shardlm.parallel.tp import column_input, local_linear, make_style, shard_params, sliced_linear
-from shardlm.train.loss import as_local
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"

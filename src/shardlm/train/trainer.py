@@ -57,14 +57,16 @@ from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
 from shardlm.config import Config, TrainConfig
 from shardlm.data.dataset import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
 from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
+from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
 from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.parallel.tp import sum_tp_partial_grads
 from shardlm.train import faults
-from shardlm.train.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
+from shardlm.train.loss import loss_context, token_loss_sum
 from shardlm.train.metrics import (
     MetricsWriter,
     count_params,
