@@ -2,7 +2,7 @@
 
 Why: the first question about a layout is whether it fits, and the answer should not cost a
 failed launch. Parameter shapes come from the meta model and the same TP plan ``parallelize``
-applies (``plan.infer_plan``), so the model-state numbers are what the ranks really hold:
+applies (``autotp.infer_plan``), so the model-state numbers are what the ranks really hold:
 
 * TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
   input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
@@ -164,7 +164,7 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
     torch's sharding rule for the embedding backward yields a ``Replicate`` gradient: the whole
     ``[vocab, hidden]`` on every TP rank, not its ``Shard(0)`` piece. FSDP2 (any dp > 1) reshards
     it, and a tied LM head's sharded gradient absorbs it; otherwise it costs ``(1 - 1/tp)`` of the
-    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``styles.py`` shards it.
+    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``parallel/tp.py`` shards it.
     """
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):
@@ -282,7 +282,7 @@ def estimate(
     tokens = batch * seq
     vocab = _dims(model.config)["V"]
     rows = {
-        # a LoRA run under bf16 stores its frozen base in bf16 (``lora.py``); what trains stays fp32
+        # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/lora.py``); what trains stays fp32
         "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
         "gradients": 4 * grads,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor

@@ -3,7 +3,7 @@
 A checkpoint holds the explicit components of ``TrainState`` (as torchtitan's checkpointer takes
 its ``states``), never a Trainer: model and optimizer state as DCP shards keyed by parameter FQN
 (``get_state_dict``), so any layout can load them (DCP reshards DTensors; each rank writes and
-reads only its own boxes, a packed projection's parts included, ``shards.py``); each rank's RNG
+reads only its own boxes, a packed projection's parts included, ``distributed/shards.py``); each rank's RNG
 states under ``rng/``; and in the marker (``layout.py``) the step (= data position, the order
 being f(seed, global batch)), global batch, seed, data size, scheduler state, layout, LoRA
 config and the resolved run config. LoRA runs save only what trains; the frozen base is re-read

@@ -131,7 +131,7 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:
-    """Checkpoint keys (``checkpoint.py``): counts, and that a resume path exists before spawning."""
+    """Checkpoint keys (``checkpoint/manager.py``): counts, and that a resume path exists before spawning."""
     if t.save_steps < 0:
         raise ConfigError(f"train.save_steps must be >= 0 (0 turns checkpoints off), got {t.save_steps}")
     if t.save_total_limit is not None and t.save_total_limit < 1:
@@ -143,7 +143,7 @@ def _validate_checkpointing(t: TrainConfig) -> None:
 
 
 def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
-    """Optimizer, reporting and evaluation keys (``optim.py``, ``metrics.py``, ``trainer.py``)."""
+    """Optimizer, reporting and evaluation keys (``train/optim.py``, ``train/metrics.py``, ``train/trainer.py``)."""
     if t.optim not in t.OPTIMIZERS:
         raise ConfigError(f"train.optim must be one of {', '.join(t.OPTIMIZERS)}, got '{t.optim}'")
     if t.sgd_momentum < 0:
@@ -162,7 +162,7 @@ def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
 
 
 def _validate_faults(t: TrainConfig) -> None:
-    """Fault keys (``faults.py``, ``mesh.init_distributed``)."""
+    """Fault keys (``train/faults.py``, ``distributed/mesh.py``)."""
     if t.max_bad_steps < 1:
         raise ConfigError(
             f"train.max_bad_steps must be >= 1 (non-finite steps in a row before stopping), got {t.max_bad_steps}"

@@ -17,7 +17,7 @@ from shardlm.errors import ConfigError
 
 @dataclass
 class DataConfig:
-    """Where the training text is and how it becomes samples (see ``data.py`` for every row kind).
+    """Where the training text is and how it becomes samples (see ``data/dataset.py`` for every row kind).
 
     ``path``: a .txt (one document per line), .jsonl, .json or .parquet file, or a directory of
     them. Rows are plain text (``text_field``), a prompt/response pair (``prompt_field`` and
@@ -72,7 +72,7 @@ class ParallelConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (``lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
+    """LoRA adapters (``parallel/lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
     ``lora_alpha``, default 2*r; the update is scaled by alpha/r), ``dropout`` (``lora_dropout``),
     ``target_modules`` (module names or a regex; null: peft's default for the model type),
     ``modules_to_save`` (modules trained whole and saved with the adapter). ``adapter``: a peft
@@ -127,7 +127,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out loss and perplexity during training (``trainer.py``).
+    """Held-out loss and perplexity during training (``train/trainer.py``).
 
     ``path``: same formats as ``data.path``, tokenized with the ``data`` settings (seq_len, packing,
     fields); empty: no evaluation. ``steps``: evaluate every N optimizer steps, and always at the

@@ -2,7 +2,7 @@
 
 One rule, used for init, HF loading and checkpoints alike: placements apply right to left, TP
 first, then FSDP2's chunking of the TP-local tensor (how FSDP2 shards a TP DTensor). On the TP
-mesh dim a ``_StridedShard`` is a packed projection (``styles.PackedColwiseParallel``): each of
+mesh dim a ``_StridedShard`` is a packed projection (``tp.PackedColwiseParallel``): each of
 its parts is chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``.
 
 Every local piece is one box of the global tensor except a packed projection's, which is P boxes

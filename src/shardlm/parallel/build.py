@@ -110,7 +110,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | N
     """FSDP2 over the data-parallel mesh: one group per decoder block, the rest at the root.
 
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
-    already normalized by the global token count, see ``loss.py``.
+    already normalized by the global token count, see ``train/loss.py``.
     """
     kwargs = {"mesh": mesh.dp, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for block in decoder_blocks(model):
@@ -158,7 +158,7 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(model: nn.Module, model_path: str) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader):
-    each rank reads only its own rows, a packed projection's parts included (``shards.py``)."""
+    each rank reads only its own rows, a packed projection's parts included (``distributed/shards.py``)."""
     reader = HuggingFaceStorageReader(model_path)
     available = set(reader.read_metadata().state_dict_metadata)
     state = _base_state(model)
@@ -171,7 +171,7 @@ def load_hf_weights(model: nn.Module, model_path: str) -> None:
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     """Random init that is identical for every layout and never whole on one rank: every rank
-    draws the model's own init one decoder block at a time (``seeded_init.py``) and keeps its
+    draws the model's own init one decoder block at a time (``parallel/seeded_init.py``) and keeps its
     piece of each tensor (``local_piece`` knows every placement, packed ones too)."""
     targets = _base_state(model)
     try:
@@ -260,7 +260,7 @@ def parallelize(
     ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it
     computes in is returned as ``fsdp_param_dtype`` so the trainer knows whether it must
     autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
-    adapters on the plan's projections (``lora.py``); only they (and ``modules_to_save``) train.
+    adapters on the plan's projections (``parallel/lora.py``); only they (and ``modules_to_save``) train.
     ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
     """
     model = build_meta_model(model_path)

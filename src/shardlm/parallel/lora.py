@@ -180,7 +180,7 @@ class LoraParallel(ParallelStyle):
 
     ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections of
     unequal parts): base and ``lora_B`` stay replicated and each rank computes only its rows, as
-    ``styles.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
+    ``tp.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
     """
 
     def __init__(self, base_style: str, num_parts: int = 1, rows: list | None = None):

@@ -19,7 +19,7 @@ class Plan:
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
     # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
     replicated: dict[str, str] = field(default_factory=dict)
-    # per dropout call site of a forward, in call order (``dropout.py``): the dim along which its
+    # per dropout call site of a forward, in call order (``parallel/dropout.py``): the dim along which its
     # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
     # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
     dropout_sites: list[int | None] = field(default_factory=list)

@@ -271,7 +271,7 @@ class ShardedRMSNorm(ParallelStyle):
     weight is sharded like the activation; each rank sums the squares of its slice and one
     all-reduce of that ``[tokens, 1]`` sum gives the full width's mean (in the backward, the
     gradients of the sum are all-reduced the same way). No activation is gathered. The formula
-    is checked against the module's own forward when the plan is made (``plan.rms_norm_eps``)."""
+    is checked against the module's own forward when the plan is made (``hf.rms_norm_eps``)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         eps, width = rms_norm_eps(module), module.weight.shape[0]

@@ -6,7 +6,7 @@ itself). Every optimizer step, just before the update, one all-reduce (MAX over 
 combines each rank's "signalled" flag with its "non-finite" flag (``StepGuard.check``): all
 ranks learn in the same step that some rank was signalled, finish that step, save the same
 checkpoint and return normally (exit code 0). A signal to one worker, to every worker, or to
-the launcher (``launch.py`` forwards it to the workers) ends the same way. Under ``run`` (the
+the launcher (``distributed/launch.py`` forwards it to the workers) ends the same way. Under ``run`` (the
 CLI) a signal that comes while the model is built is kept and acted on after the first step.
 Ctrl-C (SIGINT) still stops at once, without saving. When a rank dies, the SIGTERM with which
 the launcher stops the survivors only sets the flag too: they fail at their next collective,

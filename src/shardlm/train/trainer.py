@@ -1,19 +1,19 @@
 """The training loop: micro-steps, token-weighted loss, global clipping, optimizer step, eval, logging.
 
 One optimizer step:
-  1. every dp rank takes its micro-batches of the global batch (``data.py``); on the first step
+  1. every dp rank takes its micro-batches of the global batch (``data/dataset.py``); on the first step
      and every logging step the TP ranks of each group compare a checksum of their batches, since
      a TP group computing on different inputs trains garbage without any error (after the first
      two steps' and every logging step's update they compare their replicated parameters too);
   2. one all-reduce counts the labelled tokens of the whole global batch;
-  3. each micro-step backpropagates ``sum of token losses / global count`` (``loss.py``);
+  3. each micro-step backpropagates ``sum of token losses / global count`` (``train/loss.py``);
      FSDP2 sums gradients across dp ranks;
-  4. the global gradient norm is computed over every placement and clipped (``clip.py``);
-  5. optimizer and LR scheduler step (``optim.py``); rank 0 logs the step (``metrics.py``).
+  4. the global gradient norm is computed over every placement and clipped (``distributed/clip.py``);
+  5. optimizer and LR scheduler step (``train/optim.py``); rank 0 logs the step (``train/metrics.py``).
 
 Mixed precision (``train.bf16``): the forward and backward compute in bf16 while the master
 weights, their gradients and the optimizer state stay fp32 and the loss is computed in fp32
-(``loss.py`` upcasts the logits). With FSDP (dp > 1) the model is built with FSDP2's
+(``train/loss.py`` upcasts the logits). With FSDP (dp > 1) the model is built with FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``mixed_precision_policy``): FSDP
 all-gathers bf16 copies of the fp32 shards and reduce-scatters gradients in fp32. Without FSDP
 (TP only, or one process) the forward runs under ``torch.autocast(device, bf16)``: autocast sits
@@ -26,7 +26,7 @@ each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the 
 the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
 working). The recompute replays the TP styles' hooks, so it produces the same numbers.
 
-Dropout (``dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
+Dropout (``parallel/dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
 masks are a hash of (seed, step, call site, the element's position in the global batch and in
 the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one process, and the
 recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
@@ -154,7 +154,7 @@ def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
     """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
     checksums per parameter): the TP group would be training different models without any error,
-    e.g. from random numbers drawn per rank that ``dropout.py`` does not replace."""
+    e.g. from random numbers drawn per rank that ``parallel/dropout.py`` does not replace."""
     if not params:
         return
     sums = []
