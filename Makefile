@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardlm-installed
 PYTHON ?= python3
 
-.PHONY: setup test demo bench bench-scale lint clean matrix published-weights
+.PHONY: setup test test-fast demo bench bench-scale lint clean matrix published-weights
 
 setup: $(STAMP)
 
@@ -24,8 +24,12 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest
 
+# The process-free tier alone (under a minute): plans, data, loss, estimates, the package's shape
+test-fast: setup
+	$(PY) -m pytest -m "not ranks"
+
 demo: setup
-	$(PY) -m shardlm.demo
+	$(PY) examples/demo.py
 
 bench: setup
 	$(PY) benchmarks/bench.py

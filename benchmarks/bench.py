@@ -91,7 +91,7 @@ def write_model(path: str) -> str:
 
 def make_dataset(steps: int):
     """Random tokens for ``steps`` global batches (labels: the next token, none ignored)."""
-    from shardlm.data import TokenDataset
+    from shardlm.data.dataset import TokenDataset
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH * steps, SEQ + 1), generator=g)
@@ -270,7 +270,7 @@ class ShardlmRun(Run):
         )
         mesh = build_mesh(par)
         self.trainer = Trainer(parallelize(path, mesh), Config(model=path, parallel=par, train=train), data, mesh)
-        self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
+        self.model, self.optimizer = self.trainer.module, self.trainer.optimizer
         self._zero_grad = self.optimizer.zero_grad
         self.optimizer.zero_grad = lambda set_to_none=True: None if self.keep_grads else self._zero_grad(set_to_none)
 
@@ -287,7 +287,7 @@ class TransformersRun(Run):
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 
-        from shardlm.data import GlobalBatchOrder
+        from shardlm.data.dataset import GlobalBatchOrder
 
         super().__init__()
         self.tp, self.fsdp = layout.get("tp", 1), layout.get("fsdp", 1)
@@ -300,7 +300,7 @@ class TransformersRun(Run):
         self.tp_plan = dict(getattr(self.model, "tp_plan", {}) or {}) if self.tp > 1 else {}
 
     def step(self) -> None:
-        from shardlm.data import micro_batch
+        from shardlm.data.dataset import micro_batch
 
         dp_rank, per_rank = dist.get_rank() // self.tp, GLOBAL_BATCH // self.fsdp
         batch = micro_batch(self.data, self.order, self.index, 0, dp_rank, self.fsdp, per_rank).to(_device())
@@ -382,8 +382,8 @@ def rank_main(path: str, layout: dict, steps: int, profile: bool) -> dict:
 def param_counts(path: str, tp: int) -> dict[str, int]:
     """Full parameter count, and per TP rank: everything, and the decoder blocks alone (for FSDP's schedule)."""
     from shardlm.estimate import tp_local_elements
-    from shardlm.parallelize import build_meta_model, decoder_blocks
-    from shardlm.plan import infer_plan
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.build import build_meta_model, decoder_blocks
 
     model = build_meta_model(path)
     styles = infer_plan(model, tp).styles
@@ -417,9 +417,9 @@ def analytic_comm_bytes(layout: dict, counts: dict[str, int]) -> int:
 
 
 def mfu(tokens_per_s: float, params: int, world: int) -> float | None:
-    """Model FLOPs utilization on CUDA (fp32 peak, as this benchmark runs fp32), from ``shardlm.metrics``."""
-    from shardlm.metrics import mfu as model_flops_utilization
-    from shardlm.metrics import peak_tflops
+    """Model FLOPs utilization on CUDA (fp32 peak, as this benchmark runs fp32), from ``shardlm.train.metrics``."""
+    from shardlm.train.metrics import mfu as model_flops_utilization
+    from shardlm.train.metrics import peak_tflops
 
     peak = peak_tflops(_device(), bf16=False) if torch.cuda.is_available() else None
     return None if peak is None else model_flops_utilization(params, tokens_per_s, world, peak)
@@ -443,7 +443,7 @@ def checkpoint_io(repeats: int = 2) -> dict:
 
 
 def run_layout(path: str, name: str, steps: int, profile: bool) -> dict:
-    from shardlm.launch import RankFailed, spawn
+    from shardlm.distributed.launch import RankFailed, spawn
 
     layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("fsdp", 1)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from shardlm.checkpoint import load_dcp
+from shardlm.checkpoint.io import load_dcp
 
 
 def tiny_llama_state() -> dict[str, torch.Tensor]:

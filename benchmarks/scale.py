@@ -68,10 +68,10 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     import torch
     import torch.distributed as dist
 
-    from shardlm import Trainer, build_mesh, checkpoint, init_distributed, parallelize
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
     from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, TrainConfig
-    from shardlm.data import TokenDataset
-    from shardlm.trainer import mixed_precision_policy
+    from shardlm.data.dataset import TokenDataset
+    from shardlm.train.trainer import mixed_precision_policy
 
     init_distributed()
     baseline = rss_mb()
@@ -91,7 +91,7 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
         path, mesh, seed=0, mp_policy=mixed_precision_policy(train), lora_config=lora, frozen_dtype=frozen
     )
     gen = torch.Generator().manual_seed(0)  # the same samples on every rank (TP ranks check it)
-    ids = torch.randint(0, model.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq), generator=gen)
+    ids = torch.randint(0, model.module.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq), generator=gen)
     trainer = Trainer(model, cfg, TokenDataset(ids, ids.clone()), mesh)
     times = []
     for _ in range(steps):
@@ -101,15 +101,15 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     step_peak = peak_mb()
     dist.barrier()
     start = time.perf_counter()
-    step_dir = checkpoint.save_checkpoint(trainer)
+    step_dir = trainer.save_checkpoint()
     save_s = time.perf_counter() - start
     save_peak = peak_mb()
     dist.barrier()
     start = time.perf_counter()
-    checkpoint.load_checkpoint(trainer, step_dir)
+    trainer.load_checkpoint(step_dir)
     load_s = time.perf_counter() - start
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
-    largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    largest = max(p.numel() * p.element_size() for p in model.module.parameters()) / 2**20
     return {
         "baseline_mb": baseline,
         "step_peak_mb": step_peak - baseline,
@@ -122,8 +122,8 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
 
 
 def run(name: str, steps: int) -> dict:
+    from shardlm.distributed.launch import spawn
     from shardlm.estimate import estimate
-    from shardlm.launch import spawn
 
     model, layout, batch, seq, bf16, extra = CONFIGS[name]
     path = model_dir(model)

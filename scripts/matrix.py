@@ -90,8 +90,8 @@ def survey(model_type: str, root: str) -> dict:
     from tiny import tiny_config
 
     from shardlm.errors import ConfigError
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import infer_plan
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.build import build_meta_model
 
     row = {"type": model_type}
     path = os.path.join(root, model_type.replace("/", "_"), "model")
@@ -322,7 +322,7 @@ def main() -> None:
         write_docs(saved["rows"], saved["meta"]["seconds"], REPO / "docs")
         return
     if args.rank_chunk:
-        from shardlm.launch import spawn
+        from shardlm.distributed.launch import spawn
 
         a = json.loads(args.rank_chunk)
         world = a["layout"].get("tp", 1) * a["layout"].get("fsdp", 1)

@@ -44,8 +44,8 @@ def sweep(model_type: str, root: str) -> dict | None:
     from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from shardlm import published
-    from shardlm.parallelize import _base_state, _retie, _shared_parameters, build_meta_model
+    from shardlm.parallel import published
+    from shardlm.parallel.build import _base_state, _retie, _shared_parameters, build_meta_model
 
     row: dict = {"type": model_type}
     try:
@@ -75,7 +75,7 @@ def sweep(model_type: str, root: str) -> dict | None:
         for name in os.listdir(path):
             if name.endswith(".safetensors"):
                 files.update(load_file(os.path.join(path, name)))
-        layout = published.check(path)
+        layout = published.check(path, build_meta_model(path))
         row["read"] = published.describe(layout)
         row["rules_used"] = len(layout.used)
         fresh = build_meta_model(path)
@@ -83,7 +83,7 @@ def sweep(model_type: str, root: str) -> dict | None:
         fresh.to_empty(device="cpu")
         _retie(shared)  # as parallelize does: tied weights stay one tensor
         state = _base_state(fresh)
-        published.load(state, path)
+        published.load(state, path, build_meta_model(path))
         saved = model.state_dict()
         bad = [k for k, v in state.items() if not torch.equal(v, saved[k])]
         if bad:
@@ -91,13 +91,13 @@ def sweep(model_type: str, root: str) -> dict | None:
         hf = os.path.join(root, model_type + "-hf")
         os.makedirs(hf)
         shutil.copy(os.path.join(path, "config.json"), hf)
-        published.record_layout(path, hf)
+        published.record_layout(path, hf, build_meta_model(path))
 
         def read(members: dict) -> None:  # what consolidation reads from the checkpoint
             for key, tensor in members.items():
                 tensor.copy_(state[key[len("model.") :]])
 
-        unpack = published.PublishedUnpack(hf, lambda n, t: {n: t}, read)
+        unpack = published.PublishedUnpack(hf, build_meta_model(hf), lambda n, t: {n: t}, read)
         written = {}
         for key, tensor in state.items():
             written.update(unpack(key, tensor))

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from families import VOCAB
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlm.config import Config, ParallelConfig, TrainConfig
-from shardlm.data import GlobalBatchOrder, TokenDataset
-from shardlm.launch import spawn
+from shardlm.data.dataset import GlobalBatchOrder, TokenDataset
+from shardlm.distributed.launch import spawn
 
 SEQ = 16
 
@@ -62,6 +70,17 @@ def train_config(model_path: str, layout: dict, per_device: int, accum: int, ste
     return Config(model=model_path, parallel=ParallelConfig(**layout), train=TrainConfig(**t))
 
 
+def load_checked(path: str | None = None, overrides: list[str] | None = None, raw: dict | None = None) -> Config:
+    """What ``shardlm train`` checks before spawning: the config's values, then the model-aware
+    checks of ``shardlm.preflight``."""
+    from shardlm.config import load_config
+    from shardlm.preflight import check_run
+
+    cfg = load_config(path, overrides, raw)
+    check_run(cfg)
+    return cfg
+
+
 def shardlm_losses(model_paths: list[str], layout: dict, per_device: int, accum: int, steps: int = 5) -> dict:
     """Rank body: train each model with shardlm's API on this rank's layout; (loss, grad_norm) per step."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
@@ -90,14 +109,14 @@ def plain_reference(
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
     parameters that then require grad train. ``dropout``: the model's dropout as shardlm draws it
-    (``shardlm.dropout``, keyed by seed, step and the sample's position in the global batch);
+    (``shardlm.parallel.dropout``, keyed by seed, step and the sample's position in the global batch);
     otherwise torch's own (use it only with dropout 0)."""
     from contextlib import nullcontext
 
     from transformers import get_scheduler
 
-    from shardlm.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
-    from shardlm.parallelize import reference_model
+    from shardlm.parallel.build import reference_model
+    from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
@@ -140,3 +159,137 @@ def assert_parity(got: list, ref: list, loss_rtol: float = 1e-5, norm_rtol: floa
         assert math.isfinite(loss) and math.isfinite(norm), label
         assert abs(loss - rloss) <= loss_rtol * abs(rloss), f"{label} step {step}: loss {loss} vs reference {rloss}"
         assert abs(norm - rnorm) <= norm_rtol * abs(rnorm), f"{label} step {step}: grad_norm {norm} vs {rnorm}"
+
+
+# ---------------------------------------------------------------- shardlm runs (rank bodies)
+
+LAYOUTS = {
+    "tp2": ({"tp": 2}, 4, 1),
+    "fsdp2": ({"fsdp": 2}, 1, 2),
+    "tp2_fsdp2": ({"tp": 2, "fsdp": 2}, 2, 1),
+    "one": ({}, 2, 2),
+}
+STEPS = 10
+
+
+def train(model_path: str, layout: str, output_dir: str, **train_kw) -> list[float]:
+    """One shardlm run on this process's world (any rank); the logged losses."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(model_path, shape, per_device, accum, STEPS, output_dir=output_dir, save_steps=5, **train_kw)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(model_path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+def train_jobs(jobs: list[tuple]) -> list[list[float]]:
+    """Rank body: several runs one after another in one spawn (a spawn costs ~20 s here)."""
+    return [train(*job[:3], **(job[3] if len(job) > 3 else {})) for job in jobs]
+
+
+def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0, dropout: float = 0.0) -> str:
+    """A peft adapter for the seeded base of ``model_path`` with random (non-zero) lora_B, so
+    every gradient path is live from step 1 (``dropout``: its ``lora_dropout``)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from shardlm.parallel.build import reference_model
+
+    base = reference_model(model_path, seed)
+    conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
+    cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv, lora_dropout=dropout)
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------- collectives
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts collective ops reaching the dispatcher (functional and in-place c10d ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first, then count them
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and func.overloadpacket.__name__ not in (
+            "wait_tensor",
+            "_wrap_tensor_autograd",
+        ):
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def model_collectives(model, mesh) -> list[dict]:
+    """Collectives of one micro-batch of ``model``: forward, loss, backward, and the trainer's sum
+    of TP-partial gradients."""
+    from shardlm.parallel.tp import sum_tp_partial_grads
+    from shardlm.train.loss import loss_context, token_loss_sum
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    modes = [CountCollectives() for _ in range(4)]
+    with modes[0]:
+        logits = model.module(input_ids=ids).logits
+    with loss_context(True):
+        with modes[1]:
+            loss = token_loss_sum(logits, ids)
+        with modes[2]:
+            loss.backward()
+    with modes[3]:
+        if model.tp_partial_grads:
+            sum_tp_partial_grads(model.module, model.tp_partial_grads, mesh.tp.get_group())
+    return [dict(m.counts) for m in modes]
+
+
+# ---------------------------------------------------------------- the command line as users run it
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "examples" / "tiny-llama"
+
+
+def write_cli_model(path: Path) -> Path:
+    """A tiny random Llama (vocab 512 = the shipped tokenizer's) with that tokenizer beside it."""
+    write_model_dir(str(path), "llama", vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, path / name)
+    return path
+
+
+def start_cli(config: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardlm.cli", "train", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=config.parent,
+        start_new_session=True,  # its own process group, so a timeout can stop spawned ranks too
+    )
+
+
+def finish_cli(procs: dict, timeout: float) -> dict:
+    """``{key: (returncode, stdout, stderr)}`` of started commands; any still running on the way out is killed."""
+    try:
+        results = {}
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results[key] = (proc.returncode, stdout, stderr)
+        return results
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()

@@ -7,14 +7,10 @@ Communication is counted at the dispatcher (every c10d op, as DTensor's CommDebu
 without its module hooks, which break on in-place adds) and must be the Megatron minimum.
 """
 
-from collections import Counter
-
 import pytest
 import torch
 from families import write_family_dir
-from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses, train
 
 # Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q_norm/k_norm), Gemma (tied, scaled embeddings),
 # Granite (multipliers), Phi-3 (packed qkv and gate_up), GPT-2 (Conv1D, packed c_attn, learned
@@ -45,26 +41,6 @@ TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv head
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon"]
 
 
-class CountCollectives(TorchDispatchMode):
-    """Counts collective ops reaching the dispatcher (functional and in-place c10d ops)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **(kwargs or {}))
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor desugar into collectives first, then count them
-        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and func.overloadpacket.__name__ not in (
-            "wait_tensor",
-            "_wrap_tensor_autograd",
-        ):
-            self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -84,31 +60,11 @@ def count_collectives(paths: list[str], tp: int = 2) -> dict:
     return {path: model_collectives(parallelize(path, mesh), mesh) for path in paths}
 
 
-def model_collectives(model, mesh) -> list[dict]:
-    """Collectives of one micro-batch of ``model``: forward, loss, backward, and the trainer's sum
-    of TP-partial gradients."""
-    from shardlm.loss import loss_context, token_loss_sum
-    from shardlm.styles import sum_tp_partial_grads
-
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    modes = [CountCollectives() for _ in range(4)]
-    with modes[0]:
-        logits = model(input_ids=ids).logits
-    with loss_context(True):
-        with modes[1]:
-            loss = token_loss_sum(logits, ids)
-        with modes[2]:
-            loss.backward()
-    with modes[3]:
-        if model.shardlm_tp_partial_grads:
-            sum_tp_partial_grads(model, model.shardlm_tp_partial_grads, mesh.tp.get_group())
-    return [dict(m.counts) for m in modes]
-
-
 def tp2_body(paths: list[str], counted: list[str]) -> tuple[dict, dict]:
     return shardlm_losses(paths, {"tp": 2}, 4, 1), count_collectives(counted)
 
 
+@pytest.mark.ranks
 def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs):
     tp2, _ = dirs
     losses, counts = run_ranks(tp2_body, 2, list(tp2.values()), list(tp2.values()))
@@ -130,6 +86,7 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         assert grads == (family in PARTIAL_GRADS), (family, grads)
 
 
+@pytest.mark.ranks
 def test_tp4_matches_one_process(dirs):
     _, tp4 = dirs
     got = run_ranks(shardlm_losses, 4, list(tp4.values()), {"tp": 4}, 4, 1)
@@ -153,13 +110,14 @@ def kv_replicated_body(paths: dict, root: str) -> dict:
 
     init_distributed()
     model, full = run({"tp": 4}, 4, f"{root}/tp4")
-    local = sum(p.to_local().numel() for p in model.parameters())
+    local = sum(p.to_local().numel() for p in model.module.parameters())
     _, resumed = run({"tp": 2, "fsdp": 2}, 2, f"{root}/tp2_fsdp2", resume=f"{root}/tp4/checkpoints/step-3")
     others = shardlm_losses([paths["phi3_gqa"]], {"tp": 4}, 4, 1)
     counts = count_collectives([paths["llama"], paths["qwen3"], paths["phi3_gqa"]], 4)
     return {"full": full, "resumed": resumed, "local": local, "others": others, "counts": counts}
 
 
+@pytest.mark.ranks
 def test_fewer_kv_heads_than_tp_are_replicated_and_resume_and_consolidate(dirs, tmp_path, capsys):
     """tp=4 with 2 kv heads: parity with one process (Qwen3 with its k_norm, Phi-3 GQA with packed
     unequal parts; Llama measured alike, 2.3e-7, left out for time), the same collectives as tp=2
@@ -199,23 +157,19 @@ def test_fewer_kv_heads_than_tp_are_replicated_and_resume_and_consolidate(dirs, 
     finally:
         dist.destroy_process_group()
     consolidated = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
-    assert consolidated.keys() == dict(reference.named_parameters()).keys()
-    for key, param in reference.named_parameters():
+    assert consolidated.keys() == dict(reference.module.named_parameters()).keys()
+    for key, param in reference.module.named_parameters():
         torch.testing.assert_close(consolidated[key], param.detach(), rtol=1e-5, atol=2e-6, msg=key)
 
 
 def save_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
     """Rank body (2 ranks): 10 uninterrupted tp=2 steps of GPT-2 and Phi-3, saving at 5 and 10."""
-    from test_checkpoint import train
-
     return tuple(train(paths[f], "tp2", f"{root}/{f}") for f in ("gpt2", "phi3"))
 
 
 def tp2_fsdp2_body(paths: list[str], packed: dict, root: str) -> tuple[dict, tuple]:
     """Rank body (4 ranks): parity runs at tp=2 x fsdp=2, then GPT-2 and Phi-3 saved at tp=2
     (step 5, by ``save_packed``) resumed at tp=2 x fsdp=2 (one spawn: a 4-rank start costs ~10 s)."""
-    from test_checkpoint import train
-
     losses = shardlm_losses(paths, {"tp": 2, "fsdp": 2}, 2, 1)
     resumed = tuple(
         train(packed[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
@@ -224,6 +178,7 @@ def tp2_fsdp2_body(paths: list[str], packed: dict, root: str) -> tuple[dict, tup
     return losses, resumed
 
 
+@pytest.mark.ranks
 def test_tp2_fsdp2_parity_and_packed_checkpoints_resume_there_and_consolidate(dirs, tmp_path, capsys):
     """tp=2 x fsdp=2 matches one process (packed projections included). Strided (packed)
     parameters are written whole; a tp=2 save resumes at tp=2 x fsdp=2 and consolidates to HF
@@ -253,8 +208,8 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
     import json
 
     from shardlm.cli import main
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import infer_plan
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.build import build_meta_model
 
     tp2, _ = dirs
     assert main(["plan", tp2["qwen3"], "--tp", "2", "--json"]) == 0

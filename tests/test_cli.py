@@ -9,28 +9,16 @@ one process: the parity check through the real command line.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_model_dir
+from helpers import finish_cli, start_cli, write_cli_model
+
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "examples" / "tiny-llama"
 CORPUS = REPO / "examples" / "data" / "corpus.txt"
 METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "step_time_s", "peak_memory_mb"}
-
-
-def _write_model(path: Path) -> Path:
-    """A tiny random Llama (vocab 512 = the shipped tokenizer's) with that tokenizer beside it."""
-    write_model_dir(str(path), "llama", vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, path / name)
-    return path
 
 
 def _write_config(path: Path, model: Path, data: Path, output_dir: Path) -> Path:
@@ -43,38 +31,10 @@ def _write_config(path: Path, model: Path, data: Path, output_dir: Path) -> Path
     return path
 
 
-def _start(config: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "shardlm.cli", "train", str(config), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=config.parent,
-        start_new_session=True,  # its own process group, so a timeout can stop spawned ranks too
-    )
-
-
-def _finish(procs: dict, timeout: float) -> dict:
-    """``{key: (returncode, stdout, stderr)}`` of started commands; any still running on the way out is killed."""
-    try:
-        results = {}
-        for key, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=timeout)
-            results[key] = (proc.returncode, stdout, stderr)
-        return results
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cli")
-    model = _write_model(root / "model")
+    model = write_cli_model(root / "model")
     data = root / "data.txt"
     data.write_text("the cat sat on the mat\n\nthe dog ran in the park and the sun was warm\n" * 20)
     bad_yaml = root / "bad.yaml"
@@ -125,8 +85,8 @@ def bad_runs(workspace) -> dict:
     procs = {}
     for name in AS_SUBPROCESS:
         config, args = _bad_config(workspace, name)
-        procs[name] = _start(config, *args)
-    return _finish(procs, timeout=300)  # generous: each takes seconds, but the machine may be shared
+        procs[name] = start_cli(config, *args)
+    return finish_cli(procs, timeout=300)  # generous: each takes seconds, but the machine may be shared
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUT))
@@ -155,15 +115,15 @@ def _metrics(output_dir: Path) -> list[dict]:
 
 
 def test_train_tp2_matches_one_process_through_the_cli(tmp_path):
-    model = _write_model(tmp_path / "model")
+    model = write_cli_model(tmp_path / "model")
     outs = {tp: tmp_path / f"out-tp{tp}" for tp in (1, 2)}
     # both at once: the tp=1 process and the two tp=2 ranks share the cores
     procs = {
-        tp: _start(_write_config(tmp_path / f"tp{tp}.yaml", model, CORPUS, out), f"parallel.tp={tp}")
+        tp: start_cli(_write_config(tmp_path / f"tp{tp}.yaml", model, CORPUS, out), f"parallel.tp={tp}")
         for tp, out in outs.items()
     }
     metrics = {}
-    for tp, (code, _, stderr) in _finish(procs, timeout=500).items():
+    for tp, (code, _, stderr) in finish_cli(procs, timeout=500).items():
         assert code == 0, stderr[-3000:]
         metrics[tp] = _metrics(outs[tp])
         assert (outs[tp] / "logs" / "rank0.log").exists()

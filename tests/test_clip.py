@@ -6,8 +6,11 @@ return the norm ``torch.nn.utils.clip_grad_norm_`` computes on plain full copies
 every gradient by the same factor; with ``max_norm <= 0`` it only measures.
 """
 
+import pytest
 import torch
 from helpers import run_ranks
+
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
 
 # name -> (full shape, mesh "2d" | "tp" | None for a plain tensor, placements)
 GRADS = {
@@ -59,9 +62,9 @@ def _as_full(t: torch.Tensor) -> torch.Tensor:
 
 def _clip_checks() -> dict:
     """Rank body (world 4 = fsdp 2 x tp 2): every case against torch on plain full copies."""
-    from shardlm.clip import clip_grad_norm_
     from shardlm.config import ParallelConfig
-    from shardlm.mesh import build_mesh, init_distributed
+    from shardlm.distributed.clip import clip_grad_norm_
+    from shardlm.distributed.mesh import build_mesh, init_distributed
 
     init_distributed()
     mesh = build_mesh(ParallelConfig(dp_replicate=1, fsdp=2, tp=2))
@@ -110,7 +113,7 @@ def test_clip_over_mixed_placements_matches_torch_on_full_tensors():
 
 def test_clip_one_process_plain_tensors():
     """Without a process group, plain tensors: exactly torch's clipping."""
-    from shardlm.clip import clip_grad_norm_
+    from shardlm.distributed.clip import clip_grad_norm_
 
     full = _full_grads(seed=3)
     ours = [torch.nn.Parameter(torch.zeros_like(t)) for t in full.values()]

@@ -77,7 +77,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
             else (not kept)
         ), (name, kept)
     # anything the trace does not expect becomes one line naming the running module
-    import shardlm.plan as plan
+    import shardlm.parallel.autotp as plan
 
     def boom(meta, *shape):
         meta.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: 1 / 0)
@@ -97,6 +97,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
 
 
+@pytest.mark.ranks
 def test_published_configs_train_at_tp2_like_one_process(dirs):
     paths = [dirs[name] for name in TRAINED]
     got = run_ranks(shardlm_losses, 2, paths, {"tp": 2}, 4, 1, 3)

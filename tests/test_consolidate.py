@@ -3,7 +3,7 @@ loads cleanly, equal to one-process training, verified bit for bit; bad input wr
 
 References: the same 10 steps trained in one process (shardlm's one-process path, itself checked
 against plain transformers by the parity suite), and the fp32 consolidation cast to bf16. The
-tp=2 checkpoints come from the spawn shared with test_checkpoint.py (``shared_runs``).
+tp=2 checkpoints come from the spawn shared with test_checkpoint.py (``tp2_runs`` in conftest.py).
 """
 
 import json
@@ -13,32 +13,35 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import VOCAB, token_dataset, train_config
-from test_checkpoint import STEPS, shared_runs
+from helpers import STEPS, VOCAB, token_dataset, train_config
 
 from shardlm import Trainer, build_mesh, init_distributed, parallelize
-from shardlm import checkpoint as ckpt
-from shardlm import consolidate as cons
+from shardlm.checkpoint import export as cons
+from shardlm.checkpoint import layout as ckpt_layout
 from shardlm.cli import main
 
-MODELS = {"llama_gqa": ("model", "a"), "llama_tied": ("tied", "t")}  # name -> (model key, run dir) in shared_runs
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
+
+MODELS = {"llama_gqa": ("model", "a"), "llama_tied": ("tied", "t")}  # name -> (model key, run dir) in tp2_runs
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tp2_runs):
     """tp=2 checkpoints after 10 steps (the spawn shared with test_checkpoint.py) and the same
     10 steps trained in this process, per model."""
-    runs = shared_runs(tmp_path_factory)
+    runs = tp2_runs
     root = runs["root"]
     init_distributed()
     reference = {}
-    for name, (key, _) in MODELS.items():
-        cfg = train_config(runs[key], {}, 2, 2, STEPS, output_dir=str(root / f"ref-{name}"))
-        mesh = build_mesh(cfg.parallel)
-        model = parallelize(runs[key], mesh)
-        Trainer(model, cfg, token_dataset(), mesh).train()
-        reference[name] = model.eval()
-    dist.destroy_process_group()
+    try:
+        for name, (key, _) in MODELS.items():
+            cfg = train_config(runs[key], {}, 2, 2, STEPS, output_dir=str(root / f"ref-{name}"))
+            mesh = build_mesh(cfg.parallel)
+            model = parallelize(runs[key], mesh)
+            Trainer(model, cfg, token_dataset(), mesh).train()
+            reference[name] = model.module.eval()
+    finally:
+        dist.destroy_process_group()
     return {"root": root, "ref": reference, "out": {name: str(root / run) for name, (_, run) in MODELS.items()}}
 
 
@@ -138,7 +141,7 @@ def test_bad_checkpoints_are_refused(trained, tmp_path, capsys):
     message = refused(step, out)
     assert message.startswith("error: checkpoint") and f"shard file '{shard}' is truncated (100 of" in message
     assert len(message.splitlines()) == 1
-    os.remove(os.path.join(step, ckpt.MARKER))
+    os.remove(os.path.join(step, ckpt_layout.MARKER))
     assert "the save did not finish" in refused(step, out)
     os.rename(step, step + ".tmp-1234")
     assert "is an unfinished save" in refused(step + ".tmp-1234", out)

@@ -1,7 +1,7 @@
 """The data pipeline against token streams computed here, row by row, with the shipped tokenizer.
 
 Every expected sample is rebuilt from ``tokenizer(text, add_special_tokens=False)`` and plain
-list arithmetic, never from ``shardlm.data`` itself.
+list arithmetic, never from ``shardlm.data.dataset`` itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardlm.config import DataConfig
-from shardlm.data import GlobalBatchOrder, build_dataset
+from shardlm.data.dataset import GlobalBatchOrder, build_dataset
 from shardlm.errors import ConfigError
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama"

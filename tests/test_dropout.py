@@ -1,4 +1,4 @@
-"""Dropout is the same in every layout (``shardlm.dropout``): OPT and GPT-2 with their published
+"""Dropout is the same in every layout (``shardlm.parallel.dropout``): OPT and GPT-2 with their published
 dropout (0.1 everywhere) train at tp=2, fsdp=2 and tp=2 x fsdp=2 exactly like one process drawing
 the same masks (``plain_reference(dropout=True)``: a plain transformers loop under shardlm's
 dropout mode, keyed by the sample's position in the global batch), TP-replicated parameters stay
@@ -10,12 +10,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import assert_parity, plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+from helpers import (
+    assert_parity,
+    load_checked,
+    make_adapter,
+    plain_reference,
+    run_ranks,
+    token_dataset,
+    train_config,
+    write_model_dir,
+)
 from peft import PeftModel
-from test_lora import make_adapter
 from torch.distributed.tensor import DTensor
 
-from shardlm.dropout import DropoutKey, _attention, keep_mask
+from shardlm.parallel.dropout import DropoutKey, _attention, keep_mask
 
 GLOBAL_BATCH = 4
 MODELS = {
@@ -34,6 +42,7 @@ LAYOUTS = {
 # ---------------------------------------------------------------- the mask itself (no processes)
 
 
+@pytest.mark.ranks
 def test_shards_and_dp_ranks_draw_their_part_of_the_one_process_mask():
     full = keep_mask((4, 6, 5, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 2, "cpu", None)
     assert 0.6 < full.float().mean() < 0.8
@@ -110,7 +119,7 @@ def run(
             trainer.train()
         return {"error": str(info.value), "step": trainer.step}
     history = trainer.train()
-    compared, diff = tp_replica_diff(model, mesh) if mesh.parallel.tp > 1 else (0, 0.0)
+    compared, diff = tp_replica_diff(model.module, mesh) if mesh.parallel.tp > 1 else (0, 0.0)
     return {"history": [(h["loss"], h["grad_norm"]) for h in history], "compared": compared, "diff": diff}
 
 
@@ -139,6 +148,7 @@ def check_run(result: dict, ref: list, label: str) -> None:
         assert result["diff"] == 0.0, f"{label}: TP replicas differ by {result['diff']}"
 
 
+@pytest.mark.ranks
 def test_two_ranks_match_one_process_and_resume_exactly(models):
     """tp=2 (TP replicas bit-identical), fsdp=2 and dp_replicate=2 match one process; at tp=2
     activation checkpointing and LoRA dropout match too, a run resumed from step 3 of 6
@@ -170,6 +180,7 @@ def test_two_ranks_match_one_process_and_resume_exactly(models):
     assert "tensor-parallel ranks [0, 1] hold different values of replicated parameter" in results[9]["error"]
 
 
+@pytest.mark.ranks
 def test_tp2_fsdp2_matches_one_process(models):
     _, paths, refs, _ = models
     jobs = [(paths[name], "tp2_fsdp2") for name in MODELS]
@@ -178,12 +189,12 @@ def test_tp2_fsdp2_matches_one_process(models):
 
 
 def test_layerdrop_is_refused_on_more_than_one_process(tmp_path):
-    from shardlm import ConfigError, load_config
+    from shardlm import ConfigError
 
     model = write_model_dir(str(tmp_path / "opt"), "opt", layerdrop=0.1)
     (tmp_path / "data.txt").write_text("hello world\n")
     raw = {"model": model, "data": {"path": str(tmp_path / "data.txt")}}
     with pytest.raises(ConfigError, match=r"model: layerdrop=0.1 skips layers by each rank's own random draw") as info:
-        load_config(raw={**raw, "parallel": {"fsdp": 2}})
+        load_checked(raw={**raw, "parallel": {"fsdp": 2}})
     assert "\n" not in str(info.value)
-    assert load_config(raw=raw).parallel.world_size == 1
+    assert load_checked(raw=raw).parallel.world_size == 1

@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_cli import _finish, _start, _write_model
+import pytest
+from helpers import finish_cli, start_cli, write_cli_model
+
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
 
 
 def _free_port() -> int:
@@ -57,10 +60,10 @@ def _config(path: Path, model: Path, data: Path, out: Path, extra: str = "") -> 
 
 def test_two_nodes_on_localhost_match_one_process(tmp_path):
     """torchrun --nnodes 2 --node_rank {0,1} with c10d rendezvous, tp=2 x fsdp=2, against one process."""
-    model = _write_model(tmp_path / "model")
+    model = write_cli_model(tmp_path / "model")
     corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
     cfg = _config(tmp_path / "cfg.yaml", model, corpus, tmp_path / "multi")
-    one = _start(cfg, f"train.output_dir={tmp_path / 'one'}", "train.per_device_train_batch_size=4")
+    one = start_cli(cfg, f"train.output_dir={tmp_path / 'one'}", "train.per_device_train_batch_size=4")
     port = _free_port()
     nodes = {}
     for node in (0, 1):
@@ -95,7 +98,7 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path):
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             start_new_session=True,
         )
-    results = _finish({"one": one, **nodes}, timeout=400)
+    results = finish_cli({"one": one, **nodes}, timeout=400)
     for key, (rc, _, err) in results.items():
         assert rc == 0, (key, err[-2000:])
     multi, single = _losses(tmp_path / "multi"), _losses(tmp_path / "one")
@@ -106,11 +109,11 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path):
 
 def test_overfit_small_instruction_set_at_tp2(tmp_path):
     """The seeds' end-to-end check: loss below 20% of its start within 60 steps at tp=2."""
-    model = _write_model(tmp_path / "model")
+    model = write_cli_model(tmp_path / "model")
     data = _instruction_data(tmp_path / "sft.jsonl")
     extra = "  packing: false\n  prompt_field: prompt\n  response_field: response\n"
     cfg = _config(tmp_path / "cfg.yaml", model, data, tmp_path / "out", extra)
-    proc = _start(
+    proc = start_cli(
         cfg,
         "parallel.tp=2",
         "train.max_steps=60",
@@ -118,7 +121,7 @@ def test_overfit_small_instruction_set_at_tp2(tmp_path):
         "train.warmup_steps=5",
         "train.per_device_train_batch_size=8",
     )
-    ((rc, _, err),) = _finish({"run": proc}, timeout=400).values()
+    ((rc, _, err),) = finish_cli({"run": proc}, timeout=400).values()
     assert rc == 0, err[-2000:]
     losses = _losses(tmp_path / "out")
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])

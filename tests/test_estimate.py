@@ -43,7 +43,7 @@ def held_state_bytes(path: str, layouts: list[dict]) -> list[dict[str, float]]:
         trainer = Trainer(model, cfg, token_dataset(), mesh)
         trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the step's gradients
         trainer.train_step()
-        params = list({id(p): p for p in trainer.model.parameters()}.values())
+        params = list({id(p): p for p in trainer.module.parameters()}.values())
         state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         held = torch.tensor(
             [nbytes(params), nbytes(p.grad for p in params if p.grad is not None), nbytes(state)], dtype=torch.float64
@@ -53,6 +53,7 @@ def held_state_bytes(path: str, layouts: list[dict]) -> list[dict[str, float]]:
     return out
 
 
+@pytest.mark.ranks
 def test_state_bytes_match_two_real_ranks(tmp_path):
     path = write_model_dir(str(tmp_path / "llama"), **MODEL)
     held = run_ranks(held_state_bytes, 2, path, LAYOUTS)

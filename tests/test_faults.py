@@ -22,8 +22,8 @@ import torch.distributed.distributed_c10d as c10d
 from helpers import run_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm import ConfigError, ParallelConfig, Trainer, build_mesh, init_distributed, load_config, parallelize
-from shardlm.faults import NonFiniteError
-from shardlm.launch import RankFailed, root_failure
+from shardlm.distributed.launch import RankFailed, root_failure
+from shardlm.train.faults import NonFiniteError
 
 STEPS, SAVE = 6, 2
 KILL_AT = 5  # rank 1 dies in the forward of step 5: the last complete checkpoint is step-4
@@ -122,11 +122,11 @@ def skip_run(model: str, output_dir: str) -> dict:
     records, snapshots = [], []
     for _ in range(3):
         records.append(t.train_step())
-        snapshots.append(weights(t.model))
+        snapshots.append(weights(t.module))
     unpatch()
     same = all(torch.equal(snapshots[0][n], snapshots[1][n]) for n in snapshots[0])
     moved = any(not torch.equal(snapshots[1][n], snapshots[2][n]) for n in snapshots[0])
-    grads = [p.grad for p in t.model.parameters()]
+    grads = [p.grad for p in t.module.parameters()]
     return {"records": records, "unchanged": same, "moved_after": moved, "grads_none": all(g is None for g in grads)}
 
 
@@ -201,6 +201,7 @@ def assert_close(got: list[float], ref: list[float], rtol: float = 1e-6) -> None
         assert abs(a - b) <= rtol * abs(b), (got, ref)
 
 
+@pytest.mark.ranks
 def test_killed_rank_fails_the_job_naming_it(runs):
     assert runs["error"].startswith("rank 1 failed: killed by signal SIGKILL"), runs["error"]
     assert runs["elapsed"] < 120
@@ -210,11 +211,13 @@ def test_killed_rank_fails_the_job_naming_it(runs):
     assert steps == ["step-2", "step-4", "step-6"], steps  # step-6 by the resumed run; nothing half-written
 
 
+@pytest.mark.ranks
 def test_resume_after_kill_continues_from_the_last_checkpoint(runs):
     # resumed in one process (tp=2 -> 1): same losses within test_checkpoint.py's cross-layout 1e-5
     assert_close(runs["after_kill"], runs["reference"][KILL_AT - 1 :], rtol=1e-5)
 
 
+@pytest.mark.ranks
 def test_collective_timeout(runs):
     result = runs["timeout"]
     assert result["timeouts"] == [TIMEOUT_S] and result["groups"] >= 4  # default, new_group, DeviceMesh's
@@ -222,6 +225,7 @@ def test_collective_timeout(runs):
     assert TIMEOUT_S * 0.9 <= result["elapsed"] < TIMEOUT_S + 15, result["elapsed"]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("target", ["worker", "launcher"])
 def test_sigterm_saves_at_an_agreed_step(runs, target):
     run = runs[target]
@@ -231,11 +235,13 @@ def test_sigterm_saves_at_an_agreed_step(runs, target):
     assert_close(run["first"], runs["reference"][:stop])
 
 
+@pytest.mark.ranks
 def test_sigterm_to_a_worker_stops_at_that_step_and_resumes_exactly(runs):
     assert runs["worker"]["stopped_at"] == 3
     assert_close(runs["worker"]["resumed"], runs["reference"][3:])
 
 
+@pytest.mark.ranks
 def test_nonfinite_step_is_skipped(runs):
     skip = runs["skip"]
     first, bad, after = skip["records"]
@@ -245,6 +251,7 @@ def test_nonfinite_step_is_skipped(runs):
     assert after["loss"] == after["loss"]
 
 
+@pytest.mark.ranks
 def test_nonfinite_steps_in_a_row_abort(runs):
     assert runs["abort"].startswith("step 4: 3 steps in a row had a non-finite loss"), runs["abort"]
     assert "the weights are those of step 1" in runs["abort"]

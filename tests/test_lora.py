@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from helpers import plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+from helpers import load_checked, make_adapter, plain_reference, run_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm.config import LoraConfig
 
@@ -26,27 +26,6 @@ MODELS = {
 FSDP_MODELS = ("llama", "phi3", "gpt2")
 TARGETS_OF = {"gpt2": "c_attn", "qwen3": "q_proj", "llama": "q_proj"}
 GLOBAL_BATCH = 4
-
-
-def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0, dropout: float = 0.0) -> str:
-    """A peft adapter for the seeded base of ``model_path`` with random (non-zero) lora_B, so
-    every gradient path is live from step 1 (``dropout``: its ``lora_dropout``)."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    from shardlm.parallelize import reference_model
-
-    base = reference_model(model_path, seed)
-    conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
-    cfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=conv, lora_dropout=dropout)
-    model = get_peft_model(base, cfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    model.save_pretrained(out)
-    return out
 
 
 def peft_reference(model_path: str, adapter: str, steps: int = 5) -> tuple[list, dict]:
@@ -81,7 +60,7 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
         trainer = Trainer(model, cfg, token_dataset(), mesh)
         history = trainer.train()
         same = True
-        for p in model.parameters():
+        for p in model.module.parameters():
             if p.requires_grad and mesh.parallel.tp > 1:
                 local = p.to_local() if hasattr(p, "to_local") else p
                 copies = [torch.empty_like(local) for _ in range(mesh.parallel.tp)]
@@ -116,6 +95,7 @@ def lora_models(tmp_path_factory):
     [({"tp": 2}, GLOBAL_BATCH), ({"tp": 2, "fsdp": 2}, GLOBAL_BATCH // 2)],
     ids=["tp2", "tp2xfsdp2"],
 )
+@pytest.mark.ranks
 def test_lora_matches_one_process_peft(lora_models, layout, per_device):
     from helpers import assert_parity
 
@@ -132,7 +112,7 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
             # (lora_B of packed qkv/gate_up in HF row order, nothing averaged)
             from safetensors.torch import load_file
 
-            from shardlm.consolidate import consolidate
+            from shardlm.checkpoint.export import consolidate
 
             out = os.path.join(path, "adapter-out")
             consolidate(os.path.join(path, "out"), out)
@@ -176,10 +156,11 @@ def lora_resume_rank(model_path: str, root: str) -> tuple:
         model = parallelize(model_path, mesh, seed=0, lora_config=cfg.lora, frozen_dtype=frozen)
         losses.append([h["loss"] for h in Trainer(model, cfg, token_dataset(), mesh).train()])
         if bf16:  # (trains, a modules_to_save original, dtype)
-            dtypes = {(p.requires_grad, ".original_module." in n, p.dtype) for n, p in model.named_parameters()}
+            dtypes = {(p.requires_grad, ".original_module." in n, p.dtype) for n, p in model.module.named_parameters()}
     return losses[0], losses[1], losses[2], dtypes, losses[3]
 
 
+@pytest.mark.ranks
 def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
     import warnings
 
@@ -188,9 +169,9 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from shardlm.checkpoint import read_metadata
-    from shardlm.consolidate import consolidate
-    from shardlm.parallelize import reference_model
+    from shardlm.checkpoint.export import consolidate
+    from shardlm.checkpoint.manager import read_metadata
+    from shardlm.parallel.build import reference_model
 
     path = write_model_dir(str(tmp_path / "llama"), "llama")
     full, resumed, bf16, dtypes, other_layout = run_ranks(lora_resume_rank, 2, path, str(tmp_path))
@@ -232,22 +213,21 @@ def test_adapter_config_conflicts_are_refused_by_name(tmp_path):
     import json
 
     from shardlm import ConfigError
-    from shardlm.config import load_config
 
     path = write_model_dir(str(tmp_path / "llama"), "llama")
     adapter = make_adapter(path, str(tmp_path / "adapter"), ["q_proj", "v_proj"])
     data = tmp_path / "d.txt"
     data.write_text("a b c\n")
     raw = {"model": path, "data": {"path": str(data)}, "lora": {"adapter": adapter}}
-    load_config(raw=raw)  # the adapter's own settings: fine
+    load_checked(raw=raw)  # the adapter's own settings: fine
     with pytest.raises(ConfigError, match=r"lora.r: 8 differs from the adapter's 4 .* remove lora.r"):
-        load_config(raw=raw, overrides=["lora.r=8"])
+        load_checked(raw=raw, overrides=["lora.r=8"])
     with pytest.raises(ConfigError, match=r"lora.target_modules: .* differs"):
-        load_config(raw=raw, overrides=["lora.target_modules=[q_proj]"])
+        load_checked(raw=raw, overrides=["lora.target_modules=[q_proj]"])
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ConfigError, match="lora.adapter: .* uses use_dora"):
-        load_config(raw=raw)
+        load_checked(raw=raw)
 
 
 @pytest.mark.parametrize(
@@ -262,11 +242,10 @@ def test_adapter_config_conflicts_are_refused_by_name(tmp_path):
 def test_lora_layouts_shardlm_cannot_place_are_refused(tmp_path, family, overrides, message):
     """Refused before spawning, by name, instead of training a copy that drifts across TP ranks."""
     from shardlm import ConfigError
-    from shardlm.config import load_config
 
     path = write_model_dir(str(tmp_path / family), family)
     data = tmp_path / "d.txt"
     data.write_text("a b c\n")
     raw = {"model": path, "data": {"path": str(data)}, "lora": {"target_modules": [TARGETS_OF[family]]}}
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(raw=raw, overrides=overrides)
+        load_checked(raw=raw, overrides=overrides)

@@ -6,11 +6,14 @@ positions must get exactly zero gradient, and a micro-batch with no real label m
 exactly 0 (never NaN) to the loss and to the gradients.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_ranks
 
-from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
+from shardlm.data.rows import IGNORE_INDEX
+from shardlm.distributed.shards import as_local
+from shardlm.train.loss import loss_context, token_loss_sum
 
 BATCH, SEQ, VOCAB = 3, 8, 64
 
@@ -48,7 +51,7 @@ def _sharded_loss_and_grad(full: torch.Tensor, labels: torch.Tensor, tp_mesh) ->
 def _sharded_checks() -> dict:
     """Rank body (tp=2): sharded loss/grad vs the full-tensor reference, and an all-ignored batch."""
     from shardlm.config import ParallelConfig
-    from shardlm.mesh import build_mesh, init_distributed
+    from shardlm.distributed.mesh import build_mesh, init_distributed
 
     init_distributed()
     mesh = build_mesh(ParallelConfig(tp=2))
@@ -69,6 +72,7 @@ def _sharded_checks() -> dict:
     }
 
 
+@pytest.mark.ranks
 def test_vocab_sharded_loss_matches_full_cross_entropy():
     got = run_ranks(_sharded_checks, 2)
     assert abs(got["loss"] - got["ref_loss"]) <= 1e-6 * abs(got["ref_loss"]), got

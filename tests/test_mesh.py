@@ -9,6 +9,8 @@ A layout whose product is not the process count is refused with one line naming 
 import pytest
 from helpers import run_ranks
 
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
+
 # (dp_replicate, fsdp, tp): HSDP x TP, FSDP x TP, pure FSDP, pure HSDP
 LAYOUTS = [(2, 1, 2), (1, 2, 2), (1, 4, 1), (2, 2, 1)]
 WRONG = [(2, 2, 2), (1, 1, 3), (1, 1, 1)]
@@ -19,7 +21,7 @@ def _describe(layout: tuple[int, int, int]) -> dict:
     import torch.distributed as dist
 
     from shardlm.config import ParallelConfig
-    from shardlm.mesh import build_mesh
+    from shardlm.distributed.mesh import build_mesh
 
     dp_replicate, fsdp, tp = layout
     mesh = build_mesh(ParallelConfig(dp_replicate=dp_replicate, fsdp=fsdp, tp=tp))
@@ -43,13 +45,13 @@ def _describe(layout: tuple[int, int, int]) -> dict:
 
 def _mesh_checks() -> dict:
     """Rank body (world 4): every layout, then the refused ones."""
+    from shardlm.distributed.mesh import init_distributed
     from shardlm.errors import ConfigError
-    from shardlm.mesh import init_distributed
 
     init_distributed()
     out = {"layouts": {layout: _describe(layout) for layout in LAYOUTS}, "errors": {}}
     from shardlm.config import ParallelConfig
-    from shardlm.mesh import build_mesh
+    from shardlm.distributed.mesh import build_mesh
 
     for dp_replicate, fsdp, tp in WRONG:
         try:

@@ -8,6 +8,8 @@ weight decay, warmup + cosine, padded and wholly-ignored samples.
 import pytest
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
 
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
+
 GLOBAL_BATCH = 4
 # name -> (family, config overrides): GQA with kv heads == tp, MHA with tied embeddings, q/k/v bias
 MODELS = {

@@ -31,9 +31,15 @@ import torch
 from families import VOCAB, family_config
 from helpers import run_ranks, token_dataset, train_config
 
-from shardlm import published
+from shardlm.checkpoint.output import CHECK_MESSAGE
 from shardlm.cli import main
-from shardlm.consolidate import CHECK_MESSAGE
+from shardlm.parallel import published
+from shardlm.parallel.build import build_meta_model
+
+
+def check(path: str) -> published.Layout:
+    return published.check(path, build_meta_model(path))
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,10 +159,10 @@ def test_names_map_through_transformers_rules(models):
         disk, memory = ON_DISK[name]
         assert disk in published._header(path) and memory not in published._header(path), name
         with registered(name):
-            layout = published.check(path)  # covers the model with its shapes
+            layout = check(path)  # covers the model with its shapes
         assert memory in layout.by_key and not layout.unexpected, name
         assert layout.used, name
-    kinds = published.describe(published.check(models["mixtral"]))
+    kinds = published.describe(check(models["mixtral"]))
     assert kinds == {"rename": 17, "boxes": 4}  # 2 layers x (gate_up_proj, down_proj) from 24 per-expert tensors
 
 
@@ -312,6 +318,7 @@ def runs(models, tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.ranks  # starts processes or a process group
 def test_each_rank_reads_only_its_rows(models, runs):
     """Rank 0 reads of every file tensor just the part its own pieces hold: half of each at tp=2
     (a quarter of the split ones at tp=2 x fsdp=2 where FSDP splits them again), never a whole
@@ -335,6 +342,7 @@ def test_each_rank_reads_only_its_rows(models, runs):
     assert held and all(fsdp2[k] == sizes["mixtral"][k] for k in held) and len(held) == 12, held
 
 
+@pytest.mark.ranks  # starts processes
 @pytest.mark.parametrize("world", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(_configs()))
 def test_round_trip_gives_back_the_published_files(models, runs, world, name, tmp_path, capsys):
@@ -353,14 +361,15 @@ def test_round_trip_gives_back_the_published_files(models, runs, world, name, tm
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
 
 
+@pytest.mark.ranks  # starts processes or a process group
 def test_lora_merge_writes_the_published_layout(models, tmp_path):
     """``consolidate --merge`` of a LoRA run on a published GPT-NeoX: the merged model is saved by
     ``save_pretrained`` (Pythia's ``embed_out.weight``) and verified under those names. One process."""
     import torch.distributed as dist
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.checkpoint.export import consolidate
     from shardlm.config import LoraConfig
-    from shardlm.consolidate import consolidate
 
     path = models["gpt_neox"]
     init_distributed()
@@ -386,6 +395,7 @@ def _registered_rule(kind: str) -> list:
     return [WeightConverter("mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])]
 
 
+@pytest.mark.ranks  # starts processes or a process group
 @pytest.mark.parametrize("kind,read", [("interleave", {"rename": 19, "whole": 2})])
 def test_registered_rules_load_and_consolidate(kind, read, tmp_path, capsys):
     """A rule kind no causal LM of transformers 5.24 has and that has no box geometry, registered
@@ -406,7 +416,7 @@ def test_registered_rules_load_and_consolidate(kind, read, tmp_path, capsys):
         model.save_pretrained(path)
         original = _files(path)
         assert ("model.layers.0.mlp.gate_up.weight" in original) == (kind == "chunk")
-        assert published.describe(published.check(path)) == read
+        assert published.describe(check(path)) == read
         init_distributed()
         try:
             cfg = train_config(path, {}, 2, 1, 1, output_dir=str(tmp_path / "out"), learning_rate=0.0, save_steps=1)

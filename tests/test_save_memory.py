@@ -11,6 +11,7 @@ local pieces (a packed ``c_attn`` is read as its parts' rows, no longer whole on
 import os
 import resource
 
+import pytest
 import torch
 import torch.distributed as dist
 from families import family_config
@@ -19,8 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlm import Trainer, build_mesh, init_distributed, parallelize
-from shardlm import checkpoint as ckpt
-from shardlm.shards import local_piece
+from shardlm.distributed.shards import local_piece
+
+pytestmark = pytest.mark.ranks  # every test here starts processes or a process group
 
 # Big enough that gathering the sharded tensors at once dwarfs one tensor: the embedding and the
 # untied LM head are 8192 x 256 (8 MiB each); q/k/v/gate/up are FSDP-over-TP strided shards.
@@ -61,18 +63,18 @@ def body(llama: str, gpt2: str, out: str) -> dict:
         trainer.train()
         step_peak = peak_rss_mb()
         with ReceivedBytes() as saved:
-            step_dir = ckpt.save_checkpoint(trainer)
+            step_dir = trainer.save_checkpoint()
         save_peak = peak_rss_mb()
         with ReceivedBytes() as resumed:
-            ckpt.load_checkpoint(trainer, step_dir)
-        largest = max(p.numel() * p.element_size() for p in model.parameters())
+            trainer.load_checkpoint(step_dir)
+        largest = max(p.numel() * p.element_size() for p in model.module.parameters())
         pieces_match = True
         if name == "gpt2":  # loaded from HF safetensors: every local piece equals the file's rows
             from safetensors.torch import load_file
 
             weights = load_file(os.path.join(path, "model.safetensors"))
             fresh = parallelize(path, mesh)
-            for key, param in fresh.state_dict().items():
+            for key, param in fresh.module.state_dict().items():
                 if isinstance(param, DTensor) and key in weights:
                     pieces_match &= torch.equal(param.to_local(), local_piece(param, weights[key]))
         stats = torch.tensor([save_peak - step_peak, *(sum(m.bytes.values()) for m in (loaded, saved, resumed))])

@@ -12,8 +12,8 @@ import math
 import torch
 from families import family_config
 
-from shardlm.parallelize import build_meta_model, decoder_blocks, reference_model
-from shardlm.seeded_init import UnwrittenInit, seeded_state
+from shardlm.parallel.build import build_meta_model, decoder_blocks, reference_model
+from shardlm.parallel.seeded_init import UnwrittenInit, seeded_state
 
 
 def model_dir(tmp_path, family: str, **overrides) -> str:

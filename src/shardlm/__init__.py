@@ -1,15 +1,15 @@
 """shardlm: train Hugging Face causal LMs with tensor parallelism x FSDP2 on PyTorch's own engine.
 
-Imports are eager on purpose: ``shardlm.parallelize`` is both a submodule and the function it
+Imports are eager on purpose: ``shardlm.parallel.build`` is both a submodule and the function it
 exports, and a lazy (PEP 562) package would hand out the module once any code imported it.
 """
 
 from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, TrainConfig, load_config
+from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
 from shardlm.errors import ConfigError
-from shardlm.mesh import Mesh, build_mesh, init_distributed
-from shardlm.parallelize import parallelize
-from shardlm.plan import infer_tp_plan
-from shardlm.trainer import Trainer, run
+from shardlm.parallel.autotp import infer_tp_plan
+from shardlm.parallel.build import parallelize
+from shardlm.train.trainer import Trainer, run
 
 __all__ = [
     "Config",

@@ -2,6 +2,9 @@
 
 Every check that can fail on bad input runs here, before any process is spawned; a
 ``ConfigError`` becomes one line ``error: ...`` and exit code 2.
+
+Each command imports what it needs inside its function: ``shardlm --help`` and a mistyped
+argument answer at once, without importing torch and transformers (seconds).
 """
 
 from __future__ import annotations
@@ -50,14 +53,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from shardlm.config import load_config
-    from shardlm.faults import NonFiniteError
-    from shardlm.launch import RankFailed, spawn, under_torchrun
-    from shardlm.trainer import run
+    from shardlm.distributed.launch import RankFailed, spawn, under_torchrun
+    from shardlm.preflight import check_run
+    from shardlm.train.faults import NonFiniteError
+    from shardlm.train.trainer import run
 
     cfg = load_config(args.config, args.overrides)
-    from shardlm.checkpoint import precheck_resume
-
-    precheck_resume(cfg)  # a checkpoint that cannot be resumed fails here, not in every rank
+    check_run(cfg)  # the model-aware checks and the resume checkpoint: here, not in every rank
     world = cfg.parallel.world_size
     if under_torchrun():
         have = int(os.environ["WORLD_SIZE"])
@@ -84,8 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import _any_block, check_geometry, describe_plan, infer_plan
+    from shardlm.parallel.autotp import any_block, check_geometry, describe_plan, infer_plan
+    from shardlm.parallel.build import build_meta_model
 
     if args.tp < 2:
         raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
@@ -121,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for fqn, why in plan.replicated.items():
         by_reason.setdefault(why, []).append(fqn)
     for why, fqns in by_reason.items():
-        names = list(dict.fromkeys(_any_block(f) for f in fqns))  # one name for every block
+        names = list(dict.fromkeys(any_block(f) for f in fqns))  # one name for every block
         print(f"kept replicated (exact, not split): {', '.join(names)}: {why}")
     kv, _ = plan.kv_heads
     if kv and kv < args.tp and plan.attention:
@@ -135,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from shardlm.consolidate import VerificationError, consolidate
+    from shardlm.checkpoint.export import VerificationError, consolidate
 
     try:
         consolidate(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.merge)

@@ -2,7 +2,7 @@
 
 Why: the first question about a layout is whether it fits, and the answer should not cost a
 failed launch. Parameter shapes come from the meta model and the same TP plan ``parallelize``
-applies (``plan.infer_plan``), so the model-state numbers are what the ranks really hold:
+applies (``autotp.infer_plan``), so the model-state numbers are what the ranks really hold:
 
 * TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
   input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
@@ -60,9 +60,12 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from shardlm.errors import ConfigError
+from shardlm.parallel.autotp import check_geometry, infer_plan
+from shardlm.parallel.build import build_meta_model, decoder_blocks
+from shardlm.parallel.hf import config_size, is_conv1d
+from shardlm.parallel.styles import lora_dims, sharded_dim
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_TP_SHARDED = ("colwise", "packed_colwise", "rowwise", "embedding", "lm_head", "sharded_norm")
 GIB = 1024**3
 # rows alive during the forward/backward of a step, beside the model state
 STEP_ROWS = ("activations", "logits", "compute_weights", "reduce_scatter")
@@ -104,18 +107,6 @@ class Estimate:
         return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
 
 
-def _tp_dim(module: nn.Module, pname: str, style: str | None) -> int | None:
-    """Dim of parameter ``pname`` that TP shards, or None when it is whole on every TP rank."""
-    if style not in _TP_SHARDED:
-        return None
-    conv1d = type(module).__name__ == "Conv1D"  # weight stored [in, out]
-    if style == "embedding":
-        return 0
-    if style == "rowwise":
-        return None if pname == "bias" else (0 if conv1d else 1)
-    return 1 if conv1d and pname == "weight" else 0  # colwise, packed_colwise, lm_head, sharded_norm: output features
-
-
 def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
     """Elements of the largest local piece: TP chunk of ``tp_dim``, then FSDP's chunk of dim 0."""
     dims = list(shape)
@@ -129,9 +120,8 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) 
 def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tuple[int, int], int | None]]:
     """(shape, tp dim) of lora_A ``[r, in]`` and lora_B ``[out, r]`` for a targeted linear."""
     w = module.weight
-    fan_in, fan_out = (w.shape[0], w.shape[1]) if type(module).__name__ == "Conv1D" else (w.shape[1], w.shape[0])
-    a_dim = 1 if style == "rowwise" else None
-    b_dim = 0 if style in ("colwise", "packed_colwise") else None
+    fan_in, fan_out = (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
+    a_dim, b_dim = lora_dims(style) if style is not None else (None, None)
     return [((r, fan_in), a_dim), ((fan_out, r), b_dim)]
 
 
@@ -148,7 +138,7 @@ def count_params(
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            n = local_numel(tuple(param.shape), _tp_dim(module, pname, style), tp, fsdp)
+            n = local_numel(tuple(param.shape), sharded_dim(style, module, pname), tp, fsdp)
             full += param.numel()
             local += n
             trainable += 0 if lora_r else n
@@ -174,7 +164,7 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
     torch's sharding rule for the embedding backward yields a ``Replicate`` gradient: the whole
     ``[vocab, hidden]`` on every TP rank, not its ``Shard(0)`` piece. FSDP2 (any dp > 1) reshards
     it, and a tied LM head's sharded gradient absorbs it; otherwise it costs ``(1 - 1/tp)`` of the
-    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``styles.py`` shards it.
+    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``parallel/tp.py`` shards it.
     """
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):
@@ -184,23 +174,16 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
 
 
 def _dims(config) -> dict[str, int]:
-    def get(*names, default=None):
-        for n in names:
-            v = getattr(config, n, None)
-            if isinstance(v, int) and v > 0:
-                return v
-        return default
-
-    h = get("hidden_size", "n_embd", "d_model")
-    a = get("num_attention_heads", "n_head", "num_heads")
+    """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``."""
+    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
     return {
         "h": h,
         "a": a,
-        "k": get("num_key_value_heads", "num_kv_heads", default=a),
-        "d": get("head_dim", default=h // a),
-        "f": get("intermediate_size", "ffn_dim", "n_inner", default=4 * h),
-        "L": get("num_hidden_layers", "n_layer", "num_layers"),
-        "V": get("vocab_size"),
+        "k": config_size(config, "num_key_value_heads") or a,
+        "d": config_size(config, "head_dim") or h // a,
+        "f": config_size(config, "intermediate_size") or 4 * h,
+        "L": config_size(config, "num_hidden_layers"),
+        "V": config_size(config, "vocab_size"),
     }
 
 
@@ -225,14 +208,12 @@ def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix:
         for pname, p in sub.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                n += local_numel(tuple(p.shape), _tp_dim(sub, pname, styles.get(fqn)), tp, 1)
+                n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname), tp, 1)
     return n
 
 
 def _block_elements(model: nn.Module, styles: dict[str, str], tp: int) -> tuple[int, int]:
     """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
-    from shardlm.parallelize import decoder_blocks
-
     blocks = decoder_blocks(model)
     if not blocks:
         return tp_local_elements(model, styles, tp), 1
@@ -276,9 +257,6 @@ def estimate(
     memory_gib: float | None = None,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank)."""
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import check_geometry, infer_plan
-
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),
@@ -304,7 +282,7 @@ def estimate(
     tokens = batch * seq
     vocab = _dims(model.config)["V"]
     rows = {
-        # a LoRA run under bf16 stores its frozen base in bf16 (``lora.py``); what trains stays fp32
+        # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/lora.py``); what trains stays fp32
         "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
         "gradients": 4 * grads,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor

@@ -1,9 +1,9 @@
 """Sharded checkpoint -> Hugging Face model directory, then re-read and verified bit for bit.
 
-(A LoRA run's checkpoint becomes a peft adapter directory instead: ``consolidate_lora.py``.)
+(A LoRA run's checkpoint becomes a peft adapter directory instead: ``export_lora.py``.)
 
 One process, no process group: tensors are read from the DCP shards with the safe reader of
-``checkpoint.py``, one output shard at a time (bounded memory: one output shard plus, while
+``io.py``, one output shard at a time (bounded memory: one output shard plus, while
 verifying, one tensor re-read from disk), written with ``safetensors`` under the model's own
 parameter names (tied weights once, as ``save_pretrained`` does), with ``config.json``,
 ``generation_config.json`` and the tokenizer files copied from the checkpoint's ``hf/``.
@@ -21,27 +21,31 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from shardlm.checkpoint import HF_FILES, TOKENIZER_FILES, load_dcp, read_marker, read_metadata, resolve
+from shardlm.checkpoint.export_lora import consolidate_lora
+from shardlm.checkpoint.io import load_dcp, read_metadata
+from shardlm.checkpoint.layout import read_marker, resolve
+from shardlm.checkpoint.output import (
+    CHECK_MESSAGE,
+    DTYPES,
+    VerificationError,
+    same_bits,
+    staged,
+    write_hf_files,
+)
 from shardlm.errors import ConfigError
+from shardlm.parallel.build import build_meta_model
+from shardlm.parallel.published import PublishedUnpack, check_reload
 
 Unpack = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CHECK_MESSAGE = "Save correctness check passed: {n} parameters match the unsharded checkpoint exactly."
-
-
-class VerificationError(RuntimeError):
-    """The written files differ from the checkpoint; the message names the first mismatch."""
 
 
 def identity_unpack(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -80,8 +84,6 @@ def _out_dtype(dtype: torch.dtype, target: torch.dtype) -> torch.dtype:
 
 def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -> list[Source]:
     """HF names, shapes and the checkpoint tensor each comes from; refuses a foreign checkpoint."""
-    from shardlm.parallelize import build_meta_model
-
     model = build_meta_model(os.path.join(step_dir, "hf"))
     state = model.state_dict(keep_vars=True)  # the tensors themselves, so tied ones share an id
     first: dict[int, str] = {}
@@ -116,7 +118,7 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
                 {k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()},
             )
         )
-    if hasattr(unpack, "published_shapes"):  # the names and shapes save_pretrained writes (published.py)
+    if hasattr(unpack, "published_shapes"):  # the names and shapes save_pretrained writes (parallel/published.py)
         expected = unpack.published_shapes(expected)
     produced = {k: v[0] for s in sources for k, v in s.outputs.items()}
     if produced != expected:
@@ -150,30 +152,8 @@ def _read(step_dir: str, sources: list[Source], target: torch.dtype, unpack: Unp
     return out
 
 
-def _copy_hf_files(step_dir: str, out: str, target: torch.dtype) -> None:
-    hf = os.path.join(step_dir, "hf")
-    for name in HF_FILES + TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(hf, name)) and name != "config.json":
-            shutil.copy2(os.path.join(hf, name), os.path.join(out, name))
-    with open(os.path.join(hf, "config.json")) as fh:
-        config = json.load(fh)
-    config["dtype"] = DTYPE_NAMES[target]  # the dtype from_pretrained(dtype="auto") will use
-    if "torch_dtype" in config:
-        config["torch_dtype"] = DTYPE_NAMES[target]
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
 def verify(step_dir: str, out: str, target: torch.dtype, unpack: Unpack, sources: list[Source]) -> int:
     """Re-read every written tensor (safetensors) and compare its bits with the checkpoint's."""
-    from safetensors import safe_open
-
     if os.path.isfile(os.path.join(out, INDEX_FILE)):
         with open(os.path.join(out, INDEX_FILE)) as fh:
             weight_map = json.load(fh)["weight_map"]
@@ -192,7 +172,7 @@ def verify(step_dir: str, out: str, target: torch.dtype, unpack: Unpack, sources
             reference = _read(step_dir, list(wanted.values()), target, unpack)
             for name in names:
                 got = f.get_tensor(name)
-                if weight_map.get(name) != file or not _same_bits(got, reference.pop(name)):
+                if weight_map.get(name) != file or not same_bits(got, reference.pop(name)):
                     raise VerificationError(f"'{name}' in {file} differs from the checkpoint")
                 count += 1
     return count
@@ -214,47 +194,31 @@ def consolidate(
         raise ConfigError(f"output '{out}' already exists; choose a new directory or remove it")
     if not os.path.isfile(os.path.join(step_dir, "hf", "config.json")):
         raise ConfigError(f"checkpoint '{step_dir}' has no hf/config.json; it cannot become a Hugging Face model")
-    if marker.get("lora"):  # a peft adapter directory, or the merged model (``consolidate_lora.py``)
-        from shardlm.consolidate_lora import consolidate_lora
-
+    if marker.get("lora"):  # a peft adapter directory, or the merged model (``export_lora.py``)
         return consolidate_lora(step_dir, marker, out, target, merge)
     metadata = read_metadata(step_dir)
-    from shardlm.published import PublishedUnpack, check_reload
+    hf = os.path.join(step_dir, "hf")
 
     def read(state: dict) -> None:
         load_dcp(state, step_dir, no_dist=True)
 
-    unpack = PublishedUnpack(os.path.join(step_dir, "hf"), unpack_for(marker), read)  # the published layout
+    unpack = PublishedUnpack(hf, build_meta_model(hf), unpack_for(marker), read)  # the published layout
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
     with staged(out) as tmp:
         count = _write(step_dir, tmp, groups, target, unpack)
-        _copy_hf_files(step_dir, tmp, target)
+        write_hf_files(step_dir, tmp, target)
         checked = verify(step_dir, tmp, target, unpack, sources)
-        check_reload(os.path.join(step_dir, "hf"), tmp)  # from_pretrained's names: none missing or unexpected
+        problem = check_reload(build_meta_model(hf), tmp)  # from_pretrained's names: none missing or unexpected
+        if problem:
+            raise VerificationError(problem)
         if checked != count:
             raise VerificationError(f"wrote {count} tensors but verified {checked}")
     print(CHECK_MESSAGE.format(n=checked), flush=True)
     return checked
 
 
-@contextmanager
-def staged(out: str):
-    """A fresh ``OUT.tmp-<id>`` directory to write into: renamed to ``out`` if the block succeeds,
-    removed if it fails, so nothing half-written is ever left at ``out``."""
-    tmp = f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _write(step_dir: str, out: str, groups: list[list[Source]], target: torch.dtype, unpack: Unpack) -> int:
-    from safetensors.torch import save_file
-
     names = (
         [SINGLE_FILE]
         if len(groups) == 1

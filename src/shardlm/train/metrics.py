@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlm.config import TrainConfig
-from shardlm.loss import as_local
+from shardlm.distributed.shards import as_local
 
 PEAK_TFLOPS = (  # (substring of the lower-cased device name, dense bf16, dense fp32); first match wins
     ("h100 pcie", 756.0, 51.0),

@@ -2,7 +2,7 @@
 
 Used by the CLI and by the tests, so the code path users take is the one that is tested.
 
-Faults (see also ``faults.py``):
+Faults (see also ``train/faults.py``):
   * a rank that dies (killed, segfault, exception) makes the agent stop the others (SIGTERM,
     then SIGKILL after ``shutdown_timeout``) and ``spawn`` raises ``RankFailed`` naming the rank
     that failed first. A rank killed by a signal is preferred over one that raised at about the

@@ -8,7 +8,7 @@
 
 Weight decay applies to matrices only: 1-D parameters (norm weights, biases) form a group with
 ``weight_decay=0``, as in the HF Trainer. Optimizer state lives next to each parameter, so it has
-the parameter's placement and dtype: fp32 master state also under ``bf16`` (see ``trainer.py``).
+the parameter's placement and dtype: fp32 master state also under ``bf16`` (see ``train/trainer.py``).
 
 Schedules are the HF ones (``transformers.get_scheduler``): ``constant`` (after warmup),
 ``linear`` and ``cosine`` decay to 0 at ``max_steps``, each with ``warmup_steps`` of linear warmup.

@@ -21,11 +21,17 @@ import os
 import tempfile
 
 import torch
+from peft import PeftModel
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
-from shardlm import lora
-from shardlm.checkpoint import load_dcp, read_metadata
-from shardlm.consolidate import CHECK_MESSAGE, VerificationError, _copy_hf_files, _same_bits, staged
+from shardlm.checkpoint.io import load_dcp, read_metadata
+from shardlm.checkpoint.output import CHECK_MESSAGE, VerificationError, same_bits, staged, write_hf_files
 from shardlm.errors import ConfigError
+from shardlm.parallel import lora
+from shardlm.parallel.build import has_weights, reference_model
 
 
 def read_adapter(step_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -38,8 +44,6 @@ def read_adapter(step_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _write_adapter(step_dir: str, out: str, marker: dict, dtype: torch.dtype) -> int:
-    from safetensors.torch import load_file, save_file
-
     tensors = read_adapter(step_dir, dtype)
     config = dict(marker["lora"])
     config.update(base_model_name_or_path=marker["config"]["model"], inference_mode=True)
@@ -50,17 +54,13 @@ def _write_adapter(step_dir: str, out: str, marker: dict, dtype: torch.dtype) ->
     if set(written) != set(tensors):
         raise VerificationError(f"'{sorted(set(written) ^ set(tensors))[0]}' is missing from or extra in the adapter")
     for name, tensor in tensors.items():
-        if not _same_bits(written[name], tensor):
+        if not same_bits(written[name], tensor):
             raise VerificationError(f"'{name}' in {lora.WEIGHTS_FILE} differs from the checkpoint")
     return len(tensors)
 
 
 def _base_model(marker: dict):
     """The run's base model on one process, as training started from it."""
-    from transformers import AutoModelForCausalLM
-
-    from shardlm.parallelize import has_weights, reference_model
-
     path = marker["config"]["model"]
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--merge: the base model '{path}' of this run is gone; restore it or drop --merge")
@@ -70,20 +70,15 @@ def _base_model(marker: dict):
 
 
 def _write_merged(adapter_dir: str, out: str, marker: dict, dtype: torch.dtype) -> int:
-    from peft import PeftModel
-    from safetensors import safe_open
-
     merged = PeftModel.from_pretrained(_base_model(marker), adapter_dir).merge_and_unload()
     merged = merged.to(dtype)
     merged.save_pretrained(out)
-    from transformers.core_model_loading import revert_weight_conversion
-
-    state = revert_weight_conversion(merged, merged.state_dict())  # the names save_pretrained wrote (published.py)
+    state = revert_weight_conversion(merged, merged.state_dict())  # the names save_pretrained wrote
     count = 0
     for file in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):
         with safe_open(os.path.join(out, file), "pt") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                if not _same_bits(fh.get_tensor(name), state[name].contiguous()):
+                if not same_bits(fh.get_tensor(name), state[name].contiguous()):
                     raise VerificationError(f"'{name}' in {file} differs from the merged model")
                 count += 1
     return count
@@ -99,6 +94,6 @@ def consolidate_lora(step_dir: str, marker: dict, out: str, dtype: torch.dtype, 
             _write_adapter(step_dir, adapter_dir, marker, torch.float32)
             with staged(out) as tmp:
                 count = _write_merged(adapter_dir, tmp, marker, dtype)
-                _copy_hf_files(step_dir, tmp, dtype)
+                write_hf_files(step_dir, tmp, dtype)
     print(CHECK_MESSAGE.format(n=count), flush=True)
     return count

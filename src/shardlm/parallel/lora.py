@@ -17,7 +17,7 @@ only places the pieces, from the style the plan gave ``X`` (``LoraParallel``):
 
 All matmuls run on local tensors (the DTensor parameters' ``to_local()``), so the only
 collectives are the layer's own reduction and, once per step, the sum of the replicated
-adapters' gradients (``model.shardlm_tp_partial_grads``, shared with ``replicate_grad_allreduce``).
+adapters' gradients (``ParallelModel.tp_partial_grads``, shared with ``replicate_grad_allreduce``).
 FSDP2 then shards whatever is left, as for any parameter.
 
 Only adapter and ``modules_to_save`` parameters require grad; the optimizer, the gradient
@@ -41,18 +41,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardlm.config import Config, LoraConfig
+from shardlm.config import LoraConfig
+from shardlm.distributed.shards import as_local, fill_from_full
 from shardlm.errors import ConfigError
-from shardlm.loss import as_local
-from shardlm.plan import Plan
-from shardlm.shards import fill_from_full
-from shardlm.styles import _is_conv1d, _shard_params, column_input, local_linear, make_style, sliced_linear
+from shardlm.parallel.hf import is_conv1d
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
+from shardlm.parallel.tp import column_input, local_linear, make_style, shard_params, sliced_linear
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-BASE_STYLES = ("colwise", "rowwise", "packed_colwise")
 
 
 # ---------------------------------------------------------------- configuration
@@ -118,7 +118,7 @@ def peft_config(lcfg: LoraConfig, model: nn.Module):
         lora_dropout=lcfg.dropout,
         target_modules=lcfg.target_modules,
         modules_to_save=lcfg.modules_to_save,
-        fan_in_fan_out=any(_is_conv1d(m) for m in model.modules()),  # GPT-2's Conv1D: weight is [in, out]
+        fan_in_fan_out=any(is_conv1d(m) for m in model.modules()),  # GPT-2's Conv1D: weight is [in, out]
     )
 
 
@@ -136,24 +136,18 @@ def inject(model: nn.Module, lcfg: LoraConfig):
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         first = str(exc).strip().splitlines()[0]
         raise ConfigError(f"lora.target_modules: {first}") from None
-    model.shardlm_lora = cfg
     return cfg
 
 
-def check_lora(cfg: Config) -> None:
-    """Before spawning: values, the adapter directory, and that every target has a placement."""
-    lcfg = cfg.lora
+def check_lora(lcfg: LoraConfig, model: nn.Module, plan: Plan) -> None:
+    """Before spawning: values, the adapter directory, and that every target of ``model`` (a meta
+    model, adapted in place) has a placement in ``plan``."""
     if lcfg.r is not None and lcfg.r < 1:
         raise ConfigError(f"lora.r must be >= 1, got {lcfg.r}")
     if not 0.0 <= lcfg.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lcfg.dropout}")
     if lcfg.adapter and not os.path.isdir(lcfg.adapter):
         raise ConfigError(f"lora.adapter: '{lcfg.adapter}' is not a directory; pass a peft adapter directory")
-    from shardlm.parallelize import build_meta_model
-    from shardlm.plan import infer_plan
-
-    model = build_meta_model(cfg.model)
-    plan = infer_plan(model, cfg.parallel.tp)
     inject(model, lcfg)
     from peft.tuners.lora import Linear as PeftLinear
 
@@ -186,39 +180,41 @@ class LoraParallel(ParallelStyle):
 
     ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections of
     unequal parts): base and ``lora_B`` stay replicated and each rank computes only its rows, as
-    ``styles.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
+    ``tp.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
     """
 
     def __init__(self, base_style: str, num_parts: int = 1, rows: list | None = None):
         super().__init__()
         self.base_style, self.num_parts, self.rows = base_style, num_parts, rows
 
-    def _out_placement(self, dim: int):
-        return _StridedShard(dim, split_factor=self.num_parts) if self.base_style == "packed_colwise" else Shard(dim)
+    def _split(self, module: nn.Module, param: str | None = None, dim: int | None = None):
+        """The TP placement of ``module.<param>`` under the base style (or of dim ``dim``): a packed
+        projection's parts are each split on their own (``_StridedShard``)."""
+        dim = sharded_dim(self.base_style, module, param) if dim is None else dim
+        if dim is None:
+            return Replicate()
+        packed = self.base_style == Style.PACKED_COLWISE
+        return _StridedShard(dim, split_factor=self.num_parts) if packed else Shard(dim)
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
-        conv = _is_conv1d(base)  # weight [in, out]
         if self.rows is not None:
             rows = self.rows[mesh.get_local_rank()]
             for layer in (base, lora_a, lora_b):
-                _shard_params(layer, mesh, {"weight": Replicate(), "bias": Replicate()}, None)
+                shard_params(layer, mesh, {"weight": Replicate(), "bias": Replicate()}, None)
             base.forward = lambda x: sliced_linear(base, x, rows)
             lora_b.forward = lambda x: sliced_linear(lora_b, x, rows)
             lora_a.forward = lambda x: local_linear(lora_a, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
             return module
-        if self.base_style == "rowwise":
-            _shard_params(base, mesh, {"weight": Shard(0 if conv else 1), "bias": Replicate()}, None)
-            _shard_params(lora_a, mesh, {"weight": Shard(1)}, None)
-            _shard_params(lora_b, mesh, {"weight": Replicate()}, None)
+        a_dim, b_dim = lora_dims(self.base_style)
+        shard_params(base, mesh, {"weight": self._split(base, "weight"), "bias": self._split(base, "bias")}, None)
+        shard_params(lora_a, mesh, {"weight": self._split(lora_a, dim=a_dim)}, None)
+        shard_params(lora_b, mesh, {"weight": self._split(lora_b, dim=b_dim)}, None)
+        if a_dim is not None:  # the base reads a sharded input: partial sums, reduced with the adapter's
             base.forward = lambda x: local_linear(base, x, with_bias=False)
             module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh))
-        else:
-            out = self._out_placement(1 if conv else 0)
-            _shard_params(base, mesh, {"weight": out, "bias": self._out_placement(0)}, None)
-            _shard_params(lora_a, mesh, {"weight": Replicate()}, None)
-            _shard_params(lora_b, mesh, {"weight": self._out_placement(0)}, None)
+        else:  # the base reads a replicated input and writes its own output rows
             base.forward = lambda x: local_linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
         lora_a.forward = lambda x: local_linear(lora_a, x)
@@ -242,14 +238,14 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
         if _is_lora_layer(module) and fqn in plan.sliced:
             styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
         elif _is_lora_layer(module):
-            if style not in BASE_STYLES:
+            if style not in SPLIT_LINEAR:
                 raise ConfigError(
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
-                    f"cannot adapt (only {', '.join(BASE_STYLES)} layers); remove it from target_modules"
+                    f"cannot adapt (only {', '.join(SPLIT_LINEAR)} layers); remove it from target_modules"
                 )
             styles[fqn] = LoraParallel(style, len(plan.parts.get(fqn, [1])))
         elif _is_modules_to_save(module):
-            if fqn in plan.sliced or style == "replicate_grad_allreduce" or _tied(model, module):
+            if fqn in plan.sliced or style == Style.REPLICATE_GRAD_ALLREDUCE or _tied(model, module):
                 why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"
                 raise ConfigError(
                     f"lora.modules_to_save: '{fqn}' {why} under tensor parallelism, which shardlm cannot train "
@@ -272,7 +268,9 @@ def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     names = []
     for fqn, style in plan.styles.items():
         if _is_lora_layer(model.get_submodule(fqn)):
-            sides = ("lora_A", "lora_B") if fqn in plan.sliced else ("lora_B",) if style == "rowwise" else ("lora_A",)
+            # the adapter matrix beside the base's whole side: it meets a partial activation or gradient
+            partial = ("lora_B",) if style == Style.ROWWISE else ("lora_A",)
+            sides = ("lora_A", "lora_B") if fqn in plan.sliced else partial
             names += [f"{fqn}.{side}.{ADAPTER}.weight" for side in sides]
     return names
 

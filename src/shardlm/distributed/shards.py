@@ -2,7 +2,7 @@
 
 One rule, used for init, HF loading and checkpoints alike: placements apply right to left, TP
 first, then FSDP2's chunking of the TP-local tensor (how FSDP2 shards a TP DTensor). On the TP
-mesh dim a ``_StridedShard`` is a packed projection (``styles.PackedColwiseParallel``): each of
+mesh dim a ``_StridedShard`` is a packed projection (``tp.PackedColwiseParallel``): each of
 its parts is chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``.
 
 Every local piece is one box of the global tensor except a packed projection's, which is P boxes
@@ -75,7 +75,7 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(local_piece(param, full.to(local.dtype)))
 
 
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+def index_runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     """``index`` as maximal runs of consecutive positions: (local start, global start, length)."""
     runs: list[tuple[int, int, int]] = []
     for local, position in enumerate(index.tolist()):
@@ -98,7 +98,7 @@ class PackedShards:
         self.local = param.to_local()
         self.global_size = param.shape
         self.boxes: list[tuple[torch.Size, torch.Tensor]] = []  # (global offsets, view of local)
-        per_dim = [_runs(local_index(param, d)) for d in range(param.ndim)]
+        per_dim = [index_runs(local_index(param, d)) for d in range(param.ndim)]
         for runs in product(*per_dim):
             view = self.local
             for dim, (start, _, length) in enumerate(runs):
@@ -185,3 +185,8 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
+
+
+def as_local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss, a norm) as the plain tensor every rank holds."""
+    return value.to_local() if isinstance(value, DTensor) else value

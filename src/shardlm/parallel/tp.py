@@ -26,6 +26,7 @@ After TP, attention modules that read head counts from attributes (``self.num_he
 from __future__ import annotations
 
 import copy
+import functools
 import types
 import weakref
 
@@ -37,14 +38,19 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardlm.plan import Plan
+from shardlm.parallel.hf import (
+    MODULE_HEAD_ATTRS,
+    MODULE_KV_ATTRS,
+    config_size,
+    config_value,
+    is_conv1d,
+    rms_norm_eps,
+)
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import Style
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D"
-
-
-def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
+def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src)
         module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
@@ -54,7 +60,7 @@ class _Conv1DAware:
     """Mixin: run torch's Linear partitioning on Conv1D with the weight's dims swapped."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not _is_conv1d(module):
+        if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         colwise = isinstance(self, ColwiseParallel)
         if not colwise:
@@ -63,7 +69,7 @@ class _Conv1DAware:
         return distribute_module(
             module,
             device_mesh,
-            lambda name, mod, mesh: _shard_params(mod, mesh, placements, self.src_data_rank),
+            lambda name, mod, mesh: shard_params(mod, mesh, placements, self.src_data_rank),
             lambda mod, inputs, mesh: self._prepare_input_fn(
                 self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
             ),
@@ -116,7 +122,7 @@ class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the TP mesh; inputs enter as replicated DTensors, outputs leave local."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _shard_params(
+        shard_params(
             module, mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
 
@@ -157,7 +163,7 @@ def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> 
     """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
     weight = module.weight.to_local()
     bias = module.bias.to_local() if with_bias and module.bias is not None else None
-    if _is_conv1d(module):
+    if is_conv1d(module):
         flat = x.reshape(-1, x.shape[-1])
         out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
         return out.view(*x.shape[:-1], weight.shape[1])
@@ -177,24 +183,26 @@ class PackedColwiseParallel(ParallelStyle):
         self.num_parts = num_parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        out_dim = 1 if _is_conv1d(module) else 0
+        out_dim = 1 if is_conv1d(module) else 0
         placements = {
             "weight": _StridedShard(out_dim, split_factor=self.num_parts),
             "bias": _StridedShard(0, split_factor=self.num_parts),
         }
-        _shard_params(module, device_mesh, placements, self.src_data_rank)
+        shard_params(module, device_mesh, placements, self.src_data_rank)
         module.forward = types.MethodType(_local_linear_forward, module)
         return module
 
 
-def _sliced_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Linear on this rank's rows of replicated parameters (``self.shardlm_rows``).
+def _sliced_linear_forward(
+    module: nn.Module, rows: list[tuple[int, int]], mesh: DeviceMesh, x: torch.Tensor
+) -> torch.Tensor:
+    """Linear on this rank's ``rows`` of replicated parameters (bound by ``SlicedColwise``).
 
     The input's gradient from this rank covers only these rows: declared Partial on the shared
-    view of ``x``, it is summed once over TP together with the sibling colwise layers'.
+    view of ``x``, it is summed once over TP together with the sibling colwise layers'
+    (``mesh`` is the object sibling Colwise layers see: their shared view's key).
     """
-    x = column_input(x, self.shardlm_mesh)
-    return sliced_linear(self, x, self.shardlm_rows)
+    return sliced_linear(module, column_input(x, mesh), rows)
 
 
 def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
@@ -218,12 +226,11 @@ class SlicedColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise ValueError(f"sliced colwise needs nn.Linear, got {type(module).__name__}")
-        _shard_params(
+        shard_params(
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
-        module.shardlm_rows = self.rows[device_mesh.get_local_rank()]
-        module.shardlm_mesh = device_mesh  # the object sibling Colwise layers see (their shared view's key)
-        module.forward = types.MethodType(_sliced_linear_forward, module)
+        rows = self.rows[device_mesh.get_local_rank()]
+        module.forward = functools.partial(_sliced_linear_forward, module, rows, device_mesh)
         return module
 
 
@@ -237,7 +244,7 @@ class LocalReplicate(ParallelStyle):
     checkpointing (which reruns the module) see their parameters as they left them."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _shard_params(
+        shard_params(
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
         saved: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -264,13 +271,11 @@ class ShardedRMSNorm(ParallelStyle):
     weight is sharded like the activation; each rank sums the squares of its slice and one
     all-reduce of that ``[tokens, 1]`` sum gives the full width's mean (in the backward, the
     gradients of the sum are all-reduced the same way). No activation is gathered. The formula
-    is checked against the module's own forward when the plan is made (``plan.rms_norm_eps``)."""
+    is checked against the module's own forward when the plan is made (``hf.rms_norm_eps``)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from shardlm.plan import rms_norm_eps
-
         eps, width = rms_norm_eps(module), module.weight.shape[0]
-        _shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+        shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             h = x.float()
@@ -283,34 +288,33 @@ class ShardedRMSNorm(ParallelStyle):
 
 
 def make_style(style: str, parts: list[int] | None = None, rows: list | None = None) -> ParallelStyle:
-    """The torch style for one word of the plan vocabulary (see ``plan.STYLES``); ``rows``: the
-    plan's ``sliced`` entry (replicated parameters, per-rank output rows)."""
+    """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
+    ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
+    output rows)."""
     if rows is not None:
         return SlicedColwise(rows)
-    if style == "colwise":
-        return Colwise()
-    if style == "rowwise":
-        return Rowwise()
-    if style == "packed_colwise":
-        return PackedColwiseParallel(len(parts))
-    if style == "embedding":
-        # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
-        # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
-        return Rowwise(input_layouts=Replicate())
-    if style == "lm_head":
-        # logits stay sharded over the vocabulary: the loss runs under loss_parallel
-        return Colwise(output_layouts=Shard(-1), use_local_output=False)
-    if style in ("replicate", "replicate_grad_allreduce"):
-        return ReplicateParallel()
-    if style == "replicate_local":
-        return LocalReplicate()
-    if style == "sharded_norm":
-        return ShardedRMSNorm()
-    raise ValueError(f"unknown TP style '{style}'")
+    match Style(style):
+        case Style.COLWISE:
+            return Colwise()
+        case Style.ROWWISE:
+            return Rowwise()
+        case Style.PACKED_COLWISE:
+            return PackedColwiseParallel(len(parts))
+        case Style.EMBEDDING:
+            # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
+            # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
+            return Rowwise(input_layouts=Replicate())
+        case Style.LM_HEAD:
+            # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+            return Colwise(output_layouts=Shard(-1), use_local_output=False)
+        case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
+            return ReplicateParallel()
+        case Style.REPLICATE_LOCAL:
+            return LocalReplicate()
+        case Style.SHARDED_NORM:
+            return ShardedRMSNorm()
 
 
-_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
 
 
@@ -320,14 +324,12 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     Only modules that own a head-count attribute and hold column-parallel children are touched;
     a module reading ``self.config`` for head counts gets its own localized copy of the config.
     """
-    from shardlm.plan import _config_value
-
     config = model.config
-    heads = _config_value(config, "num_attention_heads") or _config_value(config, "n_head")
-    if not isinstance(heads, int) or not plan.attention:
+    heads = config_size(config, "num_attention_heads")
+    if heads is None or not plan.attention:
         return  # attention-free, or every attention block kept replicated
-    kv = _config_value(config, "num_key_value_heads") or _config_value(config, "num_kv_heads") or heads
-    head_dim = _config_value(config, "head_dim") or config.hidden_size // heads
+    kv = config_size(config, "num_key_value_heads") or heads
+    head_dim = config_value(config, "head_dim") or config.hidden_size // heads
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
@@ -335,22 +337,22 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
             # repeats k/v by it; sdpa packs by it)
             module.num_key_value_groups = max(1, (heads // tp) // local_kv)
-        if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS + _KV_ATTRS):
+        if not any(isinstance(getattr(module, a, None), int) for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
             continue
-        for attr in _HEAD_ATTRS + _KV_ATTRS + _WIDTH_ATTRS:
+        for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + _WIDTH_ATTRS:
             value = getattr(module, attr, None)
             if isinstance(value, bool) or not isinstance(value, int):
                 continue
-            if (attr in _HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
+            if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
                 setattr(module, attr, value // tp)
-            elif attr in _KV_ATTRS and value == kv:
+            elif attr in MODULE_KV_ATTRS and value == kv:
                 setattr(module, attr, local_kv)
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
                 if isinstance(getattr(config, attr, None), int):
                     value = getattr(config, attr)
-                    setattr(local, attr, local_kv if attr in _KV_ATTRS and value == kv else value // tp)
+                    setattr(local, attr, local_kv if attr in MODULE_KV_ATTRS and value == kv else value // tp)
             module.config = local
 
 
@@ -360,7 +362,7 @@ def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     return [
         f"{fqn}.{pname}"
         for fqn, style in plan.styles.items()
-        if style == "replicate_grad_allreduce" or fqn in plan.sliced
+        if style == Style.REPLICATE_GRAD_ALLREDUCE or fqn in plan.sliced
         for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
     ]
 

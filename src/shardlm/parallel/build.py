@@ -14,21 +14,25 @@ from __future__ import annotations
 import glob
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from peft import LoraConfig as PeftLoraConfig
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardlm import lora
 from shardlm.config import LoraConfig
+from shardlm.distributed.mesh import Mesh
+from shardlm.distributed.shards import fill_from_full
 from shardlm.errors import ConfigError
-from shardlm.mesh import Mesh
-from shardlm.plan import Plan, infer_plan
-from shardlm.seeded_init import UnwrittenInit, seeded_state
-from shardlm.shards import fill_from_full
-from shardlm.styles import localize_geometry, make_style, tp_partial_grad_params
+from shardlm.parallel import lora, published
+from shardlm.parallel.autotp import infer_plan
+from shardlm.parallel.hf import tied_keys
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.seeded_init import UnwrittenInit, seeded_state
+from shardlm.parallel.tp import localize_geometry, make_style, tp_partial_grad_params
 
 
 @contextmanager
@@ -84,12 +88,12 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
-    """Apply the plan on the TP mesh (LoRA placements where peft adapted a layer); keep tied
-    input/output embeddings tied."""
+def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) -> None:
+    """Apply the plan on the TP mesh (LoRA placements where peft adapted a layer, ``with_lora``);
+    keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
-    if getattr(model, "shardlm_lora", None) is not None:
+    if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
         styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
@@ -104,7 +108,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | N
     """FSDP2 over the data-parallel mesh: one group per decoder block, the rest at the root.
 
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
-    already normalized by the global token count, see ``loss.py``.
+    already normalized by the global token count, see ``train/loss.py``.
     """
     kwargs = {"mesh": mesh.dp, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for block in decoder_blocks(model):
@@ -138,21 +142,10 @@ def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None
             buf.copy_(buffers[name])
 
 
-def _tied_keys(model: nn.Module) -> set[str]:
-    """State-dict keys that name a parameter already named by an earlier key (tied embeddings)."""
-    seen: dict[int, str] = {}
-    tied = set()
-    for key, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.add(key)
-        seen.setdefault(id(param), key)
-    return tied
-
-
 def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{HF key: tensor}`` of everything an HF checkpoint holds: tied duplicates, LoRA adapters
     and ``modules_to_save`` copies left out, peft's ``base_layer``/``original_module`` unwrapped."""
-    tied = _tied_keys(model)
+    tied = tied_keys(model)
     state = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         hf = lora.hf_key(key)
@@ -163,16 +156,14 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(model: nn.Module, model_path: str) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader):
-    each rank reads only its own rows, a packed projection's parts included (``shards.py``), the
-    checkpoint's names and merged/concatenated tensors mapped by transformers' rules (``published.py``)."""
-    from shardlm import published  # the checkpoint's names through transformers' conversion rules (issue 15)
-
-    published.load(_base_state(model), model_path)
+    each rank reads only its own rows, a packed projection's parts included (``distributed/shards.py``), the
+    checkpoint's names and merged/concatenated tensors mapped by transformers' rules (``parallel/published.py``)."""
+    published.load(_base_state(model), model_path, build_meta_model(model_path))
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     """Random init that is identical for every layout and never whole on one rank: every rank
-    draws the model's own init one decoder block at a time (``seeded_init.py``) and keeps its
+    draws the model's own init one decoder block at a time (``parallel/seeded_init.py``) and keeps its
     piece of each tensor (``local_piece`` knows every placement, packed ones too)."""
     targets = _base_state(model)
     try:
@@ -215,7 +206,7 @@ def reference_model(model_path: str, seed: int) -> nn.Module:
     """The plain one-process model shardlm starts from (also what tests compare against): the
     same values ``init_from_seed`` gives every layout."""
     model = _whole_seeded_model(model_path, seed)
-    tied = _tied_keys(model)
+    tied = tied_keys(model)
     try:
         meta = build_meta_model(model_path)
         for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
@@ -230,6 +221,24 @@ def has_weights(model_path: str) -> bool:
     return bool(glob.glob(os.path.join(model_path, "*.safetensors")))
 
 
+@dataclass
+class ParallelModel:
+    """What ``parallelize`` hands the trainer and the checkpointer (nothing is stored on the module).
+
+    ``module``: the ``transformers`` model with DTensor/FSDP2 parameters. ``plan``: the TP plan it
+    was split by (its dropout sites key the dropout masks). ``tp_partial_grads``: parameters whose
+    gradients each TP rank holds only a partial sum of, summed over TP before clipping.
+    ``fsdp_param_dtype``: the dtype FSDP2 computes in (bf16 when its policy casts; then the trainer
+    does not autocast). ``lora``: the peft ``LoraConfig`` of the adapters, None for full training.
+    """
+
+    module: nn.Module
+    plan: Plan
+    tp_partial_grads: list[nn.Parameter]
+    fsdp_param_dtype: torch.dtype | None = None
+    lora: PeftLoraConfig | None = None
+
+
 def parallelize(
     model_path: str,
     mesh: Mesh,
@@ -237,27 +246,26 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     lora_config: LoraConfig | None = None,
     frozen_dtype: torch.dtype | None = None,
-) -> nn.Module:
+) -> ParallelModel:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
     ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it
-    computes in is kept as ``model.shardlm_fsdp_param_dtype`` so the trainer knows whether it
-    must autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
-    adapters on the plan's projections (``lora.py``); only they (and ``modules_to_save``) train.
+    computes in is returned as ``fsdp_param_dtype`` so the trainer knows whether it must
+    autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
+    adapters on the plan's projections (``parallel/lora.py``); only they (and ``modules_to_save``) train.
     ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
     """
     model = build_meta_model(model_path)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
-    if lora_config is not None:
-        lora.inject(model, lora_config)
+    peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
             # a modules_to_save original stays fp32: its trained copy starts from it (lora.copy_modules_to_save)
             if not param.requires_grad and param.is_floating_point() and ".original_module." not in name:
                 param.data = param.data.to(frozen_dtype)
     if mesh.parallel.tp > 1:
-        apply_tp(model, mesh, plan)
+        apply_tp(model, mesh, plan, with_lora=peft_cfg is not None)
     if mesh.parallel.dp_size > 1:
         apply_fsdp(model, mesh, mp_policy)
     shared = _shared_parameters(model)
@@ -276,10 +284,8 @@ def parallelize(
         else:
             lora.init_adapters(model, seed)
     model.train()
-    model.shardlm_plan = plan
-    model.shardlm_tp_partial_grads = tp_partial_grad_params(model, plan)
+    partial = tp_partial_grad_params(model, plan)
     if lora_config is not None and mesh.parallel.tp > 1:
-        model.shardlm_tp_partial_grads += lora.tp_partial_grad_params(model, plan)
+        partial += lora.tp_partial_grad_params(model, plan)
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
-    model.shardlm_fsdp_param_dtype = mp_policy.param_dtype if fsdp_on else None
-    return model
+    return ParallelModel(model, plan, partial, mp_policy.param_dtype if fsdp_on else None, peft_cfg)

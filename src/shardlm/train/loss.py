@@ -19,10 +19,9 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-IGNORE_INDEX = -100
+from shardlm.data.rows import IGNORE_INDEX
 
 
 def loss_context(vocab_sharded: bool):
@@ -39,8 +38,3 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(flat, labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX)
-
-
-def as_local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor loss as the plain tensor every rank holds."""
-    return value.to_local() if isinstance(value, DTensor) else value

@@ -45,7 +45,9 @@ from itertools import product
 import torch
 import torch.nn as nn
 
+from shardlm.distributed.shards import LoadPlanner, PackedShards, fill_from_full, index_runs, local_index, packed_view
 from shardlm.errors import ConfigError
+from shardlm.parallel.hf import tied_keys
 
 LAYOUT_FILE = "shardlm_weight_layout.json"
 
@@ -237,9 +239,7 @@ def _header(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _untied_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """In-memory keys a checkpoint must hold (tied duplicates left out), with their shapes."""
-    from shardlm.parallelize import _tied_keys
-
-    tied = _tied_keys(model)
+    tied = tied_keys(model)
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
 
 
@@ -263,18 +263,9 @@ def refuse_missing(model_path: str, gaps: list[str]) -> None:
         raise ConfigError(f"model: '{model_path}' lacks weights for {gaps[0]} (and {len(gaps) - 1} more)")
 
 
-def layout_for(model_path: str, model: nn.Module | None = None) -> Layout:
-    from shardlm.parallelize import build_meta_model
-
-    return map_checkpoint(model if model is not None else build_meta_model(model_path), _header(model_path))
-
-
-def check(model_path: str) -> Layout:
+def check(model_path: str, model: nn.Module) -> Layout:
     """Before spawning: the checkpoint at ``model_path``, converted by transformers' rules, covers
-    the model with the model's shapes; else one ``ConfigError`` naming the first gap."""
-    from shardlm.parallelize import build_meta_model
-
-    model = build_meta_model(model_path)
+    ``model`` (its meta model) with the model's shapes; else one ``ConfigError`` naming the first gap."""
     layout = map_checkpoint(model, _header(model_path))
     refuse_missing(model_path, missing(layout, _untied_shapes(model)))
     return layout
@@ -287,8 +278,6 @@ def _local_boxes(param: torch.Tensor, piece: Piece):
     """(source offsets, view of ``param``'s local tensor) for every box of ``piece`` this rank holds."""
     from torch.distributed.tensor import DTensor
 
-    from shardlm.shards import _runs, local_index
-
     local = param.to_local() if isinstance(param, DTensor) else param
     lead = 1 if piece.stacked else 0
     per_dim = []
@@ -298,7 +287,7 @@ def _local_boxes(param: torch.Tensor, piece: Piece):
         else:
             start, length, source = piece.target_offset[d], piece.size[d - lead], piece.source_offset[d - lead]
         cut = []
-        for local_start, global_start, run in _runs(local_index(param, d)):
+        for local_start, global_start, run in index_runs(local_index(param, d)):
             a, b = max(global_start, start), min(global_start + run, start + length)
             if a < b:
                 cut.append((local_start + a - global_start, None if source is None else source + a - start, b - a))
@@ -315,25 +304,19 @@ def _local_boxes(param: torch.Tensor, piece: Piece):
 def _source_boxes(size: tuple[int, ...], boxes: list, placeholder: torch.Tensor):
     """A checkpoint tensor as DCP sees it when it lands in boxes of other tensors (``shards.PackedShards``'
     protocol, with the boxes given)."""
-    from shardlm.shards import PackedShards
-
     obj = PackedShards.__new__(PackedShards)
     obj.local, obj.global_size, obj.boxes = placeholder, torch.Size(size), boxes
     return obj
 
 
-def load(state: dict[str, torch.Tensor], model_path: str, model: nn.Module | None = None) -> None:
+def load(state: dict[str, torch.Tensor], model_path: str, meta: nn.Module) -> None:
     """Fill ``state`` (``{in-memory HF key: (D)Tensor}``, this rank's pieces) from the checkpoint
-    at ``model_path`` through transformers' conversion rules; see the module docstring."""
+    at ``model_path`` through transformers' conversion rules; see the module docstring. ``meta``:
+    a fresh meta model of ``model_path`` (the trained one's class is FSDP's subclass, and
+    transformers looks rules up by class name; its keys may be peft's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from shardlm.parallelize import build_meta_model
-    from shardlm.shards import LoadPlanner, fill_from_full, packed_view
-
-    # a fresh meta model: the trained one's class is FSDP's subclass (transformers looks rules up by
-    # class name) and its keys may be peft's
-    meta = model if model is not None else build_meta_model(model_path)
     available = _header(model_path)
     layout = map_checkpoint(meta, available)
     refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}))
@@ -368,16 +351,12 @@ def load(state: dict[str, torch.Tensor], model_path: str, model: nn.Module | Non
 # --- consolidation: the reverse ---------------------------------------------------------------
 
 
-def record_layout(model_path: str, dest: str) -> None:
-    """Write which of transformers' rules matched ``model_path``'s checkpoint into ``dest``
-    (a checkpoint's ``hf/``), so consolidation writes the same layout back. Nothing without weights."""
-    from shardlm.parallelize import has_weights
-
-    if not has_weights(model_path):
-        return
+def record_layout(model_path: str, dest: str, model: nn.Module) -> None:
+    """Write which of transformers' rules matched the checkpoint at ``model_path`` (``model``: its
+    meta model) into ``dest`` (a checkpoint's ``hf/``), so consolidation writes the same layout back."""
     import transformers
 
-    layout = layout_for(model_path)
+    layout = map_checkpoint(model, _header(model_path))
     record = {
         "transformers": transformers.__version__,
         "rules_used": [[i, layout.rule_names[i]] for i in layout.used],
@@ -386,16 +365,13 @@ def record_layout(model_path: str, dest: str) -> None:
         json.dump(record, fh, indent=1)
 
 
-def saving_model(hf_dir: str) -> nn.Module:
-    """The meta model of ``hf_dir`` with ``_weight_conversions`` set as ``save_pretrained`` would
+def saving_model(hf_dir: str, model: nn.Module) -> nn.Module:
+    """``model``, the meta model of ``hf_dir``, with ``_weight_conversions`` set as ``save_pretrained`` would
     find it: the recorded rules (a model loaded from a checkpoint), else those transformers uses
     for a new model (``revert_weight_conversion``: no ``PrefixChange``, no legacy renamings)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 
-    from shardlm.parallelize import build_meta_model
-
-    model = build_meta_model(hf_dir)
     path = os.path.join(hf_dir, LAYOUT_FILE)
     if os.path.isfile(path):
         with open(path) as fh:
@@ -437,8 +413,8 @@ class PublishedUnpack:
     read for it by ``read``, which fills ``{"model.<name>": tensor}`` from the checkpoint) and the
     others give nothing."""
 
-    def __init__(self, hf_dir: str, inner, read=None):
-        self.model = saving_model(hf_dir)
+    def __init__(self, hf_dir: str, model: nn.Module, inner, read=None):
+        self.model = saving_model(hf_dir, model)
         self.inner = inner
         self.read = read
         self.shapes = _untied_shapes(self.model)
@@ -475,19 +451,16 @@ class PublishedUnpack:
         return {k: tuple(v.shape) for k, v in revert_weight_conversion(self.model, state).items()}
 
 
-def check_reload(hf_dir: str, out: str) -> None:
-    """The written directory, mapped forward by the rules ``from_pretrained`` uses, gives exactly the
-    model's keys with its shapes: nothing missing, nothing unexpected."""
-    from shardlm.consolidate import VerificationError
-    from shardlm.parallelize import build_meta_model
-
-    model = build_meta_model(hf_dir)
+def check_reload(model: nn.Module, out: str) -> str | None:
+    """The written directory, mapped forward by the rules ``from_pretrained`` uses onto ``model`` (a
+    fresh meta model), gives exactly its keys with its shapes; else what is missing or unexpected."""
     layout = map_checkpoint(model, _header(out))
     gaps = missing(layout, _untied_shapes(model))
     if gaps:
-        raise VerificationError(f"from_pretrained would miss '{gaps[0]}' in the written files")
+        return f"from_pretrained would miss '{gaps[0]}' in the written files"
     if layout.unexpected:
-        raise VerificationError(f"from_pretrained would not expect '{layout.unexpected[0]}' in the written files")
+        return f"from_pretrained would not expect '{layout.unexpected[0]}' in the written files"
+    return None
 
 
 def describe(layout: Layout) -> dict[str, int]:

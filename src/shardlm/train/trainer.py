@@ -1,19 +1,19 @@
 """The training loop: micro-steps, token-weighted loss, global clipping, optimizer step, eval, logging.
 
 One optimizer step:
-  1. every dp rank takes its micro-batches of the global batch (``data.py``); on the first step
+  1. every dp rank takes its micro-batches of the global batch (``data/dataset.py``); on the first step
      and every logging step the TP ranks of each group compare a checksum of their batches, since
      a TP group computing on different inputs trains garbage without any error (after the first
      two steps' and every logging step's update they compare their replicated parameters too);
   2. one all-reduce counts the labelled tokens of the whole global batch;
-  3. each micro-step backpropagates ``sum of token losses / global count`` (``loss.py``);
+  3. each micro-step backpropagates ``sum of token losses / global count`` (``train/loss.py``);
      FSDP2 sums gradients across dp ranks;
-  4. the global gradient norm is computed over every placement and clipped (``clip.py``);
-  5. optimizer and LR scheduler step (``optim.py``); rank 0 logs the step (``metrics.py``).
+  4. the global gradient norm is computed over every placement and clipped (``distributed/clip.py``);
+  5. optimizer and LR scheduler step (``train/optim.py``); rank 0 logs the step (``train/metrics.py``).
 
 Mixed precision (``train.bf16``): the forward and backward compute in bf16 while the master
 weights, their gradients and the optimizer state stay fp32 and the loss is computed in fp32
-(``loss.py`` upcasts the logits). With FSDP (dp > 1) the model is built with FSDP2's
+(``train/loss.py`` upcasts the logits). With FSDP (dp > 1) the model is built with FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``mixed_precision_policy``): FSDP
 all-gathers bf16 copies of the fp32 shards and reduce-scatters gradients in fp32. Without FSDP
 (TP only, or one process) the forward runs under ``torch.autocast(device, bf16)``: autocast sits
@@ -26,7 +26,7 @@ each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the 
 the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
 working). The recompute replays the TP styles' hooks, so it produces the same numbers.
 
-Dropout (``dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
+Dropout (``parallel/dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
 masks are a hash of (seed, step, call site, the element's position in the global batch and in
 the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one process, and the
 recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
@@ -53,15 +53,21 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from shardlm import checkpoint, faults
-from shardlm.clip import clip_grad_norm_
+from shardlm.checkpoint import manager as checkpoint
+from shardlm.checkpoint.layout import should_save
 from shardlm.config import Config, TrainConfig
-from shardlm.data import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
-from shardlm.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
+from shardlm.data.dataset import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.data.rows import IGNORE_INDEX
+from shardlm.distributed.clip import clip_grad_norm_
+from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
+from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
-from shardlm.loss import IGNORE_INDEX, as_local, loss_context, token_loss_sum
-from shardlm.mesh import Mesh, build_mesh, init_distributed
-from shardlm.metrics import (
+from shardlm.parallel.build import ParallelModel, parallelize
+from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
+from shardlm.parallel.tp import sum_tp_partial_grads
+from shardlm.train import faults
+from shardlm.train.loss import loss_context, token_loss_sum
+from shardlm.train.metrics import (
     MetricsWriter,
     count_params,
     describe_trainable,
@@ -70,9 +76,7 @@ from shardlm.metrics import (
     peak_memory_mb,
     peak_tflops,
 )
-from shardlm.optim import build_optimizer, build_scheduler
-from shardlm.parallelize import parallelize
-from shardlm.styles import sum_tp_partial_grads
+from shardlm.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("shardlm")
 
@@ -150,7 +154,7 @@ def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
     """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
     checksums per parameter): the TP group would be training different models without any error,
-    e.g. from random numbers drawn per rank that ``dropout.py`` does not replace."""
+    e.g. from random numbers drawn per rank that ``parallel/dropout.py`` does not replace."""
     if not params:
         return
     sums = []
@@ -191,7 +195,7 @@ class Trainer:
     ``history`` collects the records of logging steps, ``eval_history`` those of evaluations.
     """
 
-    model: nn.Module
+    model: ParallelModel
     config: Config
     dataset: TokenDataset
     mesh: Mesh
@@ -201,21 +205,25 @@ class Trainer:
 
     def __post_init__(self) -> None:
         t = self.config.train
+        self.module = self.model.module  # the nn.Module (``model`` is what ``parallelize`` returned)
         if t.gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self.optimizer = build_optimizer(self.model, self.config)
+            enable_activation_checkpointing(self.module)
+        self.optimizer = build_optimizer(self.module, self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config)
         self.order = GlobalBatchOrder(len(self.dataset), self.config.global_batch_size, t.seed)
         self.step = 0
         # bf16 by FSDP2's policy when the model was built with one, else by autocast
-        self.autocast = t.bf16 and getattr(self.model, "shardlm_fsdp_param_dtype", None) != torch.bfloat16
+        self.autocast = t.bf16 and self.model.fsdp_param_dtype != torch.bfloat16
         if self.eval_dataset is None and self.config.eval.path:
             self.eval_dataset = build_eval_dataset(self.config)
-        self.num_params = count_params(self.model)
+        self.num_params = count_params(self.module)
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
-        self._tp_replicas = tp_replicated_params(self.model) if self.mesh.parallel.tp > 1 else []
-        lora_dropout_sites(self.model, getattr(self.model, "shardlm_plan", None), self.mesh.parallel.tp)
+        self._tp_replicas = tp_replicated_params(self.module) if self.mesh.parallel.tp > 1 else []
+        lora_dropout_sites(self.module, self.model.plan, self.mesh.parallel.tp)
+        self.state = checkpoint.TrainState(
+            self.module, self.optimizer, self.scheduler, len(self.dataset), lora=self.model.lora
+        )
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -227,7 +235,7 @@ class Trainer:
         """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
         ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
-            return self.model(input_ids=input_ids).logits
+            return self.module(input_ids=input_ids).logits
 
     def dropout_mode(self, micro: int) -> DeterministicDropout | None:
         """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
@@ -237,7 +245,7 @@ class Trainer:
         t, p = self.config.train, self.mesh.parallel
         start = micro_batch_start(micro, self.mesh.dp_rank, p.dp_size, t.per_device_train_batch_size)
         positions = torch.arange(start, start + t.per_device_train_batch_size)
-        sites = tuple(getattr(getattr(self.model, "shardlm_plan", None), "dropout_sites", ()))
+        sites = tuple(self.model.plan.dropout_sites)
         tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
         return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites))
 
@@ -267,10 +275,9 @@ class Trainer:
                 (micro_loss / denom).backward()
             loss_sum += as_local(micro_loss).detach()
         loss = self._all_reduce_dp(loss_sum) / denom
-        partial = getattr(self.model, "shardlm_tp_partial_grads", [])
-        if partial:
-            sum_tp_partial_grads(self.model, partial, self.mesh.tp.get_group())
-        grad_norm = clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        if self.model.tp_partial_grads:
+            sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
+        grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.guard.check(loss, grad_norm, self.step + 1)  # collective: same answer on every rank
         if not skipped:
@@ -299,8 +306,8 @@ class Trainer:
         if self.eval_dataset is None:
             raise ConfigError("eval.path is not set: there is no eval data set to evaluate on")
         p, e = self.mesh.parallel, self.config.eval
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self.module.training
+        self.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
         try:
             per_device = self.config.train.per_device_train_batch_size
@@ -311,10 +318,10 @@ class Trainer:
                     totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
         finally:
-            self.model.train(was_training)
+            self.module.train(was_training)
             # a forward without backward leaves the FSDP root unsharded (its reshard waits for the
             # backward): put the sharded fp32 parameters back before anything reads or saves them
-            for module in self.model.modules():
+            for module in self.module.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
         self._all_reduce_dp(totals)
@@ -340,7 +347,9 @@ class Trainer:
 
     def _train(self) -> list[dict]:
         t, e = self.config.train, self.config.eval
-        resumed = checkpoint.maybe_resume(self)  # checkpoint: model, optimizer, scheduler, RNG, step
+        resumed = checkpoint.maybe_resume(self.state, self.config)  # model, optimizer, scheduler, RNG
+        if resumed is not None:
+            self.step = resumed["step"]
         writer = MetricsWriter(t, self.step, append=bool(resumed), enabled=dist.get_rank() == 0)
         evaluated_at = None
         try:
@@ -357,10 +366,10 @@ class Trainer:
                     self._eval(writer)
                     evaluated_at = self.step
                 saved = None
-                if checkpoint.should_save(self.step, t.save_steps, t.max_steps):
-                    saved = checkpoint.save_checkpoint(self)
+                if should_save(self.step, t.save_steps, t.max_steps):
+                    saved = self.save_checkpoint()
                 if self.guard.stop:  # some rank got SIGTERM: every rank stops after this same step
-                    faults.stop_for_signal(self, saved)
+                    faults.stop_for_signal(self.step, saved or self.save_checkpoint())
                     break
             if self.eval_dataset is not None and evaluated_at != self.step and not self.guard.stop:
                 self._eval(writer)
@@ -369,6 +378,16 @@ class Trainer:
             raise
         writer.close()
         return self.history
+
+    def save_checkpoint(self) -> str:
+        """Collective: save this step's state (``checkpoint.manager``); the step directory."""
+        return checkpoint.save_checkpoint(self.state, self.config, self.step)
+
+    def load_checkpoint(self, step_dir: str) -> dict:
+        """Collective: restore the state saved in ``step_dir`` and continue from its step; the marker."""
+        marker = checkpoint.load_checkpoint(self.state, self.config, step_dir)
+        self.step = marker["step"]
+        return marker
 
     def _eval(self, writer: MetricsWriter) -> None:
         record = self.evaluate()
@@ -411,6 +430,6 @@ def run(cfg: Config) -> list[dict]:
         frozen_dtype=frozen_dtype,
     )
     if cfg.lora is not None:
-        print0(describe_trainable(model))
+        print0(describe_trainable(model.module))
     history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset).train()
     return history

@@ -1,9 +1,9 @@
 """Data files -> rows -> token ids with per-token labels, each row judged on its own.
 
-Split from ``data.py`` so that module keeps the data set as a whole (cache, ranks, samples,
+Split from ``data/dataset.py`` so that module keeps the data set as a whole (cache, ranks, samples,
 order) and this one the single row: how a file is read and what a row of each kind becomes.
 A row never stops the run: one that cannot be used gets a status code (``REASONS``) and no
-tokens, and ``data.py`` counts it. Only a property of the whole data set (no usable row, a
+tokens, and ``data/dataset.py`` counts it. Only a property of the whole data set (no usable row, a
 field no row has) is an error.
 
 Reading uses Hugging Face ``datasets`` so the rows live in memory-mapped Arrow files and the
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.loss import IGNORE_INDEX
 
+IGNORE_INDEX = -100  # the label of a token that is not trained (the loss and torch skip it)
 JSON_COLUMN = "__shardlm_json__"
 OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL = range(7)
 REASONS = (

@@ -50,9 +50,8 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import DataConfig
+from shardlm.data.rows import BAD_JSON, IGNORE_INDEX, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
 from shardlm.errors import ConfigError
-from shardlm.loss import IGNORE_INDEX
-from shardlm.rows import BAD_JSON, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
 
 log = logging.getLogger("shardlm")
 CACHE_VERSION = "shardlm-data-1"  # bump when what a row becomes changes
@@ -335,7 +334,7 @@ class GlobalBatchOrder:
 
 def micro_batch_start(micro: int, dp_rank: int, dp_size: int, per_device: int) -> int:
     """Position in the global batch of the first sample of this dp rank's micro-step ``micro``
-    (also what ``dropout.py`` keys a sample's masks on)."""
+    (also what ``parallel/dropout.py`` keys a sample's masks on)."""
     return (micro * dp_size + dp_rank) * per_device
 
 

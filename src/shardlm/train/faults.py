@@ -6,7 +6,7 @@ itself). Every optimizer step, just before the update, one all-reduce (MAX over 
 combines each rank's "signalled" flag with its "non-finite" flag (``StepGuard.check``): all
 ranks learn in the same step that some rank was signalled, finish that step, save the same
 checkpoint and return normally (exit code 0). A signal to one worker, to every worker, or to
-the launcher (``launch.py`` forwards it to the workers) ends the same way. Under ``run`` (the
+the launcher (``distributed/launch.py`` forwards it to the workers) ends the same way. Under ``run`` (the
 CLI) a signal that comes while the model is built is kept and acted on after the first step.
 Ctrl-C (SIGINT) still stops at once, without saving. When a rank dies, the SIGTERM with which
 the launcher stops the survivors only sets the flag too: they fail at their next collective,
@@ -108,19 +108,14 @@ class StepGuard:
             )
 
 
-def stop_for_signal(trainer, saved: str | None) -> str:
-    """Every rank, after the step at which the ranks agreed to stop: save (unless ``saved``), tell the user.
+def stop_for_signal(step: int, path: str) -> str:
+    """Every rank, after the step at which the ranks agreed to stop and saved ``path``: tell the user.
 
     Returns the checkpoint directory.
     """
     global _received
-    from shardlm.checkpoint import save_checkpoint
-
-    path = saved or save_checkpoint(trainer)
     _received = None
-    log.info("stopping at step %d for SIGTERM; checkpoint %s", trainer.step, path)
+    log.info("stopping at step %d for SIGTERM; checkpoint %s", step, path)
     if dist.get_rank() == 0:
-        print(
-            f"received SIGTERM: saved {path} at step {trainer.step}, exiting; resume with train.resume=true", flush=True
-        )
+        print(f"received SIGTERM: saved {path} at step {step}, exiting; resume with train.resume=true", flush=True)
     return path

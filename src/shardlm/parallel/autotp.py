@@ -1,6 +1,6 @@
 """AutoTP: derive a tensor-parallel plan for a Hugging Face causal LM from its dataflow.
 
-A plan is ``{module_fqn: style}``; the style vocabulary (see ``styles.py``):
+A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what each shards: ``styles.PLACEMENTS``):
 
 ``colwise``  Linear/Conv1D sharded by output features: it reads a replicated activation
 ``rowwise``  Linear/Conv1D sharded by input features: it reads a sharded activation and its
@@ -77,28 +77,33 @@ computes) and stored *replicated* on the TP mesh, gradients summed over TP:
 
 from __future__ import annotations
 
+import copy
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from shardlm.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.errors import ConfigError
-
-STYLES = (
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "embedding",
-    "lm_head",
-    "replicate_grad_allreduce",
-    "sharded_norm",
-    "replicate",
-    "replicate_local",
+from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
+from shardlm.parallel.hf import (
+    MODULE_KV_COUNT_ATTRS,
+    config_value,
+    geometry,
+    head_counts,
+    head_widths,
+    is_conv1d,
+    is_linear,
+    out_features,
+    rms_norm_eps,
 )
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
+from shardlm.parallel.tp import localize_geometry
+
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 _VIEW_OPS = {"view", "reshape", "unflatten"}
@@ -124,38 +129,11 @@ _REDUCTIONS = {
     "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod", "logsumexp", "prod",
     "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
 }  # fmt: skip
+_RUNNING = "while running "  # the note ``_trace`` adds to an exception: the module whose forward raised it
 TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
 # class names of mixture-of-experts (and mixture-of-attention) layers: routed tokens, refused for now
 _MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
 _MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def is_linear(module: nn.Module) -> bool:
-    """nn.Linear or transformers' Conv1D (GPT-2's transposed linear, weight ``[in, out]``)."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
-
-
-def out_features(module: nn.Module) -> int:
-    return module.weight.shape[1] if type(module).__name__ == "Conv1D" else module.weight.shape[0]
-
-
-@dataclass
-class Plan:
-    """The inferred plan plus what was learned on the way (packed part sizes, attention modules)."""
-
-    styles: dict[str, str] = field(default_factory=dict)
-    parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
-    attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
-    agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
-    # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
-    sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
-    kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
-    # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
-    replicated: dict[str, str] = field(default_factory=dict)
-    # per dropout call site of a forward, in call order (``dropout.py``): the dim along which its
-    # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
-    # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
-    dropout_sites: list[int | None] = field(default_factory=list)
 
 
 class _ShardTracker(TorchFunctionMode):
@@ -373,7 +351,7 @@ def _trace(
         for p in m.parameters(recurse=False)
     }
     legit: dict[str, bool] = {}
-    tracker = _ShardTracker(param_owner, legit, _head_counts(meta.config))
+    tracker = _ShardTracker(param_owner, legit, head_counts(meta.config))
     tracker.tied = {i for i, n in registrations.items() if n > 1}
     outputs: dict[str, torch.Tensor] = {}
     closer_inputs: dict[str, frozenset[str]] = {}
@@ -381,7 +359,7 @@ def _trace(
     running: list[str] = []  # modules whose forward is running (named when an exception escapes)
     tracker.running = running
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
-    head_widths = _head_widths(meta.config)
+    widths_of_heads = head_widths(meta.config)
 
     def pre(name):
         label = f"{name} ({{}})"
@@ -405,7 +383,7 @@ def _trace(
             elif sources and any(True for _ in module.parameters(recurse=False)):
                 width = args[0].shape[-1]
                 params = list(module.parameters(recurse=False))
-                if all(p.dim() == 1 and p.numel() == width for p in params) and width in head_widths:
+                if all(p.dim() == 1 and p.numel() == width for p in params) and width in widths_of_heads:
                     styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     legit[owner] = True
                     tracker.inside.append(name)
@@ -439,7 +417,7 @@ def _trace(
             _meta_forward(meta, shape)
     except Exception as exc:
         if running:
-            exc.shardlm_module = f"{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})"
+            exc.add_note(f"{_RUNNING}{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})")
         raise
     finally:
         for h in hooks:
@@ -475,63 +453,6 @@ def _dropout_dims(model: nn.Module, traced: _Traced, forced: frozenset[str]) -> 
         fixed = [d for d in range(len(a)) if len(a) == len(b) and a[d] == b[d]]
         dims.append((fixed[0] if fixed else -1) if sharded else None)
     return dims
-
-
-def rms_norm_eps(module: nn.Module) -> float | None:
-    """The epsilon of ``module`` if it computes ``weight * x / sqrt(mean(x^2) + eps)`` (in fp32),
-    checked by running a CPU copy of it on random numbers; None otherwise (LayerNorm, Gemma's
-    ``1 + weight``, anything else) so that only what ``sharded_norm`` reproduces gets it."""
-    import copy
-
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if [n for n, _ in module.named_parameters(recurse=False)] != ["weight"] or not isinstance(eps, float):
-        return None
-    probe = copy.deepcopy(module).to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
-        x = torch.randn(3, probe.weight.shape[0], generator=g)
-        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return eps if torch.allclose(probe(x), want, rtol=1e-5, atol=1e-6) else None
-
-
-def _config_value(config, name: str):
-    """``config.name``, or None where the config has no single value (Gemma 4's per-layer
-    ``head_dim`` raises rather than answer)."""
-    try:
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
-        return None
-
-
-def _per_layer_values(config, name: str) -> set[int]:
-    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any."""
-    found = set()
-    per_layer = _config_value(config, "per_layer_config")
-    for layer in per_layer.values() if isinstance(per_layer, dict) else per_layer or []:
-        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
-        if isinstance(value, int):
-            found.add(value)
-    return found
-
-
-def _head_widths(config) -> set[int]:
-    """Head dims of the attention layers (several where layers differ, as in Gemma 4)."""
-    heads = _geometry(config).get("num_attention_heads")
-    hidden = _config_value(config, "hidden_size")
-    widths = {w for w in [_config_value(config, "head_dim")] if isinstance(w, int)} | _per_layer_values(
-        config, "head_dim"
-    )
-    if not widths and heads and isinstance(hidden, int):
-        widths.add(hidden // heads)
-    return widths
-
-
-def _head_counts(config) -> set[int]:
-    """Head counts (query and kv), per-layer ones included: dims of per-head tensors."""
-    geo = _geometry(config)
-    counts = {geo[k] for k in ("num_attention_heads", "num_key_value_heads") if k in geo}
-    return counts | _per_layer_values(config, "num_attention_heads") | _per_layer_values(config, "num_key_value_heads")
 
 
 def _hf_directions(model: nn.Module) -> dict[str, str]:
@@ -574,9 +495,6 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     check_config_geometry(model.config, tp)
     if tp == 1:
         return Plan()
-    import copy
-    import json
-
     key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str))
     if key not in _PLANS:
         _PLANS[key] = _infer_or_refuse(model, tp)
@@ -593,7 +511,8 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        where = getattr(exc, "shardlm_module", None) or type(model).__name__
+        notes = [n[len(_RUNNING) :] for n in getattr(exc, "__notes__", ()) if n.startswith(_RUNNING)]
+        where = notes[0] if notes else type(model).__name__
         detail = " ".join(str(exc).split())[:160]
         raise ConfigError(
             f"parallel.tp: {where}: tracing the tensor-parallel plan failed ({type(exc).__name__}: {detail}); "
@@ -616,7 +535,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:
-                reasons.setdefault(fqn, _any_block(why))
+                reasons.setdefault(fqn, any_block(why))
                 region.add(fqn)
         if not region and not traced.violations:
             plan = _assemble(model, tp, traced)
@@ -626,14 +545,14 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 plan.dropout_sites = _dropout_dims(model, traced, forced)
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
-            split = {f for f, st in traced.styles.items() if st in ("colwise", "rowwise", "packed_colwise")}
+            split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
             # its own split linears, else every split linear under it (BigBird: attention.self, .output)
             region = {f for f in split if f.rpartition(".")[0] == owner} or {
                 f for f in split if f.startswith(f"{owner}.") or not owner
             }
             # the same module of every other block fails alike: one round for all of them
             region = _every_block(region, split) - forced
-            why = _any_block(why)
+            why = any_block(why)
             for fqn in region:
                 reasons.setdefault(fqn, why)
             if not region:
@@ -657,7 +576,7 @@ def _block_key(fqn: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".#", fqn) + "."
 
 
-def _any_block(text: str) -> str:
+def any_block(text: str) -> str:
     """Module names in ``text`` with their block index as ``*`` (one reason for every block)."""
     return re.sub(r"(?<=[A-Za-z_])\.\d+(?=[.\s)]|$)", ".*", text)
 
@@ -680,9 +599,9 @@ def _refuse_moe(model: nn.Module) -> None:
                 f"parallel.tp: {name} ({cls}) is a mixture-of-experts layer, which shardlm cannot split with "
                 "tp > 1 yet; parallel.fsdp trains it"
             )
-    configs = [model.config, _config_value(model.config, "text_config")]
+    configs = [model.config, config_value(model.config, "text_config")]
     for key in _MOE_COUNTS:
-        counts = [_config_value(c, key) for c in configs if c is not None]
+        counts = [config_value(c, key) for c in configs if c is not None]
         if any(isinstance(n, int) and n > 1 for n in counts):
             raise ConfigError(
                 f"parallel.tp: {type(model).__name__} is a mixture-of-experts model "
@@ -731,9 +650,6 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     return plan
 
 
-_SPLIT = ("colwise", "rowwise", "packed_colwise", "sharded_norm")
-
-
 def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 
@@ -746,7 +662,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
       prediction head), other than tied input/output embeddings.
     """
-    split_all = [f for f, st in plan.styles.items() if st in _SPLIT]
+    split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
         fqn = owner.split(" (")[0]
         if plan.styles.get(fqn) is None:
@@ -758,17 +674,17 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
                 if name and any(True for _ in module.parameters(recurse=False)):
                     plan.styles[f"{user}.{name}"] = "replicate_local"
             continue
-        who = f"{_any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
+        who = f"{any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
         raise ConfigError(
             f"parallel.tp: {who} uses a parameter of "
-            f"{_any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
+            f"{any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
             "this model with tp > 1 yet, parallel.fsdp trains it"
         )
-    split = [f for f, st in plan.styles.items() if st in _SPLIT]
+    split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for fqn, style in plan.styles.items():
         if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
             raise ConfigError(
-                f"parallel.tp: {_any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
+                f"parallel.tp: {any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
                 "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
                 "model with tp > 1 yet, parallel.fsdp trains it"
             )
@@ -787,7 +703,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
-    split = [f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")]
+    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR]
     if forced and not split:
         first = reasons[min(forced)]
         raise ConfigError(
@@ -807,13 +723,11 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[st
     projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
     ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
     with the global trace's)."""
-    from shardlm.styles import localize_geometry
-
     meta = _build_meta(model, eager=False)
     localize_geometry(meta, plan, tp)
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)
-        conv1d = type(module).__name__ == "Conv1D"
+        conv1d = is_conv1d(module)
         if style in ("colwise", "packed_colwise") and is_linear(module):
             rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
             shape = list(module.weight.shape)
@@ -870,7 +784,7 @@ def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
 
 def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
     """The innermost running module that owns split linears (or the parent of a running one)."""
-    split = {f for f, s in plan.styles.items() if s in ("colwise", "rowwise", "packed_colwise")}
+    split = {f for f, s in plan.styles.items() if s in SPLIT_LINEAR}
     parents = {f.rpartition(".")[0] for f in split}
     for name in reversed(stack):
         if name in split:
@@ -882,12 +796,12 @@ def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
 
 def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
-    geo = _geometry(model.config)
+    geo = geometry(model.config)
     heads = geo.get("num_attention_heads", 0)
     kv = geo.get("num_key_value_heads", heads)
     if not heads or not plan.attention:
         return  # nothing split per head (attention-free, or every attention block kept replicated)
-    d = min(_head_widths(model.config) or {0})
+    d = min(head_widths(model.config) or {0})
     replicated = kv < tp
     plan.kv_heads = (kv, 1 if replicated else kv // tp)
 
@@ -922,16 +836,13 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
         owners = {f.rpartition(".")[0] for f in plan.sliced}
         for name in plan.attention:
             module = model.get_submodule(name)
-            if name not in owners and any(isinstance(getattr(module, a, None), int) for a in _KV_COUNT_ATTRS):
+            if name not in owners and any(isinstance(getattr(module, a, None), int) for a in MODULE_KV_COUNT_ATTRS):
                 valid = [t for t in _valid_tps(geo) if kv % t == 0]
                 raise ConfigError(
                     f"parallel.tp={tp} exceeds the model's num_key_value_heads={kv} and {name} "
                     f"({type(module).__name__}) fuses them in a layout shardlm cannot replicate per rank; "
                     f"valid tp values for this model: {', '.join(map(str, valid))}"
                 )
-
-
-_KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "num_key_value_groups")
 
 
 def _packed_rows(parts: list[int], kv_part: list[bool], rank: int, tp: int, d: int, head: int) -> list[tuple[int, int]]:
@@ -951,29 +862,16 @@ def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     return infer_plan(model, tp).styles
 
 
-def _local_shape(shape: tuple[int, ...], name: str, style: str, conv1d: bool, tp: int) -> tuple[int, ...]:
-    """Shape of one rank's piece of a parameter of a module with ``style``."""
-    dim = None
-    if style in ("colwise", "packed_colwise", "lm_head", "embedding", "sharded_norm"):
-        dim = 0 if name != "weight" or not conv1d else 1
-    elif style == "rowwise" and name == "weight":
-        dim = 0 if conv1d else 1
-    if dim is None or len(shape) <= dim:
-        return shape
-    return tuple(s // tp if i == dim else s for i, s in enumerate(shape))
-
-
 def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
     """One row per styled module: style, global and local parameter shapes, fp32 bytes per
     rank, and where the decision came from (cross-checked against the model's own plan or not)."""
     rows, seen = [], {}
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
-        conv1d = type(module).__name__ == "Conv1D"
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
         seen.update({id(p): f"{fqn}.{n}" for n, p in params})
-        local = {n: _local_shape(tuple(p.shape), n, style, conv1d, tp) for n, p in params}
+        local = {n: local_shape(tuple(p.shape), sharded_dim(style, module, n), tp) for n, p in params}
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
@@ -1016,29 +914,11 @@ def _valid_tps(sizes: dict[str, int]) -> list[int]:
     ]
 
 
-def _geometry(config) -> dict[str, int]:
-    """Sizes that TP must divide, read under the names different families use."""
-    aliases = {
-        "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
-        "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
-        "vocab_size": ("vocab_size",),
-        "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
-    }
-    found = {}
-    for key, names in aliases.items():
-        for n in names:
-            v = _config_value(config, n)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                found[key] = v
-                break
-    return found
-
-
 def check_config_geometry(config, tp: int) -> None:
     """Refuse a TP degree the model's shapes cannot be split by, naming the numbers."""
     if tp == 1:
         return
-    present = _geometry(config)
+    present = geometry(config)
     valid = ", ".join(map(str, _valid_tps(present)))
     for key, size in present.items():
         if size % tp and key != "num_key_value_heads":

@@ -1,0 +1,261 @@
+"""Saving and resuming a run: DCP shards of model + optimizer, and the rest of the run state.
+
+A checkpoint holds the explicit components of ``TrainState`` (as torchtitan's checkpointer takes
+its ``states``), never a Trainer: model and optimizer state as DCP shards keyed by parameter FQN
+(``get_state_dict``), so any layout can load them (DCP reshards DTensors; each rank writes and
+reads only its own boxes, a packed projection's parts included, ``distributed/shards.py``); each rank's RNG
+states under ``rng/``; and in the marker (``layout.py``) the step (= data position, the order
+being f(seed, global batch)), global batch, seed, data size, scheduler state, layout, LoRA
+config and the resolved run config. LoRA runs save only what trains; the frozen base is re-read
+from the base model on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from peft import LoraConfig as PeftLoraConfig
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from shardlm.checkpoint.io import load_dcp, read_metadata
+from shardlm.checkpoint.layout import (
+    FORMAT_VERSION,
+    checkpoints_dir,
+    copy_hf_files,
+    finalize,
+    find_latest,
+    prune,
+    read_marker,
+    resolve,
+)
+from shardlm.config import Config
+from shardlm.distributed.shards import PackedShards, SavePlanner, packed_view
+from shardlm.errors import ConfigError
+
+log = logging.getLogger("shardlm")
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+LORA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and restores besides the global RNG: explicit objects, no Trainer.
+
+    ``lora``: the peft config of a LoRA run (only what trains is saved), None otherwise.
+    ``num_samples``: the size of the training set (a resume with other data is refused).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    num_samples: int
+    lora: PeftLoraConfig | None = None
+
+    def options(self) -> StateDictOptions:
+        return LORA_OPTIONS if self.lora is not None else OPTIONS
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """Model and optimizer state to save or fill. In a LoRA run only what trains: torch's
+        ``ignore_frozen_params`` misses the second name of a tied frozen weight (GPT-2's lm_head)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options())
+        if self.lora is not None:
+            trains = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trains}
+        return model_sd, optim_sd
+
+    def lora_marker(self) -> dict | None:
+        """What the marker records of a LoRA run: the peft config (``export`` writes it out)."""
+        return None if self.lora is None else json.loads(json.dumps(self.lora.to_dict(), default=list))
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _broadcast_str(value: str) -> str:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
+    """Collective: every rank writes its shards of model, optimizer and RNG into ``step-{step}``."""
+    t = cfg.train
+    rank, start = dist.get_rank(), time.perf_counter()
+    final = os.path.join(checkpoints_dir(t.output_dir), f"step-{step}")
+    tmp = _broadcast_str(f"{final}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else "")
+    if rank == 0:
+        os.makedirs(os.path.join(tmp, "rng"))
+        copy_hf_files(cfg, os.path.join(tmp, "hf"))
+    dist.barrier()
+    model_sd, optim_sd = state.state_dicts()
+    dcp.save(
+        {"model": packed_view(model_sd), "optim": packed_view(optim_sd)},
+        storage_writer=FileSystemWriter(tmp),
+        planner=SavePlanner(),
+    )
+    save_file(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.safetensors"))
+    dist.barrier()
+    if rank == 0:
+        marker = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "samples_seen": step * cfg.global_batch_size,
+            "global_batch_size": cfg.global_batch_size,
+            "seed": t.seed,
+            "num_samples": state.num_samples,
+            "world_size": dist.get_world_size(),
+            "layout": {"tp": cfg.parallel.tp, "fsdp": cfg.parallel.fsdp, "dp_replicate": cfg.parallel.dp_replicate},
+            "lora": state.lora_marker(),
+            "scheduler": state.scheduler.state_dict(),
+            "config": cfg.to_dict(),
+        }
+        finalize(tmp, final, marker)
+        prune(t.output_dir, t.save_total_limit, final)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
+        print(f"saved {final} ({size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)", flush=True)
+    dist.barrier()
+    return final
+
+
+# ---------------------------------------------------------------- resuming
+
+
+def check_compatible(step_dir: str, marker: dict, cfg, num_samples: int | None = None) -> None:
+    """Refuse a resume that would silently change the data order (global batch, seed, data)."""
+    if marker["global_batch_size"] != cfg.global_batch_size:
+        raise ConfigError(
+            f"train.resume: '{step_dir}' was trained with global batch {marker['global_batch_size']} but this run has "
+            f"{cfg.global_batch_size} (per_device_train_batch_size x dp x gradient_accumulation_steps); make them equal"
+        )
+    if marker["seed"] != cfg.train.seed:
+        raise ConfigError(f"train.seed: {cfg.train.seed} differs from the checkpoint's {marker['seed']}; set it back")
+    if num_samples is not None and marker["num_samples"] != num_samples:
+        raise ConfigError(
+            f"data.path: the dataset has {num_samples} samples but '{step_dir}' was trained on "
+            f"{marker['num_samples']}; the data order would change, resume with the same data"
+        )
+
+
+def precheck_resume(cfg: Config) -> None:
+    """Before spawning: the checkpoint ``train.resume`` names exists, is complete and fits this run."""
+    t = cfg.train
+    if t.resume is False or t.resume is None:
+        return
+    step_dir = find_latest(t.output_dir) if t.resume is True else resolve(str(t.resume), "train.resume")
+    if step_dir is not None:
+        check_compatible(step_dir, read_marker(step_dir), cfg)
+
+
+def _check_shapes(step_dir: str, metadata: Metadata, model_sd: dict) -> None:
+    """Every model tensor must exist in the checkpoint with the same global shape."""
+    saved = metadata.state_dict_metadata
+    for name, tensor in model_sd.items():
+        item = saved.get(f"model.{name}")
+        if not isinstance(item, TensorStorageMetadata):
+            raise ConfigError(f"train.resume: '{step_dir}' has no weight '{name}'; it was saved from another model")
+        if tuple(item.size) != tuple(tensor.shape):
+            raise ConfigError(
+                f"train.resume: '{step_dir}' holds '{name}' as {list(item.size)} but 'model' has "
+                f"{list(tensor.shape)}; it was saved from another model"
+            )
+
+
+def _restore_rng(step_dir: str, saved_world: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != saved_world and rank == 0:
+        log.info(
+            "checkpoint saved by %d ranks, resuming on %d: rank r takes RNG of rank r %% %d",
+            saved_world,
+            world,
+            saved_world,
+        )
+    path = os.path.join(step_dir, "rng", f"rank{rank % saved_world}.safetensors")
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint '{step_dir}': '{path}' is missing")
+    state = load_file(path)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _check_lora(step_dir: str, marker: dict, mine: dict | None) -> None:
+    """A LoRA checkpoint resumes only a LoRA run with the same adapter shapes, and vice versa."""
+    saved = marker.get("lora")
+    if bool(saved) != bool(mine):
+        what = "a LoRA run" if saved else "a full fine-tuning run"
+        fix = "add the same 'lora' section" if saved else "remove the 'lora' section"
+        raise ConfigError(f"train.resume: '{step_dir}' is from {what}; {fix} to resume it")
+    if saved:
+        for key in ("r", "lora_alpha", "target_modules", "modules_to_save"):
+            a, b = saved.get(key), mine.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise ConfigError(f"lora: {key} is {b!r} but '{step_dir}' was trained with {a!r}; set it back")
+
+
+def load_checkpoint(state: TrainState, cfg: Config, step_dir: str) -> dict:
+    """Collective: restore model, optimizer, scheduler and RNG from ``step_dir`` (any layout).
+
+    Returns the marker; its ``step`` is where training continues."""
+    marker = read_marker(step_dir)
+    check_compatible(step_dir, marker, cfg, state.num_samples)
+    _check_lora(step_dir, marker, state.lora_marker())
+    metadata = read_metadata(step_dir)
+    model_sd, optim_sd = state.state_dicts()
+    _check_shapes(step_dir, metadata, model_sd)
+    loaded = {"model": packed_view(model_sd), "optim": packed_view(optim_sd)}
+    load_dcp(loaded, step_dir)  # tensors in place; non-tensor entries (lr, betas) replaced in ``loaded``
+    for section, target in (("model", model_sd), ("optim", optim_sd)):
+        for key, value in loaded[section].items():
+            if not isinstance(value, PackedShards):
+                target[key] = value
+    set_state_dict(
+        state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=state.options()
+    )
+    state.scheduler.load_state_dict(marker["scheduler"])
+    state.scheduler.last_epoch -= 1  # recompute this step's lr: same value, or the new schedule's
+    state.scheduler.step()  # if train.max_steps changed on resume
+    _restore_rng(step_dir, marker["world_size"])
+    return marker
+
+
+def maybe_resume(state: TrainState, cfg: Config) -> dict | None:
+    """Apply ``train.resume``: ``true`` -> newest complete checkpoint of output_dir (none: start
+    fresh), a path -> that checkpoint. Returns the marker resumed from, or None."""
+    t = cfg.train
+    if t.resume is False or t.resume is None:
+        return None
+    if t.resume is True:
+        found = find_latest(t.output_dir) if dist.get_rank() == 0 else None
+        step_dir = _broadcast_str(found or "") or None
+        if step_dir is None:
+            if dist.get_rank() == 0:
+                print(f"resume: no complete checkpoint in {checkpoints_dir(t.output_dir)}; starting fresh", flush=True)
+            return None
+    else:
+        step_dir = resolve(str(t.resume), "train.resume")
+    marker = load_checkpoint(state, cfg, step_dir)
+    if dist.get_rank() == 0:
+        saved = ", ".join(f"{k}={v}" for k, v in marker["layout"].items())
+        print(f"resumed from {step_dir} at step {marker['step']} (saved with {saved})", flush=True)
+    return marker

@@ -1,0 +1,171 @@
+"""Reading the run configuration: YAML file + dotted ``KEY=VALUE`` overrides -> checked dataclasses.
+
+Every value check that needs no model is here (unknown keys, types, ranges, paths), so bad input
+fails before any rank is spawned; the model-aware checks are ``shardlm.preflight``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from dataclasses import fields
+from typing import Any
+
+import yaml
+
+from shardlm.config.schema import SCHEDULERS, Config, DataConfig, EvalConfig, TrainConfig
+from shardlm.errors import ConfigError
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys and wrong types by name."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        where = f"'{prefix.rstrip('.')}'" if prefix else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys, got {values!r}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key '{name}'; valid keys here: {', '.join(known)}")
+        f = known[key]
+        if "section" in f.metadata:  # an optional section (``lora``): absent or null means off
+            kwargs[key] = None if value is None else _build(f.metadata["section"], value, f"{name}.")
+        elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            kwargs[key] = _build(f.default_factory, value, f"{name}.")
+        else:
+            kwargs[key] = _coerce(f, value, name)
+    return cls(**kwargs)
+
+
+def _coerce(f: dataclasses.Field, value: Any, name: str) -> Any:
+    """Check a leaf value against the field's declared type (ints accept whole floats, floats ints)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"config key '{name}' must not be null")
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"config key '{name}' must be an integer, got {value!r}")
+        return int(value)
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{name}' must be a number, got {value!r}")
+        return float(value)
+    if kind == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"config key '{name}' must be true or false, got {value!r}")
+    if kind.startswith("str") and not isinstance(value, str):
+        raise ConfigError(f"config key '{name}' must be a string, got {value!r}")
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` strings to a nested dict; values are parsed as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like KEY=VALUE, e.g. parallel.tp=2")
+        key, _, text = item.partition("=")
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:  # absent, or an empty section (``data:`` with nothing under it)
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        try:
+            node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"override '{item}': the value is not valid YAML; put it in YAML quotes") from None
+    return raw
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, raw: dict | None = None) -> Config:
+    """Read a YAML file (or take ``raw``), apply overrides, build and validate the config."""
+    if raw is None:
+        if path is None or not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' not found; pass the path of a YAML config")
+        with open(path) as fh:
+            try:
+                raw = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                line = getattr(getattr(exc, "problem_mark", None), "line", None)
+                where = f" at line {line + 1}" if line is not None else ""
+                raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+    if not isinstance(raw, dict):
+        where = f"config file '{path}'" if path else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys (model, data, parallel, train)")
+    raw = apply_overrides(copy.deepcopy(raw), overrides or [])  # the caller's ``raw`` stays as it was
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks of values and paths alone (those that need the model: ``shardlm.preflight``)."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    for key in ("tp", "fsdp", "dp_replicate"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if t.lr_scheduler_type not in SCHEDULERS:
+        names = ", ".join(SCHEDULERS)
+        raise ConfigError(f"train.lr_scheduler_type must be one of {names}, got '{t.lr_scheduler_type}'")
+    if not cfg.model:
+        raise ConfigError("config key 'model' is required: a Hugging Face model directory")
+    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        raise ConfigError(f"model: '{cfg.model}' has no config.json; point 'model' at a Hugging Face model directory")
+    d.check()
+    _validate_checkpointing(t)
+    _validate_training(t, cfg.eval)
+    _validate_faults(t)
+
+
+def _validate_checkpointing(t: TrainConfig) -> None:
+    """Checkpoint keys (``checkpoint/manager.py``): counts, and that a resume path exists before spawning."""
+    if t.save_steps < 0:
+        raise ConfigError(f"train.save_steps must be >= 0 (0 turns checkpoints off), got {t.save_steps}")
+    if t.save_total_limit is not None and t.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
+    if not isinstance(t.resume, (bool, str)):
+        raise ConfigError(f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    if isinstance(t.resume, str) and not os.path.isdir(t.resume):
+        raise ConfigError(f"train.resume: '{t.resume}' is not a directory; pass a checkpoint step-N or an output_dir")
+
+
+def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
+    """Optimizer, reporting and evaluation keys (``train/optim.py``, ``train/metrics.py``, ``train/trainer.py``)."""
+    if t.optim not in t.OPTIMIZERS:
+        raise ConfigError(f"train.optim must be one of {', '.join(t.OPTIMIZERS)}, got '{t.optim}'")
+    if t.sgd_momentum < 0:
+        raise ConfigError(f"train.sgd_momentum must be >= 0, got {t.sgd_momentum}")
+    if t.report_to not in t.REPORT_TO:
+        raise ConfigError(f"train.report_to must be one of {', '.join(t.REPORT_TO)}, got '{t.report_to}'")
+    if e.steps < 0:
+        raise ConfigError(f"eval.steps must be >= 0 (0: evaluate only at the end), got {e.steps}")
+    if e.max_batches is not None and e.max_batches < 1:
+        raise ConfigError(f"eval.max_batches must be >= 1 or null (the whole set), got {e.max_batches}")
+    if e.path:
+        if not os.path.exists(e.path):
+            raise ConfigError(f"eval.path: '{e.path}' does not exist")
+        if os.path.isfile(e.path) and not e.path.lower().endswith(DataConfig.EXTENSIONS):
+            raise ConfigError(f"eval.path: '{e.path}' is not a {', '.join(DataConfig.EXTENSIONS)} file")
+
+
+def _validate_faults(t: TrainConfig) -> None:
+    """Fault keys (``train/faults.py``, ``distributed/mesh.py``)."""
+    if t.max_bad_steps < 1:
+        raise ConfigError(
+            f"train.max_bad_steps must be >= 1 (non-finite steps in a row before stopping), got {t.max_bad_steps}"
+        )
+    if not math.isfinite(t.timeout_s) or t.timeout_s <= 0:
+        raise ConfigError(f"train.timeout_s must be a positive number of seconds (default 600), got {t.timeout_s}")

@@ -1,0 +1,163 @@
+"""The run configuration as dataclasses: what every key means and its default (no I/O here).
+
+Names follow Hugging Face ``TrainingArguments`` where one exists, so a user of the HF Trainer
+recognises every key. ``load.py`` builds these from YAML and checks the values; checks that
+need the model (its geometry, the traced plan, LoRA targets) are in ``shardlm.preflight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from shardlm.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    """Where the training text is and how it becomes samples (see ``data/dataset.py`` for every row kind).
+
+    ``path``: a .txt (one document per line), .jsonl, .json or .parquet file, or a directory of
+    them. Rows are plain text (``text_field``), a prompt/response pair (``prompt_field`` and
+    ``response_field``: only the response is trained) or a chat (``messages_field``: a list of
+    ``{role, content}`` rendered with the tokenizer's chat template; only assistant turns are
+    trained). ``cache_dir``: where tokenized data is kept (default: the Hugging Face datasets cache).
+    """
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = (".txt", ".jsonl", ".json", ".parquet")
+
+    path: str = ""
+    seq_len: int = 128
+    packing: bool = True
+    text_field: str = "text"
+    prompt_field: str | None = None
+    response_field: str | None = None
+    messages_field: str | None = None
+    cache_dir: str | None = None
+
+    def check(self) -> None:
+        """Checks of the data section that need no tokenizer: path, extension, field combination."""
+        kinds = ", ".join(self.EXTENSIONS)
+        if not self.path:
+            raise ConfigError(f"config key 'data.path' is required: a {kinds} file or a directory of them")
+        if not os.path.exists(self.path):
+            raise ConfigError(f"data.path: '{self.path}' does not exist")
+        if os.path.isfile(self.path) and not self.path.lower().endswith(self.EXTENSIONS):
+            raise ConfigError(f"data.path: '{self.path}' is not a {kinds} file; convert it or point at a directory")
+        if (self.prompt_field is None) != (self.response_field is None):
+            raise ConfigError("data.prompt_field and data.response_field go together: set both or neither")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ConfigError("data.messages_field excludes data.prompt_field/response_field: set one kind of row")
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first)."""
+
+    tp: int = 1
+    fsdp: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.fsdp * self.dp_replicate
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many different micro-batches are processed at once."""
+        return self.fsdp * self.dp_replicate
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (``parallel/lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
+    ``lora_alpha``, default 2*r; the update is scaled by alpha/r), ``dropout`` (``lora_dropout``),
+    ``target_modules`` (module names or a regex; null: peft's default for the model type),
+    ``modules_to_save`` (modules trained whole and saved with the adapter). ``adapter``: a peft
+    adapter directory to continue training; its ``adapter_config.json`` then sets r, alpha and
+    the targets (setting them differently here is an error)."""
+
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: list | str | None = None
+    modules_to_save: list | None = None
+    adapter: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Training settings; names follow Hugging Face ``TrainingArguments`` where one exists."""
+
+    OPTIMIZERS: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
+    REPORT_TO: ClassVar[tuple[str, ...]] = ("none", "tensorboard")
+
+    output_dir: str = "runs/x"
+    max_steps: int = 100
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    optim: str = "adamw"  # adamw (foreach on CPU, fused on CUDA) | sgd; no weight decay on 1-D params
+    learning_rate: float = 3.0e-4
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1.0e-8
+    sgd_momentum: float = 0.0  # optim: sgd only
+    max_grad_norm: float = 1.0
+    # bf16 compute, fp32 master weights, optimizer state and gradient reduction. With FSDP (dp > 1):
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); without: torch.autocast(bf16)
+    # around the forward. The loss is computed in fp32.
+    bf16: bool = False
+    gradient_checkpointing: bool = False  # recompute each decoder block's activations in the backward
+    seed: int = 0
+    logging_steps: int = 1
+    report_to: str = "none"  # none | tensorboard (event files under output_dir/tensorboard)
+    save_steps: int = 0  # checkpoint every N steps and at the end; 0: no checkpoints
+    save_total_limit: int | None = None  # keep the newest N complete checkpoints; None: all
+    resume: bool | str = False  # true: newest complete checkpoint of output_dir; or a checkpoint path
+    # faults (faults.py): stop after this many non-finite steps in a row (each one's update is skipped)
+    max_bad_steps: int = 3
+    # seconds any collective may wait for the other ranks before failing (every process group)
+    timeout_s: float = 600.0
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss and perplexity during training (``train/trainer.py``).
+
+    ``path``: same formats as ``data.path``, tokenized with the ``data`` settings (seq_len, packing,
+    fields); empty: no evaluation. ``steps``: evaluate every N optimizer steps, and always at the
+    end (0: only at the end). ``max_batches``: at most N batches per data-parallel rank, each of
+    ``train.per_device_train_batch_size`` samples, taken in file order (null: the whole set).
+    """
+
+    path: str = ""
+    steps: int = 0
+    max_batches: int | None = None
+
+
+@dataclass
+class Config:
+    model: str = ""
+    tokenizer: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig | None = field(default=None, metadata={"section": LoraConfig})
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step; the data order depends on this and the seed only."""
+        t = self.train
+        return t.per_device_train_batch_size * self.parallel.dp_size * t.gradient_accumulation_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEDULERS = ("constant", "linear", "cosine")

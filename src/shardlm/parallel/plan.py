@@ -1,0 +1,25 @@
+"""The tensor-parallel plan of one model at one TP degree: what ``autotp`` derives, what the
+styles (``tp.py``), LoRA, the estimator and ``shardlm plan`` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Plan:
+    """The inferred plan plus what was learned on the way (packed part sizes, attention modules)."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
+    attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
+    agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
+    # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
+    sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
+    # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
+    replicated: dict[str, str] = field(default_factory=dict)
+    # per dropout call site of a forward, in call order (``parallel/dropout.py``): the dim along which its
+    # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
+    # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
+    dropout_sites: list[int | None] = field(default_factory=list)

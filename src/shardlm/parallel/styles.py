@@ -1,0 +1,118 @@
+"""The style vocabulary of a TP plan, and the one table of what each style shards.
+
+A plan maps module FQNs to a ``Style``; ``PLACEMENTS`` says, per style, which dimension of the
+module's weight and bias it shards over TP (for an ``nn.Linear``/``nn.Embedding`` layout; a
+Conv1D stores its weight transposed, ``sharded_dim`` swaps it) and which activation it reads and
+produces. The plan (``autotp``), the DTensor styles (``tp``), LoRA's placements, the memory
+estimator and ``shardlm plan``'s table all read this, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch.nn as nn
+
+from shardlm.parallel.hf import is_conv1d
+
+
+class Style(StrEnum):
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    PACKED_COLWISE = "packed_colwise"
+    EMBEDDING = "embedding"
+    LM_HEAD = "lm_head"
+    REPLICATE_GRAD_ALLREDUCE = "replicate_grad_allreduce"
+    SHARDED_NORM = "sharded_norm"
+    REPLICATE = "replicate"
+    REPLICATE_LOCAL = "replicate_local"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one style does to a module on the TP mesh.
+
+    ``weight`` / ``bias``: the dimension sharded over TP (None: whole on every rank). ``reads`` /
+    ``writes``: the activation it takes and gives. ``splits``: it divides the work of a layer
+    (the plan's split layers). ``lora``: peft's LoRA layers on it can be placed.
+    """
+
+    weight: int | None
+    bias: int | None
+    reads: str
+    writes: str
+    splits: bool = False
+    lora: bool = False
+    doc: str = ""
+
+
+PLACEMENTS: dict[Style, Placement] = {
+    Style.COLWISE: Placement(
+        0, 0, "replicated", "sharded on the last dim", splits=True, lora=True,
+        doc="Linear/Conv1D sharded by output features",
+    ),
+    Style.ROWWISE: Placement(
+        1, None, "sharded on the last dim", "replicated (all-reduced)", splits=True, lora=True,
+        doc="Linear/Conv1D sharded by input features; its output is all-reduced back into the residual stream",
+    ),
+    Style.PACKED_COLWISE: Placement(
+        0, 0, "replicated", "each fused part sharded on the last dim", splits=True, lora=True,
+        doc="a fused colwise projection (qkv, gate_up, GPT-2's c_attn): each part sharded on its own",
+    ),
+    Style.EMBEDDING: Placement(
+        0, None, "token ids", "replicated (all-reduced)",
+        doc="token embedding sharded by vocabulary rows",
+    ),
+    Style.LM_HEAD: Placement(
+        0, 0, "replicated", "logits sharded by vocabulary (the loss runs under loss_parallel)",
+        doc="output projection sharded by vocabulary",
+    ),
+    Style.REPLICATE_GRAD_ALLREDUCE: Placement(
+        None, None, "sharded per head", "sharded per head",
+        doc="parameters acting per head on sharded activations (Qwen3's q_norm): gradients summed over TP",
+    ),
+    Style.SHARDED_NORM: Placement(
+        0, None, "sharded on the last dim", "sharded on the last dim", splits=True,
+        doc="an RMSNorm across a whole sharded width (OLMo-2's q_norm): the mean of squares all-reduced",
+    ),
+    Style.REPLICATE: Placement(
+        None, None, "replicated", "replicated",
+        doc="every other module owning parameters (norms, sub-blocks kept whole)",
+    ),
+    Style.REPLICATE_LOCAL: Placement(
+        None, None, "replicated (local views)", "replicated",
+        doc="a module that uses its children's parameters directly, computed on local views of them",
+    ),
+}  # fmt: skip
+
+# the styles that divide a layer's work between the TP ranks (the rest hold whole parameters)
+SPLIT_STYLES = tuple(s for s, p in PLACEMENTS.items() if p.splits)
+# the split linear layers: what LoRA can adapt, and what a kept-replicated sub-block gives up
+SPLIT_LINEAR = tuple(s for s, p in PLACEMENTS.items() if p.lora)
+
+
+def sharded_dim(style: str | None, module: nn.Module, param: str) -> int | None:
+    """The dimension of ``module.<param>`` that ``style`` shards over TP, or None (whole on every
+    rank). A Conv1D stores its weight ``[in, out]``: the table's ``nn.Linear`` dim is swapped."""
+    if style is None:
+        return None
+    placement = PLACEMENTS[Style(style)]
+    dim = {"weight": placement.weight, "bias": placement.bias}.get(param)
+    if dim is not None and param == "weight" and is_conv1d(module):
+        dim = 1 - dim
+    return dim
+
+
+def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape of one rank's piece when ``dim`` is split ``tp`` ways (evenly: the plan checked it)."""
+    if dim is None or len(shape) <= dim:
+        return shape
+    return tuple(s // tp if i == dim else s for i, s in enumerate(shape))
+
+
+def lora_dims(style: str) -> tuple[int | None, int | None]:
+    """The TP-sharded dims of LoRA's ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` on a base
+    layer of ``style``: A is split where the base splits its input, B where it splits its output."""
+    weight = PLACEMENTS[Style(style)].weight
+    return (1 if weight == 1 else None), (0 if weight == 0 else None)

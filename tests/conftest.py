@@ -1,0 +1,55 @@
+"""What the tests share: the two tiers, the in-process world, and the checkpointed runs.
+
+Tiers: a test marked ``ranks`` starts real processes (gloo ranks on localhost, or the CLI in a
+subprocess) or a process group in this process; everything else is the fast tier, run alone by
+``make test-fast`` (``pytest -m "not ranks"``). Rank bodies themselves live in ``helpers.py``:
+they run in spawned processes, where fixtures do not exist.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from helpers import run_ranks, train_jobs, write_model_dir
+
+from shardlm import init_distributed
+
+
+@pytest.fixture
+def one_process():
+    """In-process one-rank world for cheap single-process runs; torn down afterwards."""
+    init_distributed()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tp2_runs(tmp_path_factory) -> dict:
+    """One 2-rank spawn shared by test_checkpoint.py and test_consolidate.py (a spawn costs ~10 s):
+    uninterrupted tp=2 runs of a GQA Llama and a tied-embedding MHA Llama (saves at 5 and 10),
+    then resumes from step-5: the GQA one at tp=2 and at fsdp=2, the tied one at fsdp=2."""
+    root = tmp_path_factory.mktemp("ckpt")
+    model = write_model_dir(str(root / "llama"), "llama")
+    tied = write_model_dir(str(root / "tied"), "llama", num_key_value_heads=4, tie_word_embeddings=True)
+    step5, tied5 = (str(root / run / "checkpoints" / "step-5") for run in ("a", "t"))
+    jobs = [
+        (model, "tp2", str(root / "a")),
+        (tied, "tp2", str(root / "t")),
+        (model, "tp2", str(root / "b"), {"resume": step5}),
+        (model, "fsdp2", str(root / "c"), {"resume": step5}),
+        (tied, "fsdp2", str(root / "tc"), {"resume": tied5}),
+    ]
+    full, tied_full, same, fsdp, tied_fsdp = run_ranks(train_jobs, 2, jobs)
+    return dict(
+        root=root,
+        model=model,
+        tied=tied,
+        step5=step5,
+        full=full,
+        same=same,
+        fsdp=fsdp,
+        tied_full=tied_full,
+        tied_fsdp=tied_fsdp,
+    )
