@@ -26,11 +26,11 @@ the model's shapes; otherwise one line naming the first missing (or misshapen) w
 Consolidation writes the published layout: the rules that matched at load time are recorded in the
 checkpoint (``hf/shardlm_weight_layout.json``, ``record_layout``) and reversed by
 ``revert_weight_conversion``, as ``save_pretrained`` does for a model ``from_pretrained`` loaded;
-without a record (random init) the rules ``save_pretrained`` uses for a new model. A converter
-whose reverse joins several in-memory tensors into one (the reverse of a load-time ``Chunk`` or
-``Split``) is not reversed: those tensors keep their in-memory names (``from_pretrained`` loads
-them as they are). The written names are then mapped forward again by the same rules and must give
-exactly the model's keys and shapes (``check_reload``).
+without a record (random init) the rules ``save_pretrained`` uses for a new model. Consolidation
+writes one checkpoint tensor at a time (``PublishedUnpack``); where a reverse joins several
+in-memory tensors into one (the reverse of a load-time ``Chunk`` or ``Split``), the group is read
+and written together. The written names are then mapped forward again by the same rules and must
+give exactly the model's keys and shapes (``check_reload``).
 """
 
 from __future__ import annotations
