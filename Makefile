@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardlm-installed
 PYTHON ?= python3
 
-.PHONY: setup test test-fast demo bench bench-scale lint clean matrix
+.PHONY: setup test test-fast demo bench bench-scale lint clean matrix published-weights
 
 setup: $(STAMP)
 
@@ -47,3 +47,9 @@ clean:
 # Compatibility matrix of every causal-LM type of the installed transformers (docs/compatibility.md)
 matrix: setup
 	$(PY) scripts/matrix.py
+
+# Published checkpoint layouts of every causal-LM type with conversion rules (docs/published_weights.md),
+# then the matrix's "published weights" column from it (the matrix itself is not rerun)
+published-weights: setup
+	$(PY) scripts/published_sweep.py
+	$(PY) scripts/matrix.py --docs-only

@@ -213,6 +213,7 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if k not in ("reference", "path", "traceback")} for r in rows]
     counts = _counts(rows)
+    weights = _weights_cells(out_dir / "published_weights.json")
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "seconds": round(seconds), **counts}
     (out_dir / "compatibility.json").write_text(json.dumps({"meta": meta, "rows": clean}, indent=1) + "\n")
     lines = [
@@ -230,18 +231,42 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         f"{counts['refused']} are refused with one line, {counts['mismatch']} mismatch, {counts['run_error']} fail "
         f"in training at tp=2, {counts['plan_error']} raise in the plan.",
         "",
+        "**published weights** (types with checkpoint conversion rules; `scripts/published_sweep.py`, "
+        "[published_weights.md](published_weights.md)): a checkpoint `save_pretrained` writes in the published "
+        "layout loads exactly through transformers' rules (in-memory tensors read by renamed key / as boxes / "
+        "whole), and is written back as the same files.",
+        "",
     ]
     for group in GROUPS:
         members = [r for r in rows if r.get("group") == group]
         if not members:
             continue
-        lines += [f"## {group} ({len(members)})", "", "| model type | plan | tp=2 | tp2 x fsdp2 |", "|---|---|---|---|"]
+        lines += [
+            f"## {group} ({len(members)})",
+            "",
+            "| model type | plan | tp=2 | tp2 x fsdp2 | published weights |",
+            "|---|---|---|---|---|",
+        ]
         for r in sorted(members, key=lambda r: r["type"]):
             lines.append(
-                f"| {r['type']} | {_plan_cell(r)} | {_run_cell(r.get('tp2'))} | {_run_cell(r.get('tp2_fsdp2'))} |"
+                f"| {r['type']} | {_plan_cell(r)} | {_run_cell(r.get('tp2'))} | {_run_cell(r.get('tp2_fsdp2'))} "
+                f"| {weights.get(r['type'], '')} |"
             )
         lines.append("")
     (out_dir / "compatibility.md").write_text("\n".join(lines))
+
+
+def _weights_cells(path: Path) -> dict[str, str]:
+    """``{model type: cell}`` from ``scripts/published_sweep.py``'s JSON, if it was run."""
+    if not path.is_file():
+        return {}
+    cells = {}
+    for r in json.loads(path.read_text()):
+        read = ", ".join(f"{k} {v}" for k, v in sorted(r.get("read", {}).items()))
+        detail = f": `{r['detail']}`" if r.get("detail") else ""
+        back = f"; written back: {r['write_back']}" if r.get("write_back") else ""
+        cells[r["type"]] = (f"{r['status']}{detail}" + (f" ({read})" if read else "") + back).replace("|", "\\|")
+    return cells
 
 
 def _plan_cell(r: dict) -> str:
@@ -288,7 +313,14 @@ def main() -> None:
     parser.add_argument("--no-fsdp", action="store_true", help="skip the tp2 x fsdp2 runs")
     parser.add_argument("--jobs", type=int, default=2, help="processes building and planning models (default 2)")
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--docs-only", action="store_true", help="rewrite compatibility.md from the JSON files in docs/"
+    )
     args = parser.parse_args()
+    if args.docs_only:  # e.g. after scripts/published_sweep.py: the matrix itself is not rerun
+        saved = json.loads((REPO / "docs" / "compatibility.json").read_text())
+        write_docs(saved["rows"], saved["meta"]["seconds"], REPO / "docs")
+        return
     if args.rank_chunk:
         from shardlm.distributed.launch import spawn
 

@@ -4,6 +4,7 @@
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
 rank: the head/vocabulary geometry against ``parallel.tp``, LayerDrop under more than one rank,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
+the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
 """
 
@@ -12,15 +13,18 @@ from __future__ import annotations
 from shardlm.checkpoint.manager import precheck_resume
 from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
-from shardlm.parallel.build import build_meta_model
+from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
 from shardlm.parallel.lora import check_lora
+from shardlm.parallel.published import check as check_weights
 
 
 def check_run(cfg: Config) -> None:
     """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work."""
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
+    if has_weights(cfg.model):  # the checkpoint's names, converted by transformers' rules, cover the model
+        check_weights(cfg.model, build_meta_model(cfg.model))
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if p.tp > 1 or cfg.lora is not None:  # what only the traced plan can refuse (Falcon's fused kv groups)

@@ -41,6 +41,7 @@ from shardlm.checkpoint.output import (
 )
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import build_meta_model
+from shardlm.parallel.published import PublishedUnpack, check_reload
 
 Unpack = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 SINGLE_FILE = "model.safetensors"
@@ -117,6 +118,8 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
                 {k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()},
             )
         )
+    if hasattr(unpack, "published_shapes"):  # the names and shapes save_pretrained writes (parallel/published.py)
+        expected = unpack.published_shapes(expected)
     produced = {k: v[0] for s in sources for k, v in s.outputs.items()}
     if produced != expected:
         wrong = sorted(set(produced) ^ set(expected)) or [k for k in produced if produced[k] != expected[k]]
@@ -194,13 +197,21 @@ def consolidate(
     if marker.get("lora"):  # a peft adapter directory, or the merged model (``export_lora.py``)
         return consolidate_lora(step_dir, marker, out, target, merge)
     metadata = read_metadata(step_dir)
-    unpack = unpack_for(marker)
+    hf = os.path.join(step_dir, "hf")
+
+    def read(state: dict) -> None:
+        load_dcp(state, step_dir, no_dist=True)
+
+    unpack = PublishedUnpack(hf, build_meta_model(hf), unpack_for(marker), read)  # the published layout
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
     with staged(out) as tmp:
         count = _write(step_dir, tmp, groups, target, unpack)
         write_hf_files(step_dir, tmp, target)
         checked = verify(step_dir, tmp, target, unpack, sources)
+        problem = check_reload(build_meta_model(hf), tmp)  # from_pretrained's names: none missing or unexpected
+        if problem:
+            raise VerificationError(problem)
         if checked != count:
             raise VerificationError(f"wrote {count} tensors but verified {checked}")
     print(CHECK_MESSAGE.format(n=checked), flush=True)

@@ -25,6 +25,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from shardlm.checkpoint.io import load_dcp, read_metadata
 from shardlm.checkpoint.output import CHECK_MESSAGE, VerificationError, same_bits, staged, write_hf_files
@@ -72,7 +73,7 @@ def _write_merged(adapter_dir: str, out: str, marker: dict, dtype: torch.dtype) 
     merged = PeftModel.from_pretrained(_base_model(marker), adapter_dir).merge_and_unload()
     merged = merged.to(dtype)
     merged.save_pretrained(out)
-    state = merged.state_dict()
+    state = revert_weight_conversion(merged, merged.state_dict())  # the names save_pretrained wrote
     count = 0
     for file in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):
         with safe_open(os.path.join(out, file), "pt") as fh:

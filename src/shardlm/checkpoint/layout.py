@@ -17,6 +17,8 @@ import shutil
 import uuid
 
 from shardlm.errors import ConfigError
+from shardlm.parallel.build import build_meta_model, has_weights
+from shardlm.parallel.published import record_layout
 
 log = logging.getLogger("shardlm")
 
@@ -97,6 +99,8 @@ def copy_hf_files(cfg, dest: str) -> None:
         for name in names:
             if os.path.isfile(os.path.join(folder, name)):
                 shutil.copy2(os.path.join(folder, name), os.path.join(dest, name))
+    if has_weights(cfg.model):  # the published layout the weights were read in, for consolidation
+        record_layout(cfg.model, dest, build_meta_model(cfg.model))
 
 
 def _fsync_dir(path: str) -> None:

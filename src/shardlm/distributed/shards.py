@@ -75,7 +75,7 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(local_piece(param, full.to(local.dtype)))
 
 
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+def index_runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     """``index`` as maximal runs of consecutive positions: (local start, global start, length)."""
     runs: list[tuple[int, int, int]] = []
     for local, position in enumerate(index.tolist()):
@@ -98,7 +98,7 @@ class PackedShards:
         self.local = param.to_local()
         self.global_size = param.shape
         self.boxes: list[tuple[torch.Size, torch.Tensor]] = []  # (global offsets, view of local)
-        per_dim = [_runs(local_index(param, d)) for d in range(param.ndim)]
+        per_dim = [index_runs(local_index(param, d)) for d in range(param.ndim)]
         for runs in product(*per_dim):
             view = self.local
             for dim, (start, _, length) in enumerate(runs):

@@ -18,18 +18,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlm.config import LoraConfig
 from shardlm.distributed.mesh import Mesh
-from shardlm.distributed.shards import LoadPlanner, fill_from_full, packed_view
+from shardlm.distributed.shards import fill_from_full
 from shardlm.errors import ConfigError
-from shardlm.parallel import lora
+from shardlm.parallel import lora, published
 from shardlm.parallel.autotp import infer_plan
 from shardlm.parallel.hf import tied_keys
 from shardlm.parallel.plan import Plan
@@ -158,15 +156,9 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(model: nn.Module, model_path: str) -> None:
     """Read safetensors shard by shard into the local pieces of every (D)Tensor (DCP's HF reader):
-    each rank reads only its own rows, a packed projection's parts included (``distributed/shards.py``)."""
-    reader = HuggingFaceStorageReader(model_path)
-    available = set(reader.read_metadata().state_dict_metadata)
-    state = _base_state(model)
-    missing = [k for k in state if k not in available]
-    if missing:
-        raise ConfigError(f"model: '{model_path}' lacks weights for {missing[0]} (and {len(missing) - 1} more)")
-    with torch.no_grad():
-        dcp.load(packed_view({k: v.detach() for k, v in state.items()}), storage_reader=reader, planner=LoadPlanner())
+    each rank reads only its own rows, a packed projection's parts included (``distributed/shards.py``), the
+    checkpoint's names and merged/concatenated tensors mapped by transformers' rules (``parallel/published.py``)."""
+    published.load(_base_state(model), model_path, build_meta_model(model_path))
 
 
 def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:

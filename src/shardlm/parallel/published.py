@@ -1,0 +1,471 @@
+"""Published checkpoint layouts: the names (and merges, concatenations, chunks) that checkpoints
+store on disk, converted to the names the model holds in memory by transformers' own rules.
+
+transformers 5 keeps, per model type or class, a list of weight transforms
+(``transformers.conversion_mapping.get_model_conversion_mapping``): ``WeightRenaming`` /
+``PrefixChange`` rename keys, ``WeightConverter`` runs operations (``MergeModulelist`` stacks
+per-expert tensors, ``Concatenate``, ``Chunk``, ``Split``, ...). ``from_pretrained`` applies them
+while loading and ``save_pretrained`` applies their reverse. Nothing here re-types a rule: the
+rules, their key matching (``rename_source_key``, in transformers' key order) and the reverse
+conversion (``revert_weight_conversion``) are transformers' own.
+
+Loading (``load``): every rank still reads only its own rows, through DCP's HF storage reader.
+
+* a renamed key (rename, prefix change, a key kept as is): the parameter is read under the
+  checkpoint's name, shard by shard as before;
+* ``MergeModulelist`` (+ ``Concatenate``), ``Concatenate``, ``Chunk``, ``Split``: each source
+  tensor is one box of the target tensor (``_pieces``); a rank reads from every source only the
+  part that overlaps its own piece of the target, straight into views of its local tensor;
+* any other operation (``Interleave``, ``PermuteForRope``, the model-specific ones): each rank
+  reads that converter's source tensors whole, once, runs transformers' converter on them and
+  keeps its piece.
+
+Before spawning (``check``): the checkpoint's names after conversion must cover the model, with
+the model's shapes; otherwise one line naming the first missing (or misshapen) weight.
+
+Consolidation writes the published layout: the rules that matched at load time are recorded in the
+checkpoint (``hf/shardlm_weight_layout.json``, ``record_layout``) and reversed by
+``revert_weight_conversion``, as ``save_pretrained`` does for a model ``from_pretrained`` loaded;
+without a record (random init) the rules ``save_pretrained`` uses for a new model. Consolidation
+writes one checkpoint tensor at a time (``PublishedUnpack``); where a reverse joins several
+in-memory tensors into one (the reverse of a load-time ``Chunk`` or ``Split``), the group is read
+and written together. The written names are then mapped forward again by the same rules and must
+give exactly the model's keys and shapes (``check_reload``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from copy import deepcopy
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+import torch.nn as nn
+
+from shardlm.distributed.shards import LoadPlanner, PackedShards, fill_from_full, index_runs, local_index, packed_view
+from shardlm.errors import ConfigError
+from shardlm.parallel.hf import tied_keys
+
+LAYOUT_FILE = "shardlm_weight_layout.json"
+
+
+@dataclass
+class Piece:
+    """One box of a source tensor placed in a target tensor: ``target[target_offset : +size] =
+    source[source_offset : +size]``; ``stacked``: the target has one more leading dim (a stacked
+    expert list) and the box sits at ``target_offset[0]`` of it."""
+
+    source: str
+    source_offset: tuple[int, ...]
+    target_offset: tuple[int, ...]
+    size: tuple[int, ...]
+    stacked: bool = False
+
+
+@dataclass
+class Unit:
+    """One entry of transformers' load loop: the in-memory tensors one transform produces and the
+    checkpoint tensors it reads, in the order transformers collects them."""
+
+    key: str  # the first target key (transformers' ``param_name_to_load`` key)
+    converter: object | None  # a ``WeightConverter``; None: a renamed (or unchanged) key
+    sources: dict[str, list[str]]  # source pattern -> checkpoint keys
+    outputs: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # in-memory key -> shape
+    pieces: dict[str, list[Piece]] | None = None  # None: read whole (or a rename)
+    kind: str = "rename"
+    error: str | None = None  # transformers' converter failed on the checkpoint's shapes
+
+
+@dataclass
+class Layout:
+    """A checkpoint's keys mapped onto a model by transformers' rules."""
+
+    units: list[Unit]
+    by_key: dict[str, Unit]  # in-memory key -> its unit
+    unexpected: list[str]
+    used: list[int]  # indices into ``rules(model)`` of the transforms that matched
+    rule_names: list[str]
+
+
+def rules(model: nn.Module) -> list:
+    """The transforms ``from_pretrained`` applies to ``model`` (no user key mapping, no quantizer)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model)
+
+
+def _meta_tensor(shape, dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def map_checkpoint(model: nn.Module, available: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Layout:
+    """Map checkpoint keys (``{key: (shape, dtype)}``) onto ``model`` (on meta) as
+    ``convert_and_load_state_dict_in_model`` does: keys in its order, all renamings then at most
+    one converter, the base-model prefix added or stripped; the converters run on meta tensors to
+    learn the names and shapes they give."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    transforms = rules(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta_sd = model.state_dict()
+    prefix = model.base_model_prefix
+    units: dict[str, Unit] = {}
+    unexpected: list[str] = []
+    for key in sorted(available, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
+        if renamed not in meta_sd and key in meta_sd:
+            renamed, pattern = rename_source_key(key, [], [], prefix, meta_sd)
+        if renamed in meta_sd:
+            if pattern is not None:
+                unit = units.setdefault(renamed, Unit(renamed, deepcopy(by_pattern[pattern]), {}, kind="convert"))
+                unit.sources.setdefault(pattern, []).append(key)
+            else:
+                units.setdefault(renamed, Unit(renamed, None, {"": [key]}, {renamed: tuple(available[key][0])}))
+        elif pattern is not None:
+            targets = by_pattern[pattern].target_patterns
+            unexpected += [renamed.replace(targets[0], t) for t in targets]
+        else:
+            unexpected.append(renamed)
+    for unit in units.values():
+        if unit.converter is not None:
+            _plan_converter(unit, model, available)
+    by_key = {out: unit for unit in units.values() for out in unit.outputs}
+    used = [i for i, t in enumerate(transforms) if t.was_used()]
+    return Layout(list(units.values()), by_key, unexpected, used, [repr(t) for t in transforms])
+
+
+def _run_converter(unit: Unit, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' converter of ``unit`` on ``tensors`` (checkpoint key -> tensor): its outputs."""
+    conv = deepcopy(unit.converter)
+    for pattern, keys in unit.sources.items():
+        for key in keys:
+            conv.add_tensor(unit.key, key, pattern, tensors[key])
+    out = conv.convert(unit.key, model=model, config=model.config)
+    return {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
+
+
+def _plan_converter(unit: Unit, model: nn.Module, available: dict) -> None:
+    try:
+        meta = {k: _meta_tensor(*available[k]) for keys in unit.sources.values() for k in keys}
+        unit.outputs = {k: tuple(v.shape) for k, v in _run_converter(unit, model, meta).items()}
+    except Exception as exc:  # noqa: BLE001 - the checkpoint's tensors do not fit the rule (or an op needs values)
+        targets = unit.converter.target_patterns
+        unit.outputs = {unit.key.replace(targets[0], t): None for t in targets}
+        unit.kind = "whole"
+        ops = "+".join(type(op).__name__ for op in unit.converter.operations)
+        unit.error = f"transformers' {ops} fails on the checkpoint's shapes: {' '.join(str(exc).split())[:160]}"
+        return
+    unit.pieces = _pieces(unit, available)
+    unit.kind = "boxes" if unit.pieces is not None else "whole"
+
+
+def _pieces(unit: Unit, available: dict) -> dict[str, list[Piece]] | None:
+    """Each source as a box of its target, for the operation chains whose geometry is a tiling:
+    ``MergeModulelist(0)`` [+ ``Concatenate(d)``], ``Concatenate(d)``, ``Chunk(d)``, ``Split(d)``.
+    None for anything else (read whole). The tiling is checked against the shapes transformers'
+    own converter gave on meta tensors."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split
+
+    ops = unit.converter.operations
+    kinds = [type(op) for op in ops]
+    order = [p for p in unit.converter.source_patterns if p in unit.sources]
+    shape = {k: tuple(available[k][0]) for keys in unit.sources.values() for k in keys}
+    outs = list(unit.outputs)
+    pieces: dict[str, list[Piece]] = {k: [] for k in outs}
+    if kinds and kinds[0] is MergeModulelist and ops[0].dim == 0 and kinds[1:] in ([], [Concatenate]):
+        if len(outs) != 1 or (len(kinds) == 1 and len(order) != 1):
+            return None
+        cat = ops[1].dim if len(kinds) == 2 else None
+        if cat is not None and cat < 1:
+            return None
+        offset = 0
+        for pattern in order:
+            keys = unit.sources[pattern]
+            for e, key in enumerate(keys):
+                target = [e] + [0] * len(shape[key])
+                if cat is not None:
+                    target[cat] = offset
+                pieces[outs[0]].append(Piece(key, (0,) * len(shape[key]), tuple(target), shape[key], stacked=True))
+            if cat is not None:
+                offset += shape[keys[0]][cat - 1]
+    elif kinds == [Concatenate]:
+        if len(outs) != 1:
+            return None
+        dim, offset = ops[0].dim, 0
+        for pattern in order:
+            for key in unit.sources[pattern]:
+                target = [0] * len(shape[key])
+                target[dim] = offset
+                pieces[outs[0]].append(Piece(key, (0,) * len(shape[key]), tuple(target), shape[key]))
+                offset += shape[key][dim]
+    elif kinds in ([Chunk], [Split]) and len(order) == 1 and len(unit.sources[order[0]]) == 1:
+        key, dim, offset = unit.sources[order[0]][0], ops[0].dim, 0
+        for out in outs:
+            source = [0] * len(shape[key])
+            source[dim] = offset
+            pieces[out].append(Piece(key, tuple(source), (0,) * len(shape[key]), unit.outputs[out]))
+            offset += unit.outputs[out][dim]
+    else:
+        return None
+    return pieces if all(_tiles(unit.outputs[k], pieces[k]) for k in outs) else None
+
+
+def _tiles(target: tuple[int, ...] | None, pieces: list[Piece]) -> bool:
+    """The pieces lie inside ``target`` and their volumes add up to it (they never overlap: each
+    is placed at a distinct offset along the dim that was stacked or concatenated)."""
+    if target is None:
+        return False
+    total = 0
+    for p in pieces:
+        size = ((1,) if p.stacked else ()) + tuple(p.size)
+        if len(size) != len(target) or any(o + s > t for o, s, t in zip(p.target_offset, size, target)):
+            return False
+        total += torch.Size(size).numel()
+    return total == torch.Size(target).numel()
+
+
+def _header(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (shape, dtype)}`` of the safetensors files in ``model_path`` (headers only)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(model_path).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
+
+
+def _untied_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """In-memory keys a checkpoint must hold (tied duplicates left out), with their shapes."""
+    tied = tied_keys(model)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
+
+
+def missing(layout: Layout, needed: dict[str, tuple[int, ...] | None]) -> list[str]:
+    """Needed keys the layout does not produce, or produces with another shape, in model order."""
+    out = []
+    for key, shape in needed.items():
+        unit = layout.by_key.get(key)
+        got = unit.outputs.get(key) if unit else None
+        if unit is None:
+            out.append(key)
+        elif unit.error is not None:
+            out.append(f"{key} ({unit.error})")
+        elif shape is not None and got is not None and tuple(got) != tuple(shape):
+            out.append(f"{key} (converted: {list(got)}, the model needs {list(shape)})")
+    return out
+
+
+def refuse_missing(model_path: str, gaps: list[str]) -> None:
+    if gaps:
+        raise ConfigError(f"model: '{model_path}' lacks weights for {gaps[0]} (and {len(gaps) - 1} more)")
+
+
+def check(model_path: str, model: nn.Module) -> Layout:
+    """Before spawning: the checkpoint at ``model_path``, converted by transformers' rules, covers
+    ``model`` (its meta model) with the model's shapes; else one ``ConfigError`` naming the first gap."""
+    layout = map_checkpoint(model, _header(model_path))
+    refuse_missing(model_path, missing(layout, _untied_shapes(model)))
+    return layout
+
+
+# --- loading, on every rank -------------------------------------------------------------------
+
+
+def _local_boxes(param: torch.Tensor, piece: Piece):
+    """(source offsets, view of ``param``'s local tensor) for every box of ``piece`` this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    lead = 1 if piece.stacked else 0
+    per_dim = []
+    for d in range(param.ndim):
+        if lead and d == 0:
+            start, length, source = piece.target_offset[0], 1, None
+        else:
+            start, length, source = piece.target_offset[d], piece.size[d - lead], piece.source_offset[d - lead]
+        cut = []
+        for local_start, global_start, run in index_runs(local_index(param, d)):
+            a, b = max(global_start, start), min(global_start + run, start + length)
+            if a < b:
+                cut.append((local_start + a - global_start, None if source is None else source + a - start, b - a))
+        per_dim.append(cut)
+    for combo in product(*per_dim):
+        view = local
+        for d, (local_start, _, length) in enumerate(combo):
+            view = view.narrow(d, local_start, length)
+        if lead:
+            view = view.select(0, 0)
+        yield torch.Size(c[1] for c in combo[lead:]), view
+
+
+def _source_boxes(size: tuple[int, ...], boxes: list, placeholder: torch.Tensor):
+    """A checkpoint tensor as DCP sees it when it lands in boxes of other tensors (``shards.PackedShards``'
+    protocol, with the boxes given)."""
+    obj = PackedShards.__new__(PackedShards)
+    obj.local, obj.global_size, obj.boxes = placeholder, torch.Size(size), boxes
+    return obj
+
+
+def load(state: dict[str, torch.Tensor], model_path: str, meta: nn.Module) -> None:
+    """Fill ``state`` (``{in-memory HF key: (D)Tensor}``, this rank's pieces) from the checkpoint
+    at ``model_path`` through transformers' conversion rules; see the module docstring. ``meta``:
+    a fresh meta model of ``model_path`` (the trained one's class is FSDP's subclass, and
+    transformers looks rules up by class name; its keys may be peft's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    available = _header(model_path)
+    layout = map_checkpoint(meta, available)
+    refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}))
+    direct: dict[str, torch.Tensor] = {}
+    boxes: dict[str, list] = defaultdict(list)
+    whole: dict[int, Unit] = {}
+    for key, tensor in state.items():
+        unit = layout.by_key[key]
+        if unit.converter is None:
+            direct[unit.sources[""][0]] = tensor.detach()
+        elif unit.pieces is not None:
+            for piece in unit.pieces[key]:
+                boxes[piece.source].extend(_local_boxes(tensor.detach(), piece))
+        else:
+            whole[id(unit)] = unit
+    dcp_state = packed_view(direct)
+    for source, found in boxes.items():
+        placeholder = found[0][1] if found else torch.empty(0)
+        dcp_state[source] = _source_boxes(available[source][0], found, placeholder)
+    with torch.no_grad():
+        dcp.load(dcp_state, storage_reader=HuggingFaceStorageReader(model_path), planner=LoadPlanner())
+        for unit in whole.values():  # transformers' converter on whole source tensors, one unit at a time
+            keys = [k for ks in unit.sources.values() for k in ks]
+            full = {k: torch.empty(available[k][0], dtype=available[k][1]) for k in keys}
+            dcp.load(full, storage_reader=HuggingFaceStorageReader(model_path), no_dist=True)
+            for out, tensor in _run_converter(unit, meta, full).items():
+                if out in state:
+                    fill_from_full(state[out], tensor)
+            del full
+
+
+# --- consolidation: the reverse ---------------------------------------------------------------
+
+
+def record_layout(model_path: str, dest: str, model: nn.Module) -> None:
+    """Write which of transformers' rules matched the checkpoint at ``model_path`` (``model``: its
+    meta model) into ``dest`` (a checkpoint's ``hf/``), so consolidation writes the same layout back."""
+    import transformers
+
+    layout = map_checkpoint(model, _header(model_path))
+    record = {
+        "transformers": transformers.__version__,
+        "rules_used": [[i, layout.rule_names[i]] for i in layout.used],
+    }
+    with open(os.path.join(dest, LAYOUT_FILE), "w") as fh:
+        json.dump(record, fh, indent=1)
+
+
+def saving_model(hf_dir: str, model: nn.Module) -> nn.Module:
+    """``model``, the meta model of ``hf_dir``, with ``_weight_conversions`` set as ``save_pretrained`` would
+    find it: the recorded rules (a model loaded from a checkpoint), else those transformers uses
+    for a new model (``revert_weight_conversion``: no ``PrefixChange``, no legacy renamings)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    path = os.path.join(hf_dir, LAYOUT_FILE)
+    if os.path.isfile(path):
+        with open(path) as fh:
+            record = json.load(fh)
+        transforms = rules(model)
+        chosen = []
+        for index, name in record["rules_used"]:
+            if index >= len(transforms) or repr(transforms[index]) != name:
+                raise ConfigError(
+                    f"checkpoint '{os.path.dirname(hf_dir)}' was loaded with the conversion rule {name} of "
+                    f"transformers {record['transformers']}, which this transformers does not have at that place"
+                )
+            chosen.append(transforms[index])
+    else:
+        chosen = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
+    model._weight_conversions = chosen
+    return model
+
+
+def _joined_groups(model: nn.Module, keys: list[str]) -> dict[str, list[str]]:
+    """In-memory keys that one reverse converter joins into one tensor (the reverse of a load-time
+    ``Chunk``/``Split``), grouped as ``revert_weight_conversion`` groups them: ``{key: group}``."""
+    from transformers.core_model_loading import WeightConverter, apply_converters, dot_natural_key
+
+    reverse = [t.reverse_transform() for t in model._weight_conversions[::-1]]
+    converters = [t for t in reverse if isinstance(t, WeightConverter)]
+    groups: dict[str, list[str]] = defaultdict(list)
+    for key in sorted(keys, key=dot_natural_key):
+        renamed, pattern = apply_converters(key, converters)
+        if pattern is not None:
+            groups[renamed].append(key)
+    return {k: g for g in groups.values() if len(g) > 1 for k in g}
+
+
+class PublishedUnpack:
+    """``consolidate``'s unpack: one checkpoint tensor -> its tensors in the published layout
+    (transformers' ``revert_weight_conversion``), after ``inner``. Where the reverse joins several
+    in-memory tensors into one, the group's first tensor gives the joined tensor (the others are
+    read for it by ``read``, which fills ``{"model.<name>": tensor}`` from the checkpoint) and the
+    others give nothing."""
+
+    def __init__(self, hf_dir: str, model: nn.Module, inner, read=None):
+        self.model = saving_model(hf_dir, model)
+        self.inner = inner
+        self.read = read
+        self.shapes = _untied_shapes(self.model)
+        self.groups = _joined_groups(self.model, list(self.shapes))
+
+    def _members(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        others = [k for k in self.groups[name] if k != name]
+        if tensor.is_meta:
+            state = {f"model.{k}": _meta_tensor(self.shapes[k], tensor.dtype) for k in others}
+        else:
+            state = {f"model.{k}": torch.empty(self.shapes[k], dtype=tensor.dtype) for k in others}
+            self.read(state)
+        return {name: tensor, **{k[len("model.") :]: v for k, v in state.items()}}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        if name in self.groups:
+            if self.groups[name][0] != name:
+                return {}  # written with the group's first tensor
+            members = self._members(name, tensor)
+            inner = {k: v for n, t in members.items() for k, v in self.inner(n, t).items()}
+            return revert_weight_conversion(self.model, inner)
+        out = {}
+        for key, value in self.inner(name, tensor).items():
+            out.update(revert_weight_conversion(self.model, {key: value}))
+        return out
+
+    def published_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """What ``save_pretrained`` would write for these in-memory tensors, reverted all at once."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = {k: _meta_tensor(v, torch.float32) for k, v in shapes.items()}
+        return {k: tuple(v.shape) for k, v in revert_weight_conversion(self.model, state).items()}
+
+
+def check_reload(model: nn.Module, out: str) -> str | None:
+    """The written directory, mapped forward by the rules ``from_pretrained`` uses onto ``model`` (a
+    fresh meta model), gives exactly its keys with its shapes; else what is missing or unexpected."""
+    layout = map_checkpoint(model, _header(out))
+    gaps = missing(layout, _untied_shapes(model))
+    if gaps:
+        return f"from_pretrained would miss '{gaps[0]}' in the written files"
+    if layout.unexpected:
+        return f"from_pretrained would not expect '{layout.unexpected[0]}' in the written files"
+    return None
+
+
+def describe(layout: Layout) -> dict[str, int]:
+    """How many in-memory tensors each way of reading gives (rename, boxes, whole)."""
+    counts: dict[str, int] = defaultdict(int)
+    for unit in layout.units:
+        counts[unit.kind] += len(unit.outputs)
+    return dict(counts)
