@@ -41,7 +41,7 @@ EXPECT = {
     "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
     "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
     "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
-    "lfm2_conv": (0, "model.layers.*.conv (Lfm2ShortConv)", "model.layers.*.conv.in_proj"),
+    "lfm2_conv": (0, "model.layers.*.conv.conv (Conv1d) acts on its split", "model.layers.*.conv.in_proj"),
     "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
     "xlm": (0, "transformer.layer_norm_emb", None),
     "roc_bert": (0, "cls.predictions.decoder", None),
