@@ -38,8 +38,8 @@ FSDP_SUBSET = ["gpt2", "llama", "bloom", "codegen", "falcon", "gpt_bigcode", "lf
 CHUNK_TIMEOUT_S = 420
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """Not an Exception: shardlm's plan turns any Exception while tracing into a refusal."""
 
 
 def _alarm(seconds: int):
@@ -107,12 +107,13 @@ def survey(model_type: str, root: str) -> dict:
         model = AutoModelForCausalLM.from_config(config).float()
         ids = torch.randint(0, 64, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
-    except Exception as exc:  # noqa: BLE001 - recorded: the type does not build at tiny sizes
+    except (Exception, _Timeout) as exc:  # noqa: BLE001 - recorded: the type does not build at tiny sizes
         signal.alarm(0)
         row.update(build=f"{type(exc).__name__}: {' '.join(str(exc).split())[:100]}", group="(does not build)")
         return row
     row["build"] = "ok"
     try:
+        _alarm(300)  # the plan's own time (HRM's nested recurrent loops take a while on shared cores)
         plan = infer_plan(build_meta_model(path), 2)
         row["plan"] = "made"
         row["replicated"] = sorted({w for w in plan.replicated.values()})[:2]
@@ -121,7 +122,7 @@ def survey(model_type: str, root: str) -> dict:
     except ConfigError as exc:
         row["plan"] = "refused"
         row["refusal"] = f"error: {exc}"
-    except Exception as exc:  # noqa: BLE001 - a bug in shardlm: recorded with its class
+    except (Exception, _Timeout) as exc:  # noqa: BLE001 - a bug in shardlm: recorded with its class
         row["plan"] = "error"
         row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
         row["traceback"] = traceback.format_exc(limit=-3)
@@ -133,7 +134,7 @@ def survey(model_type: str, root: str) -> dict:
             _alarm(120)
             row["reference"] = plain_reference(path, 4, steps=STEPS)
             row["path"] = path
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, _Timeout) as exc:  # noqa: BLE001
             row["plan_note"] = f"reference failed: {type(exc).__name__}"
         finally:
             signal.alarm(0)

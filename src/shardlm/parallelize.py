@@ -189,7 +189,8 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     """Random init that is identical for every layout and never whole on one rank: every rank
     draws the model's own init one decoder block at a time (``seeded_init.py``) and keeps its
     piece of each tensor (``local_piece`` knows every placement, packed ones too)."""
-    targets = _base_state(model)
+    # parameters only: buffers keep the values they were built with (``_restore_buffers``)
+    targets = {k: v for k, v in _base_state(model).items() if isinstance(v, nn.Parameter)}
     try:
         meta = build_meta_model(model_path)
         aliases = _aliases(meta)
