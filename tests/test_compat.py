@@ -3,7 +3,7 @@
 Tiny models from each type's own transformers config defaults (``scripts/tiny.py``), only
 sizes shrunk. ``shardlm plan`` never shows a traceback: it makes a plan (keeping replicated
 the sub-blocks that cannot be split, with the reason) or refuses in one line naming the module.
-Accepted plans train at tp=2 exactly like one process (five of them, in one spawn).
+Accepted plans train at tp=2 exactly like one process (ten of them, in one spawn).
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ MODELS = {
     "falcon_mq": ("falcon", {"multi_query": True, "new_decoder_architecture": False}),
     "gpt_bigcode": ("gpt_bigcode", {"multi_query": True}),
     "lfm2_conv": ("lfm2", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "num_hidden_layers": 2}),
+    "cpmant": ("cpmant", {}),  # kept-replicated modules make plain tensors of their own (position buckets)
+    "xlm": ("xlm", {}),  # the embeddings' norm output is modified in place (`tensor *= mask`)
+    "roc_bert": ("roc_bert", {}),  # the LM-head bias is also `cls.predictions.bias`: one tensor after TP
+    "diffllama": ("diffllama", {}),  # exp(sum(lambda_q1 * lambda_k1)) scales split heads: kept replicated
+    "hrm_text": ("hrm_text", {}),  # the model's own initial state around split layers: replicate_own
 }
 # what `shardlm plan --tp 2` says: (exit code, text in its output, a linear it keeps replicated)
 EXPECT = {
@@ -36,7 +41,12 @@ EXPECT = {
     "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
     "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
     "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
-    "lfm2_conv": (0, "model.layers.*.conv (Lfm2ShortConv)", "model.layers.*.conv.in_proj"),
+    "lfm2_conv": (0, "model.layers.*.conv.conv (Conv1d) acts on its split", "model.layers.*.conv.in_proj"),
+    "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
+    "xlm": (0, "transformer.layer_norm_emb", None),
+    "roc_bert": (0, "cls.predictions.decoder", None),
+    "diffllama": (0, "a tensor computed from parameters of model.layers.*", "model.layers.*.self_attn.q_proj"),
+    "hrm_text": (0, "replicate_own", None),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
     "mixtral": (2, "error: parallel.tp: model.layers.0.mlp (MixtralSparseMoeBlock) is a mixture-of-experts", None),
 }
@@ -95,6 +105,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 # trained in the spawn (a model costs ~5-10 s there on 2 cores); Gemma 4 and GPT-BigCode train
 # with parity in `make matrix` (docs/compatibility.md), here only their plans are checked
 TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
+TRAINED += ["cpmant", "xlm", "roc_bert", "diffllama", "hrm_text"]  # kept replicated on local tensors, shared bias
 
 
 @pytest.mark.ranks

@@ -14,11 +14,15 @@ A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what 
              q_norm/k_norm): replicated, gradients summed over the TP group
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
-``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole)
+``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole); in
+             a finished plan it becomes ``replicate_local`` or ``replicate_own`` (below)
 ``replicate_local``  learned position embeddings (they make position tensors of their own), and
              a module that uses its children's parameters directly (a mixer calling
              ``conv1d(x, self.conv1d.weight)``) with everything under it, none of it split:
-             parameters replicated, the module computes on local views of them
+             parameters replicated, the module computes on local views of them; also every
+             ``replicate`` module with nothing split under it (``_run_local``)
+``replicate_own``  a module with parameters of its own around split children (HRM's initial
+             state): its own parameters only, replicated, computed on as local views
 
 The algorithm (no table of model names): run one forward of the model on the meta device
 under a ``TorchFunctionMode`` that tracks which tensors are *sharded* across TP ranks. A
@@ -160,6 +164,13 @@ class _ShardTracker(TorchFunctionMode):
         self.running: list[str] = []  # modules whose forward is running, innermost last
         self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
         self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
+        # parameters a module's forward returns (GPT-NeoX-Japanese's attention returns its
+        # ``dense_bias`` for the layer to add): the caller receives the local view its style made
+        self.returned: set[int] = set()
+        # id(tensor) -> owners of the parameters it is computed from alone (DiffLlama's
+        # ``exp(sum(lambda_q1 * lambda_k1))``): such a tensor meeting split activations is a parameter
+        # meeting them (each rank would compute its gradient from its own heads only)
+        self.from_params: dict[int, frozenset[str]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
@@ -205,7 +216,12 @@ class _ShardTracker(TorchFunctionMode):
         self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
             self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
-            if isinstance(t, nn.Parameter) and id(t) in self.param_owner and id(t) not in self.tied and self.running:
+            if (
+                isinstance(t, nn.Parameter)
+                and id(t) in self.param_owner
+                and id(t) not in self.tied | self.returned
+                and self.running
+            ):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
                     self.foreign.setdefault(owner, self.running[-1])
@@ -214,6 +230,11 @@ class _ShardTracker(TorchFunctionMode):
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             self._record_slice(args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        if inputs and not sources and all(self._owners(t) for t in inputs):
+            owners = frozenset().union(*(self._owners(t) for t in inputs))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.from_params[id(t)] = owners
         if sources:
             if not self.inside:
                 self._check(name, inputs, sources)
@@ -222,6 +243,12 @@ class _ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
         return out
+
+    def _owners(self, t: torch.Tensor) -> frozenset[str]:
+        """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
+        if isinstance(t, nn.Parameter):
+            return frozenset({self.param_owner.get(id(t), "?")})
+        return self.from_params.get(id(t), frozenset())
 
     def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str]) -> None:
         """Record what cannot act on this op's sharded input(s) as they stand."""
@@ -233,6 +260,11 @@ class _ShardTracker(TorchFunctionMode):
                 owner = self.param_owner.get(id(t), "?")
                 if owner not in self.legit:
                     self.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
+            elif id(t) in self.from_params and not self.from_params[id(t)] <= self.legit.keys():
+                owner = sorted(self.from_params[id(t)] - self.legit.keys())[0]
+                self.violations.append(
+                    (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
+                )
             elif t.dim() and t.numel() > 1 and self.heads:
                 for s in sharded:
                     # the heads dim of split activations is never the last (that is head_dim or keys)
@@ -403,6 +435,7 @@ def _trace(
                 running.pop()
             if tracker.inside and tracker.inside[-1] == name:
                 tracker.inside.pop()
+            tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 outputs[name] = out
@@ -541,6 +574,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
+                _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = _dropout_dims(model, traced, forced)
                 return _finish(model, plan, forced, reasons)
@@ -650,6 +684,24 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     return plan
 
 
+def _run_local(model: nn.Module, plan: Plan) -> None:
+    """Every ``replicate`` module with nothing split under it becomes ``replicate_local``, with
+    everything under it: whole on every rank, it computes on plain tensors and local views of its
+    parameters. As replicated DTensors, the tensors a module makes of its own inside (CPM-Ant's
+    relative position buckets, a sliding-window mask, an RG-LRU's recurrent state) would meet
+    DTensors (``got mixed torch.Tensor and DTensor``), and a norm's output would be a view that
+    modeling code cannot modify in place (XLM's ``tensor *= mask``)."""
+    kept = ("replicate", "replicate_local")
+    for fqn, style in list(plan.styles.items()):
+        if style != "replicate":
+            continue
+        under = [f for f in plan.styles if not fqn or f.startswith(f"{fqn}.")]
+        if any(plan.styles[f] not in kept for f in under):
+            continue  # something under it is split (or placed otherwise): ``_refuse_unplaceable``
+        for f in [fqn, *under]:
+            plan.styles[f] = "replicate_local"
+
+
 def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 
@@ -657,8 +709,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
       ``conv1d(x, self.conv1d.weight)``): styles act at module boundaries, so it would meet
       plain tensors as a DTensor (where nothing under that module is split, it becomes
       ``replicate_local`` instead: it computes on local copies of its parameters);
-    * a module with parameters of its own (replicated) around split children (GPT-NeoX-Japanese's
-      attention ``dense_bias`` added to a row-parallel output);
+    * a ``replicate_grad_allreduce`` module with parameters of its own around split children (a
+      ``replicate`` one becomes ``replicate_own``: its parameters act on whole activations only);
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
       prediction head), other than tied input/output embeddings.
     """
@@ -683,6 +735,11 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for fqn, style in plan.styles.items():
         if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
+            if style == "replicate":
+                # its own parameters act on whole activations only (the trace checked: a parameter,
+                # or a tensor computed from parameters alone, meeting split ones is a violation)
+                plan.styles[fqn] = "replicate_own"
+                continue
             raise ConfigError(
                 f"parallel.tp: {any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
                 "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlm.config import LoraConfig
@@ -93,12 +94,20 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
+    shared = _shared_parameters(model)
     if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
         styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
+    # a parameter registered in several modules stays one: the registration a style placed (BERT's
+    # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)
+    for places in shared:
+        placed = [getattr(m, n) for m, n in places if isinstance(getattr(m, n), DTensor)]
+        for module, name in places:
+            if placed and getattr(module, name) is not placed[0]:
+                setattr(module, name, placed[0])
     if tied:
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
@@ -165,14 +174,17 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
     """Random init that is identical for every layout and never whole on one rank: every rank
     draws the model's own init one decoder block at a time (``parallel/seeded_init.py``) and keeps its
     piece of each tensor (``local_piece`` knows every placement, packed ones too)."""
-    targets = _base_state(model)
+    # parameters only: buffers keep the values they were built with (``_restore_buffers``)
+    targets = {k: v for k, v in _base_state(model).items() if isinstance(v, nn.Parameter)}
     try:
         meta = build_meta_model(model_path)
+        aliases = _aliases(meta)
         filled = set()
-        for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
-            if key in targets:
-                fill_from_full(targets[key], tensor)  # the piece is cut on the CPU, then copied over
-                filled.add(key)
+        for drawn, tensor in seeded_state(meta, decoder_blocks(meta), seed):
+            for key in aliases.get(drawn, [drawn]):  # a shared weight is drawn under one of its names
+                if key in targets:
+                    fill_from_full(targets[key], tensor)  # the piece is cut on the CPU, then copied over
+                    filled.add(key)
     except UnwrittenInit as exc:
         if dist.get_rank() == 0:
             print(f"random init: {exc}; building the whole model on rank 0 instead", flush=True)
@@ -180,6 +192,14 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
         return
     if len(filled) != len(targets):
         raise RuntimeError(f"random init drew no value for {sorted(set(targets) - filled)[0]}")
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter registered under several names (tied weights) -> all its names."""
+    names: dict[int, list[str]] = {}
+    for key, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(key)
+    return {key: keys for keys in names.values() if len(keys) > 1 for key in keys}
 
 
 def _init_from_whole_model(targets: dict[str, torch.Tensor], model_path: str, seed: int) -> None:
@@ -206,12 +226,10 @@ def reference_model(model_path: str, seed: int) -> nn.Module:
     """The plain one-process model shardlm starts from (also what tests compare against): the
     same values ``init_from_seed`` gives every layout."""
     model = _whole_seeded_model(model_path, seed)
-    tied = tied_keys(model)
     try:
         meta = build_meta_model(model_path)
         for key, tensor in seeded_state(meta, decoder_blocks(meta), seed):
-            if key not in tied:
-                model.get_parameter(key).copy_(tensor)
+            model.get_parameter(key).copy_(tensor)  # a tied weight: under whichever name it was drawn
     except UnwrittenInit:
         return _whole_seeded_model(model_path, seed)
     return model

@@ -27,6 +27,7 @@ class Style(StrEnum):
     SHARDED_NORM = "sharded_norm"
     REPLICATE = "replicate"
     REPLICATE_LOCAL = "replicate_local"
+    REPLICATE_OWN = "replicate_own"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,11 @@ PLACEMENTS: dict[Style, Placement] = {
     ),
     Style.REPLICATE_LOCAL: Placement(
         None, None, "replicated (local views)", "replicated",
-        doc="a module that uses its children's parameters directly, computed on local views of them",
+        doc="a module kept whole (nothing under it split): computed on plain tensors and local views",
+    ),
+    Style.REPLICATE_OWN: Placement(
+        None, None, "replicated (local views of its own parameters)", "replicated",
+        doc="a module with parameters of its own around split children: only those are local views",
     ),
 }  # fmt: skip
 

@@ -6,7 +6,11 @@ checkpoints keep their HF layout. Three styles are ours:
 
 * ``replicate``: a module (a norm) whose parameters must be DTensors on the TP mesh while the
   activations through it are plain tensors: inputs enter as replicated DTensors and leave
-  local, so its gradients are replicated DTensors like everything else.
+  local, so its gradients are replicated DTensors like everything else. Plans now give
+  ``replicate_local`` (``LocalReplicate``: the module computes on plain tensors and local views
+  of its parameters, so tensors it makes of its own never meet DTensors) to every such module
+  with nothing split under it, and ``replicate_own`` (its own parameters only) to one around
+  split children.
 * ``replicate_grad_allreduce``: the same, for a module applied per head to a *sharded*
   activation (Qwen3's q_norm/k_norm): each rank's gradient covers only its heads, so the
   trainer sums these gradients over the TP group (``sum_tp_partial_grads``).
@@ -243,6 +247,10 @@ class LocalReplicate(ParallelStyle):
     own forward hooks, so FSDP2 (which unshards a whole block before) and activation
     checkpointing (which reruns the module) see their parameters as they left them."""
 
+    def __init__(self, own_only: bool = False):
+        super().__init__()
+        self.own_only = own_only  # ``replicate_own``: split children place their own parameters
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shard_params(
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
@@ -250,7 +258,7 @@ class LocalReplicate(ParallelStyle):
         saved: list[tuple[nn.Module, str, torch.Tensor]] = []
 
         def to_local(mod, args):
-            for sub in mod.modules():
+            for sub in [mod] if self.own_only else mod.modules():
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
                         saved.append((sub, name, param))
@@ -311,6 +319,8 @@ def make_style(style: str, parts: list[int] | None = None, rows: list | None = N
             return ReplicateParallel()
         case Style.REPLICATE_LOCAL:
             return LocalReplicate()
+        case Style.REPLICATE_OWN:
+            return LocalReplicate(own_only=True)
         case Style.SHARDED_NORM:
             return ShardedRMSNorm()
 
