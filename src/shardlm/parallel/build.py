@@ -98,7 +98,10 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
-        styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
+        styles = {
+            fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn))
+            for fqn, s in plan.styles.items()
+        }
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     if tied:

@@ -1,0 +1,212 @@
+"""Mixture-of-experts under TP: experts split by their intermediate dim (``parallel/experts.py``,
+the ``experts`` style), trained exactly like one process.
+
+Tiny models from each type's own config defaults (``scripts/tiny.py``: 4 experts, top-2, only
+sizes shrunk). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
+default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
+grad_norm 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+# Qwen3-MoE, Mixtral, OLMoE (q/k norms across the width: sharded_norm), Qwen2-MoE (a shared
+# expert, split like a dense MLP, and its 1-wide sigmoid gate, kept whole)
+TRAINED = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+CONCATENATED = {"gate_up_proj": (1, 2, False), "down_proj": (2, 1, False)}  # [E, 2I, H], [E, H, I]
+
+
+def _write(root: Path, model_type: str) -> str:
+    path = root / model_type
+    tiny_config(model_type).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {t: _write(root, t) for t in [*TRAINED, "gpt_oss"]}
+
+
+def _meta(path: str):
+    from shardlm.parallel.build import build_meta_model
+
+    return build_meta_model(path)
+
+
+def _layout(entry: dict) -> dict:
+    return {name: (p.dim, p.parts, p.once) for name, p in entry.items()}
+
+
+def test_the_plan_derives_each_experts_layout(dirs):
+    """Which parameter is the in/out projection, its intermediate dim, and gate/up concatenated (2
+    parts) or interleaved (gpt-oss: 1 part, its down bias added once) come from the probe."""
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.experts import find_experts
+
+    for model_type in TRAINED:
+        plan = infer_plan(_meta(dirs[model_type]), 2)
+        assert set(plan.experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}, model_type
+        for fqn, entry in plan.experts.items():
+            assert plan.styles[fqn] == "experts"
+            assert _layout(entry) == CONCATENATED, (model_type, entry)
+        gate = "model.layers.0.mlp.gate"
+        assert plan.styles[gate] == "replicate", model_type  # the router: whole, exact gradient
+    plan = infer_plan(_meta(dirs["qwen2_moe"]), 2)
+    assert plan.styles["model.layers.0.mlp.shared_expert.gate_proj"] == "colwise"
+    assert plan.styles["model.layers.0.mlp.shared_expert.down_proj"] == "rowwise"
+    assert "1 output(s), fewer than tp=2" in plan.replicated["model.layers.0.mlp.shared_expert_gate"]
+    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases): its attention sinks are refused
+    # elsewhere, so the experts are looked at alone
+    gpt_oss = find_experts(_meta(dirs["gpt_oss"]), 2)["model.layers.0.mlp.experts"]
+    assert _layout(gpt_oss) == {
+        "gate_up_proj": (2, 1, False),
+        "gate_up_proj_bias": (1, 1, False),
+        "down_proj": (1, 1, False),
+        "down_proj_bias": (None, 1, True),
+    }
+
+
+def _split_sum(experts, layout: dict, tp: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole module's output, the sum of the outputs of ``tp`` ranks' pieces of ``layout``)."""
+    from shardlm.parallel.experts import local_positions
+
+    whole = {n: p.detach().clone() for n, p in experts.named_parameters(recurse=False)}
+    for p in whole.values():
+        p.normal_(std=p.shape[-1] ** -0.5)  # the init leaves biases at zero: make every parameter count
+
+    def run(params: dict) -> torch.Tensor:
+        for name, value in params.items():
+            experts._parameters[name] = torch.nn.Parameter(value)
+        return experts(*inputs)
+
+    want, total = run(whole), 0
+    for rank in range(tp):
+        pieces = {}
+        for name, value in whole.items():
+            p = layout[name]
+            if p.dim is not None:
+                value = value.index_select(p.dim, local_positions(value.shape[p.dim], p.parts, tp, rank))
+            elif p.once and rank:
+                value = torch.zeros_like(value)
+            pieces[name] = value
+        total = total + run(pieces)
+    return want, total
+
+
+@pytest.mark.parametrize("kernel", ["eager", "batched_mm", "grouped_mm"])
+def test_split_experts_sum_to_the_whole_with_every_kernel(dirs, kernel):
+    """The plan's pieces, run by each experts kernel on real numbers (a CPU model, not meta), sum
+    to the whole module's output: what every TP rank computes, without processes. The plan came
+    from the eager probe alone."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.parallel.experts import find_experts
+
+    for model_type in [*TRAINED, "gpt_oss"]:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()  # grouped_mm takes no fp64
+        model.set_experts_implementation(kernel)
+        fqn = "model.layers.0.mlp.experts"
+        layout = find_experts(_meta(dirs[model_type]), 2)[fqn]
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(7, config.hidden_size, generator=g)
+        index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+        weights = torch.rand(7, 2, generator=g)
+        want, total = _split_sum(model.get_submodule(fqn), layout, 2, (x, index, weights))
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"{model_type} {kernel}")
+
+
+def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
+    """An experts module no placement reproduces is refused in one line naming it."""
+    from shardlm.cli import main
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.experts import probe_layout
+
+    meta = _meta(_write(tmp_path, "qwen3_moe"))
+    experts = meta.get_submodule("model.layers.0.mlp.experts")
+    # an expert width tp=3 cannot split (64 per expert): no candidate
+    why = probe_layout(experts, meta.config.hidden_size, 3)
+    assert isinstance(why, str) and "no split of its parameters" in why
+
+    # a norm over the hidden width after the experts: partial sums cannot be normalized per rank
+    class Normed(type(experts)):
+        def forward(self, hidden, index, weights):
+            out = super().forward(hidden, index, weights)
+            return out / out.norm(dim=-1, keepdim=True)
+
+    experts.__class__ = Normed
+    why = probe_layout(experts, meta.config.hidden_size, 2)
+    assert isinstance(why, str) and "reproduces its output" in why
+    with pytest.raises(ConfigError):
+        from shardlm.parallel.experts import find_experts
+
+        find_experts(meta, 2)
+    assert main(["plan", _write(tmp_path, "jetmoe"), "--tp", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "mixture-of-experts" in lines[0] and "parallel.fsdp trains it" in lines[0], lines
+
+
+def _expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' parameters on this rank, in the whole model), fp32."""
+    local = whole = 0
+    for fqn in model.plan.experts:
+        for p in model.module.get_submodule(fqn).parameters(recurse=False):
+            local += 4 * p.to_local().numel()
+            whole += 4 * p.numel()
+    return local, whole
+
+
+def tp2_body(paths: list[str]) -> tuple[dict, dict, dict]:
+    """Rank body (2 ranks): 5 steps of each model at tp=2, then the collectives of one micro-batch
+    and the experts' bytes per rank."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, {"tp": 2}, 4, 1)
+    mesh = build_mesh(ParallelConfig(tp=2))
+    counts, sizes = {}, {}
+    for path in paths:
+        model = parallelize(path, mesh)
+        counts[path] = model_collectives(model, mesh)
+        sizes[path] = _expert_bytes(model)
+    return losses, counts, sizes
+
+
+@pytest.mark.ranks
+def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
+    paths = [dirs[t] for t in TRAINED]
+    losses, counts, sizes = run_ranks(tp2_body, 2, paths)
+    for model_type, path in zip(TRAINED, paths):
+        assert_parity(losses[path], plain_reference(path, 4), label=model_type)
+        fwd, loss, bwd, grads = (sum(c.values()) for c in counts[path])
+        kinds = {str(k) for c in counts[path][:3] for k in c}
+        assert kinds == {"all_reduce"}, (model_type, kinds)
+        # as a dense model: embedding 1 + (attention 1 + MoE 1) per block forward, the same backward
+        # (the experts' input gradients, hidden states and routing weights, summed in one all-reduce);
+        # OLMoE's q/k norms across the width add 2 per block each way (as OLMo-2's); Qwen2-MoE's
+        # shared expert is a second MLP beside the experts: 1 more per block each way
+        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7)}.get(model_type, (5, 3, 5))
+        assert (fwd, loss, bwd) == expected, (model_type, fwd, loss, bwd)
+        assert grads == (model_type == "qwen3_moe"), (model_type, grads)  # Qwen3's per-head q/k norms
+        local, whole = sizes[path]
+        assert 2 * local == whole, (model_type, local, whole)
+
+
+@pytest.mark.ranks
+def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in TRAINED]
+    got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    for model_type, path in zip(TRAINED, paths):
+        assert_parity(got[path], plain_reference(path, 4), label=model_type)
