@@ -38,7 +38,9 @@ EXPECT = {
     "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
     "lfm2_conv": (0, "model.layers.*.conv (Lfm2ShortConv)", "model.layers.*.conv.in_proj"),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
-    "mixtral": (2, "error: parallel.tp: model.layers.0.mlp (MixtralSparseMoeBlock) is a mixture-of-experts", None),
+    "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
+    # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
+    "jetmoe": (2, "error: parallel.tp: model.layers.0.mlp (JetMoeMoE) is a mixture-of-experts", None),
 }
 
 

@@ -51,7 +51,7 @@ def _layout(entry: dict) -> dict:
 def test_the_plan_derives_each_experts_layout(dirs):
     """Which parameter is the in/out projection, its intermediate dim, and gate/up concatenated (2
     parts) or interleaved (gpt-oss: 1 part, its down bias added once) come from the probe."""
-    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.autotp import describe_plan, infer_plan
     from shardlm.parallel.experts import find_experts
 
     for model_type in TRAINED:
@@ -63,6 +63,11 @@ def test_the_plan_derives_each_experts_layout(dirs):
         gate = "model.layers.0.mlp.gate"
         assert plan.styles[gate] == "replicate", model_type  # the router: whole, exact gradient
     plan = infer_plan(_meta(dirs["qwen2_moe"]), 2)
+    rows = {row["module"]: row for row in describe_plan(_meta(dirs["qwen2_moe"]), plan, 2)}
+    experts = rows["model.layers.0.mlp.experts"]  # `shardlm plan`'s table: the experts halved per rank
+    assert experts["local"] == {"gate_up_proj": (4, 64, 64), "down_proj": (4, 64, 32)}
+    assert 2 * experts["bytes_per_rank"] == experts["bytes_global"]
+    assert "probed: gate_up_proj dim 1 in 2 parts, down_proj dim 2" in experts["source"]
     assert plan.styles["model.layers.0.mlp.shared_expert.gate_proj"] == "colwise"
     assert plan.styles["model.layers.0.mlp.shared_expert.down_proj"] == "rowwise"
     assert "1 output(s), fewer than tp=2" in plan.replicated["model.layers.0.mlp.shared_expert_gate"]
@@ -156,6 +161,29 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
     assert main(["plan", _write(tmp_path, "jetmoe"), "--tp", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "mixture-of-experts" in lines[0] and "parallel.fsdp trains it" in lines[0], lines
+
+
+def test_the_router_loss_is_refused_not_dropped(tmp_path):
+    """Every family's default leaves ``output_router_logits`` off, so the loss is the language-model
+    loss alone, in transformers and in shardlm; a config that turns it on would have transformers
+    add ``router_aux_loss_coef * aux_loss``, which shardlm's trainer does not: refused, one line."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    for model_type in TRAINED:
+        assert tiny_config(model_type).output_router_logits is False, model_type
+    config = tiny_config("mixtral")
+    config.output_router_logits = True
+    config.save_pretrained(tmp_path / "aux")
+    raw = {"model": str(tmp_path / "aux"), "data": {"path": str(tmp_path / "data.txt")}}
+    with pytest.raises(ConfigError, match=r"model: output_router_logits=true adds the router's load-balancing") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
+    config.router_aux_loss_coef = 0.0  # asks for the logits only: nothing added to the loss
+    config.save_pretrained(tmp_path / "aux")
+    assert load_checked(raw=raw).model == str(tmp_path / "aux")
 
 
 def _expert_bytes(model) -> tuple[int, int]:

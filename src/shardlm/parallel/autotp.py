@@ -94,7 +94,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
-from shardlm.parallel.experts import find_experts
+from shardlm.parallel.experts import describe_experts, find_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
     geometry,
@@ -868,6 +868,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
             source += "; its sub-block is kept replicated (listed below)"
+        if fqn in plan.experts:  # MoE
+            source += f"; {describe_experts(plan.experts[fqn])}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
