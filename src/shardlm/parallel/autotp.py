@@ -531,17 +531,19 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
     running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
-    # MoE: a block linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate, hidden -> 1) stays whole
-    head = model.get_output_embeddings()
-    reasons: dict[str, str] = {
-        name: f"{any_block(name)} has {out_features(m)} output(s), fewer than tp={tp}"
-        for name, m in model.named_modules()
-        if is_linear(m) and m is not head and out_features(m) < tp
-    }
-    forced: frozenset[str] = frozenset(reasons)
+    forced: frozenset[str] = frozenset()
+    reasons: dict[str, str] = {}
     meta = _build_meta(model)
     for _ in range(_MAX_ROUNDS):
         traced = _trace(model, forced, meta)
+        # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
+        # hidden -> 1) cannot be split: it stays whole, traced again
+        narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
+        if narrow - forced:
+            for f in narrow - forced:
+                reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
+            forced = forced | narrow
+            continue
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:
