@@ -186,6 +186,13 @@ def test_the_router_loss_is_refused_not_dropped(tmp_path):
     assert load_checked(raw=raw).model == str(tmp_path / "aux")
 
 
+def _report(label: str, got: list, ref: list) -> None:
+    """Print the largest relative differences (``pytest -s`` shows them: the measured parity)."""
+    loss = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(got, ref))
+    norm = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, ref))
+    print(f"{label}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
+
+
 def _expert_bytes(model) -> tuple[int, int]:
     """(bytes of the experts' parameters on this rank, in the whole model), fp32."""
     local = whole = 0
@@ -217,7 +224,10 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
     paths = [dirs[t] for t in TRAINED]
     losses, counts, sizes = run_ranks(tp2_body, 2, paths)
     for model_type, path in zip(TRAINED, paths):
-        assert_parity(losses[path], plain_reference(path, 4), label=model_type)
+        ref = plain_reference(path, 4)
+        assert_parity(losses[path], ref, label=model_type)
+        _report(f"{model_type} tp=2", losses[path], ref)
+        print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts[path]}")
         fwd, loss, bwd, grads = (sum(c.values()) for c in counts[path])
         kinds = {str(k) for c in counts[path][:3] for k in c}
         assert kinds == {"all_reduce"}, (model_type, kinds)
@@ -229,6 +239,7 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
         assert (fwd, loss, bwd) == expected, (model_type, fwd, loss, bwd)
         assert grads == (model_type == "qwen3_moe"), (model_type, grads)  # Qwen3's per-head q/k norms
         local, whole = sizes[path]
+        print(f"{model_type} experts: {local} bytes per rank of {whole}")
         assert 2 * local == whole, (model_type, local, whole)
 
 
@@ -237,4 +248,6 @@ def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
     paths = [dirs[t] for t in TRAINED]
     got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
     for model_type, path in zip(TRAINED, paths):
-        assert_parity(got[path], plain_reference(path, 4), label=model_type)
+        ref = plain_reference(path, 4)
+        assert_parity(got[path], ref, label=model_type)
+        _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
