@@ -2,7 +2,8 @@
 the ``experts`` style), trained exactly like one process.
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``: 4 experts, top-2, only
-sizes shrunk). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
+sizes shrunk): Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (shared expert) and gpt-oss (interleaved
+gate/up, expert biases). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
 default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
 grad_norm 1e-4 relative.
 """
@@ -21,8 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from tiny import tiny_config  # noqa: E402
 
 # Qwen3-MoE, Mixtral, OLMoE (q/k norms across the width: sharded_norm), Qwen2-MoE (a shared
-# expert, split like a dense MLP, and its 1-wide sigmoid gate, kept whole)
-TRAINED = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+# expert, split like a dense MLP, and its 1-wide sigmoid gate, kept whole): gate_up concatenated
+CONCAT = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+# gpt-oss: gate/up interleaved in a transposed [E, H, 2I], expert biases (the down bias added by one
+# rank, its gradient summed over TP); its attention, with per-head sinks, is kept whole
+TRAINED = [*CONCAT, "gpt_oss"]
 CONCATENATED = {"gate_up_proj": (1, 2, False), "down_proj": (2, 1, False)}  # [E, 2I, H], [E, H, I]
 
 
@@ -35,7 +39,7 @@ def _write(root: Path, model_type: str) -> str:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {t: _write(root, t) for t in [*TRAINED, "gpt_oss"]}
+    return {t: _write(root, t) for t in TRAINED}
 
 
 def _meta(path: str):
@@ -54,14 +58,14 @@ def test_the_plan_derives_each_experts_layout(dirs):
     from shardlm.parallel.autotp import describe_plan, infer_plan
     from shardlm.parallel.experts import find_experts
 
-    for model_type in TRAINED:
+    for model_type in CONCAT:
         plan = infer_plan(_meta(dirs[model_type]), 2)
         assert set(plan.experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}, model_type
         for fqn, entry in plan.experts.items():
             assert plan.styles[fqn] == "experts"
             assert _layout(entry) == CONCATENATED, (model_type, entry)
         gate = "model.layers.0.mlp.gate"
-        assert plan.styles[gate] == "replicate", model_type  # the router: whole, exact gradient
+        assert plan.styles[gate] == "replicate_local", model_type  # the router: whole, on plain tensors
     plan = infer_plan(_meta(dirs["qwen2_moe"]), 2)
     rows = {row["module"]: row for row in describe_plan(_meta(dirs["qwen2_moe"]), plan, 2)}
     experts = rows["model.layers.0.mlp.experts"]  # `shardlm plan`'s table: the experts halved per rank
@@ -71,10 +75,15 @@ def test_the_plan_derives_each_experts_layout(dirs):
     assert plan.styles["model.layers.0.mlp.shared_expert.gate_proj"] == "colwise"
     assert plan.styles["model.layers.0.mlp.shared_expert.down_proj"] == "rowwise"
     assert "1 output(s), fewer than tp=2" in plan.replicated["model.layers.0.mlp.shared_expert_gate"]
-    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases): its attention sinks are refused
-    # elsewhere, so the experts are looked at alone
-    gpt_oss = find_experts(_meta(dirs["gpt_oss"]), 2)["model.layers.0.mlp.experts"]
-    assert _layout(gpt_oss) == {
+    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases); its attention (per-head sinks)
+    # is kept whole and computes on local views, as does its router
+    plan = infer_plan(_meta(dirs["gpt_oss"]), 2)
+    assert plan.styles["model.layers.0.self_attn"] == plan.styles["model.layers.0.mlp.router"] == "replicate_local"
+    assert (
+        plan.experts["model.layers.0.mlp.experts"]
+        == find_experts(_meta(dirs["gpt_oss"]), 2)["model.layers.0.mlp.experts"]
+    )
+    assert _layout(plan.experts["model.layers.0.mlp.experts"]) == {
         "gate_up_proj": (2, 1, False),
         "gate_up_proj_bias": (1, 1, False),
         "down_proj": (1, 1, False),
@@ -118,7 +127,7 @@ def test_split_experts_sum_to_the_whole_with_every_kernel(dirs, kernel):
 
     from shardlm.parallel.experts import find_experts
 
-    for model_type in [*TRAINED, "gpt_oss"]:
+    for model_type in TRAINED:
         config = tiny_config(model_type)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).float()  # grouped_mm takes no fp64
@@ -158,9 +167,13 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
         from shardlm.parallel.experts import find_experts
 
         find_experts(meta, 2)
-    assert main(["plan", _write(tmp_path, "jetmoe"), "--tp", "2"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "mixture-of-experts" in lines[0] and "parallel.fsdp trains it" in lines[0], lines
+    # experts as separate modules (JetMoE); a router that is an nn.Linear subclass returning a tuple
+    # (Phi-MoE's, which samples its experts at random in training)
+    expect = {"jetmoe": "mixture-of-experts layer whose experts are not fused", "phimoe": "is a router the trace"}
+    for model_type, text in expect.items():
+        assert main(["plan", _write(tmp_path, model_type), "--tp", "2"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0] and "parallel.fsdp trains it" in lines[0], lines
 
 
 def test_the_router_loss_is_refused_not_dropped(tmp_path):
@@ -194,12 +207,14 @@ def _report(label: str, got: list, ref: list) -> None:
 
 
 def _expert_bytes(model) -> tuple[int, int]:
-    """(bytes of the experts' parameters on this rank, in the whole model), fp32."""
+    """(bytes of the experts' 3-D parameters on this rank, in the whole model), fp32 (gpt-oss's
+    down bias, ``[E, H]``, is whole on every rank)."""
     local = whole = 0
     for fqn in model.plan.experts:
         for p in model.module.get_submodule(fqn).parameters(recurse=False):
-            local += 4 * p.to_local().numel()
-            whole += 4 * p.numel()
+            if p.dim() == 3:
+                local += 4 * p.to_local().numel()
+                whole += 4 * p.numel()
     return local, whole
 
 
@@ -234,10 +249,12 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
         # as a dense model: embedding 1 + (attention 1 + MoE 1) per block forward, the same backward
         # (the experts' input gradients, hidden states and routing weights, summed in one all-reduce);
         # OLMoE's q/k norms across the width add 2 per block each way (as OLMo-2's); Qwen2-MoE's
-        # shared expert is a second MLP beside the experts: 1 more per block each way
-        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7)}.get(model_type, (5, 3, 5))
+        # shared expert is a second MLP beside the experts: 1 more per block each way; gpt-oss's
+        # attention is kept whole: 1 fewer per block each way
+        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7), "gpt_oss": (3, 3, 3)}.get(model_type, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (model_type, fwd, loss, bwd)
-        assert grads == (model_type == "qwen3_moe"), (model_type, grads)  # Qwen3's per-head q/k norms
+        # one all-reduce per step of the TP-partial gradients: Qwen3's per-head q/k norms, gpt-oss's down bias
+        assert grads == (model_type in ("qwen3_moe", "gpt_oss")), (model_type, grads)
         local, whole = sizes[path]
         print(f"{model_type} experts: {local} bytes per rank of {whole}")
         assert 2 * local == whole, (model_type, local, whole)

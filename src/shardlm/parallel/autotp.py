@@ -94,7 +94,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
-from shardlm.parallel.experts import describe_experts, find_experts
+from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
     geometry,
@@ -553,10 +553,10 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
+                place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
+                _localize_whole_composites(plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = _dropout_dims(model, traced, forced)
-                plan.experts = experts  # MoE: the trace saw them replicated (opaque)
-                plan.styles.update({fqn: "experts" for fqn in experts})
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
@@ -641,6 +641,19 @@ def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
     return plan
 
 
+def _localize_whole_composites(plan: Plan) -> None:
+    """A ``replicate`` module with parameters of its own around children with parameters, none of
+    them split (an attention kept replicated that owns per-head sinks: gpt-oss, Flint, Beam), computes
+    on local views of all of them (``replicate_local``): as ``replicate`` it would meet its children's
+    plain outputs with DTensor parameters of its own."""
+    split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
+    for fqn, style in list(plan.styles.items()):
+        inner = [f for f in plan.styles if fqn and f.startswith(f"{fqn}.")]
+        if style == "replicate" and inner and not any(f.startswith(f"{fqn}.") for f in split):
+            for name in (fqn, *inner):
+                plan.styles[name] = "replicate_local"
+
+
 def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 
@@ -694,7 +707,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
-    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR]
+    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]
         raise ConfigError(

@@ -189,8 +189,10 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
             print(f"random init: {exc}; building the whole model on rank 0 instead", flush=True)
         _init_from_whole_model(targets, model_path, seed)
         return
-    if len(filled) != len(targets):
-        raise RuntimeError(f"random init drew no value for {sorted(set(targets) - filled)[0]}")
+    # persistent buffers (MoE routing's e_score_correction_bias) keep the meta build's values (_restore_buffers)
+    unfilled = sorted(k for k, t in targets.items() if k not in filled and isinstance(t, nn.Parameter))
+    if unfilled:
+        raise RuntimeError(f"random init drew no value for {unfilled[0]}")
 
 
 def _init_from_whole_model(targets: dict[str, torch.Tensor], model_path: str, seed: int) -> None:

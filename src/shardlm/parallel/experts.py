@@ -45,7 +45,8 @@ import torch.nn as nn
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import config_size, config_value
-from shardlm.parallel.styles import ExpertParam
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import SPLIT_LINEAR, ExpertParam, Style
 
 # class names of mixture-of-experts (and mixture-of-attention) layers
 _MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
@@ -91,6 +92,32 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
         found[name] = layout
     refuse_unhandled_moe(model, found)
     return found
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module).forward is nn.Linear.forward
+
+
+def place_experts(model: nn.Module, plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
+    """Put ``experts`` (``find_experts``) into ``plan``: the ``experts`` style and placements, and
+    ``replicate_local`` for the other whole modules of their MoE blocks (the router): those compute
+    on plain tensors with local views of their parameters, so buffers the block's routing code
+    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors. A router the
+    trace took for a split linear layer (Phi-MoE's is an ``nn.Linear`` subclass returning a tuple,
+    and samples its experts at random in training) is refused."""
+    plan.experts = experts
+    blocks = {fqn.rpartition(".")[0] for fqn in experts}
+    for fqn, style in plan.styles.items():
+        if fqn in experts:
+            plan.styles[fqn] = Style.EXPERTS.value
+        elif fqn.rpartition(".")[0] in blocks and style == Style.REPLICATE:
+            plan.styles[fqn] = Style.REPLICATE_LOCAL.value
+        elif fqn.rpartition(".")[0] in blocks and style in SPLIT_LINEAR and not _plain_linear(model.get_submodule(fqn)):
+            module = model.get_submodule(fqn)
+            raise ConfigError(
+                f"parallel.tp: {_any_block(fqn)} ({type(module).__name__}) is a router the trace takes for a "
+                f"{style} layer (a linear layer with a forward of its own); {_REFUSAL_TAIL}"
+            )
 
 
 def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
