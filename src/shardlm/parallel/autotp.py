@@ -53,8 +53,10 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
 * a module whose code uses its children's parameters directly (Mamba and short-convolution
   mixers call ``conv1d(x, self.conv1d.weight)``), with nothing under it split, becomes
-  ``replicate_local``; where something under it is split, or a parameter is shared by modules
-  of different styles (BERT's LM-head bias), the model is refused (``_refuse_unplaceable``).
+  ``replicate_local``, and so does a module with parameters of its own around whole children
+  (gpt-oss's attention, kept whole, owns per-head sinks: ``_localize_whole_composites``); where
+  something under it is split, or a parameter is shared by modules of different styles (BERT's
+  LM-head bias), the model is refused (``_refuse_unplaceable``).
 * mixture-of-experts layers whose experts are fused 3-D parameters (transformers 5's
   ``...Experts`` modules) get the ``experts`` style: each expert's intermediate dim split, the
   placement of every parameter found by a probe run of the module (``parallel/experts.py``), the
