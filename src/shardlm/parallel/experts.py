@@ -51,6 +51,7 @@ from shardlm.parallel.styles import SPLIT_LINEAR, ExpertParam, Style
 # class names of mixture-of-experts (and mixture-of-attention) layers
 _MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
 _MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_JITTER = ("router_jitter_noise", "input_jitter_noise")  # random in training (Mixtral, Phi-MoE): per rank
 _PROBE_EXPERTS = 4  # experts kept in the probe copy
 _PROBE_TOKENS = 5
 _PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by O(1)
@@ -74,8 +75,16 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
     """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
-    ``ConfigError`` for an experts module no placement splits exactly, and for any other
-    mixture-of-experts layer (``refuse_unhandled_moe``)."""
+    ``ConfigError`` for an experts module no placement splits exactly, for router jitter noise
+    (drawn by each rank on its own), and for any other mixture-of-experts layer
+    (``refuse_unhandled_moe``)."""
+    for key in _JITTER:
+        noise = config_value(model.config, key)
+        if isinstance(noise, (int, float)) and noise > 0:
+            raise ConfigError(
+                f"parallel.tp: {key}={noise} randomizes the router in training (jitter), which each TP rank would "
+                f"draw on its own (0 in config.json turns it off); {_REFUSAL_TAIL}"
+            )
     hidden = config_size(model.config, "hidden_size")
     blocks = _block_prefixes(model)
     found: dict[str, dict[str, ExpertParam]] = {}
