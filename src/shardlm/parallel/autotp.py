@@ -666,7 +666,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     * a module with parameters of its own (replicated) around split children (GPT-NeoX-Japanese's
       attention ``dense_bias`` added to a row-parallel output);
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
-      prediction head), other than tied input/output embeddings.
+      prediction head), other than tied input/output embeddings;
+    * an input embedding or LM head with parameters in submodules (Inkling 2's).
     """
     split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
@@ -693,6 +694,15 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
                 f"parallel.tp: {any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
                 "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
                 "model with tp > 1 yet, parallel.fsdp trains it"
+            )
+        # an input embedding / LM head of several parameterized modules (Inkling 2's): torch's vocabulary
+        # styles place only a module's own parameters (found with MoE models, which planned from here on)
+        module = model.get_submodule(fqn)
+        if style in ("embedding", "lm_head") and any("." in n for n, _ in module.named_parameters()):
+            raise ConfigError(
+                f"parallel.tp: {fqn} ({type(module).__name__}), the {style.replace('_', ' ')}, holds parameters in "
+                "submodules, which the vocabulary-parallel style cannot place yet; shardlm cannot split this model "
+                "with tp > 1 yet, parallel.fsdp trains it"
             )
     places: dict[int, list[str]] = {}
     for name, module in model.named_modules():
