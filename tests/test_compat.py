@@ -48,7 +48,9 @@ EXPECT = {
     "diffllama": (0, "a tensor computed from parameters of model.layers.*", "model.layers.*.self_attn.q_proj"),
     "hrm_text": (0, "replicate_own", None),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
-    "mixtral": (2, "error: parallel.tp: model.layers.0.mlp (MixtralSparseMoeBlock) is a mixture-of-experts", None),
+    "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
+    # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
+    "jetmoe": (2, "error: parallel.tp: model.layers.0.mlp (JetMoeMoE) is a mixture-of-experts", None),
 }
 
 

@@ -126,9 +126,11 @@ def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tup
 
 
 def count_params(
-    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, lora_r: int | None = None
+    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, lora_r: int | None = None, experts: dict | None = None
 ) -> tuple[int, int, int, int]:
-    """(full, local, trainable local, trainable tensors) parameter counts; tied parameters count once."""
+    """(full, local, trainable local, trainable tensors) parameter counts; tied parameters count once.
+    ``experts``: the plan's per-parameter placements of ``experts`` modules (``Plan.experts``)."""
+    experts = experts or {}
     seen: set[int] = set()
     full = local = trainable = 0
     targeted = tensors = 0
@@ -138,7 +140,7 @@ def count_params(
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            n = local_numel(tuple(param.shape), sharded_dim(style, module, pname), tp, fsdp)
+            n = local_numel(tuple(param.shape), sharded_dim(style, module, pname, experts.get(mname)), tp, fsdp)
             full += param.numel()
             local += n
             trainable += 0 if lora_r else n
@@ -199,8 +201,11 @@ def activation_elements(config, tokens: int, tp: int, checkpointing: bool, lora_
     return stack + tokens * (3 * h + 1)
 
 
-def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "") -> int:
+def tp_local_elements(
+    model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "", experts: dict | None = None
+) -> int:
     """Elements ``model`` (or a submodule whose fqn is ``prefix``) holds per TP rank, before FSDP."""
+    experts = experts or {}
     seen: set[int] = set()
     n = 0
     for mname, sub in model.named_modules():
@@ -208,30 +213,32 @@ def tp_local_elements(model: nn.Module, styles: dict[str, str], tp: int, prefix:
         for pname, p in sub.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname), tp, 1)
+                n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname, experts.get(fqn)), tp, 1)
     return n
 
 
-def _block_elements(model: nn.Module, styles: dict[str, str], tp: int) -> tuple[int, int]:
+def _block_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None) -> tuple[int, int]:
     """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
     blocks = decoder_blocks(model)
     if not blocks:
-        return tp_local_elements(model, styles, tp), 1
+        return tp_local_elements(model, styles, tp, experts=experts), 1
     names = {id(m): n for n, m in model.named_modules()}
-    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])]), len(blocks)
+    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])], experts), len(blocks)
 
 
-def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int) -> int:
+def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None) -> int:
     """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
-    block, count = _block_elements(model, styles, tp)
-    return tp_local_elements(model, styles, tp) - count * block + min(2, count) * block
+    block, count = _block_elements(model, styles, tp, experts)
+    return tp_local_elements(model, styles, tp, experts=experts) - count * block + min(2, count) * block
 
 
-def _compute_weight_bytes(model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool) -> int:
+def _compute_weight_bytes(
+    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool, experts: dict | None = None
+) -> int:
     """Weights in the compute dtype held beside the master shards (see the module docstring)."""
     if fsdp > 1:
-        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp)
-    return 2 * tp_local_elements(model, styles, tp) if bf16 else 0
+        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp, experts)
+    return 2 * tp_local_elements(model, styles, tp, experts=experts) if bf16 else 0
 
 
 def runtime_bytes() -> int:
@@ -276,7 +283,7 @@ def estimate(
     plan = infer_plan(model, tp)
     # sliced projections (kv heads replicated, unequal packed parts) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
-    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r)
+    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts)
     grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq
@@ -288,8 +295,10 @@ def estimate(
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
-        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16),
-        "reduce_scatter": 4 * _block_elements(model, styles, tp)[0] if fsdp * dp_replicate > 1 and not lora_r else 0,
+        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts),
+        "reduce_scatter": (
+            4 * _block_elements(model, styles, tp, plan.experts)[0] if fsdp * dp_replicate > 1 and not lora_r else 0
+        ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
     state = rows["parameters"] + rows["gradients"] + rows["optimizer"]

@@ -2,7 +2,8 @@
 
 ``config`` checks values alone; what only the model can answer is checked here, in the launcher
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
-rank: the head/vocabulary geometry against ``parallel.tp``, LayerDrop under more than one rank,
+rank: the head/vocabulary geometry against ``parallel.tp``, a router loss the trainer does not add
+(``output_router_logits``), LayerDrop under more than one rank,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
@@ -15,6 +16,7 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
+from shardlm.parallel.experts import check_router_aux_loss
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 
@@ -25,6 +27,7 @@ def check_run(cfg: Config) -> None:
     check_geometry(cfg.model, p.tp)
     if has_weights(cfg.model):  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, build_meta_model(cfg.model))
+    check_router_aux_loss(cfg.model)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if p.tp > 1 or cfg.lora is not None:  # what only the traced plan can refuse (Falcon's fused kv groups)

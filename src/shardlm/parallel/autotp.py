@@ -57,10 +57,17 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
 * a module whose code uses its children's parameters directly (Mamba and short-convolution
   mixers call ``conv1d(x, self.conv1d.weight)``), with nothing under it split, becomes
-  ``replicate_local``; where something under it is split, or a parameter is shared by modules
-  of different styles (BERT's LM-head bias), the model is refused (``_refuse_unplaceable``).
-* mixture-of-experts layers are refused (``_refuse_moe``); so is a model none of whose block
-  layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
+  ``replicate_local``, and so does a module with parameters of its own around whole children
+  (gpt-oss's attention, kept whole, owns per-head sinks: ``_run_local``); where
+  something under it is split, or a parameter is shared by modules of different styles (BERT's
+  LM-head bias), the model is refused (``_refuse_unplaceable``).
+* mixture-of-experts layers whose experts are fused 3-D parameters (transformers 5's
+  ``...Experts`` modules) get the ``experts`` style: each expert's intermediate dim split, the
+  placement of every parameter found by a probe run of the module (``parallel/experts.py``), the
+  router and shared experts placed by the trace like any other module; the trace runs the
+  experts eagerly (on meta the loop over hit experts is empty: they are opaque to it). Any other
+  MoE layer is refused by name (``experts.refuse_unhandled_moe``); so is a model none of whose
+  block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
 * data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -93,9 +100,9 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
+from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
-    config_value,
     geometry,
     head_counts,
     head_widths,
@@ -135,9 +142,6 @@ _REDUCTIONS = {
 }  # fmt: skip
 _RUNNING = "while running "  # the note ``_trace`` adds to an exception: the module whose forward raised it
 TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
-# class names of mixture-of-experts (and mixture-of-attention) layers: routed tokens, refused for now
-_MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
-_MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class _ShardTracker(TorchFunctionMode):
@@ -342,6 +346,8 @@ def _build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
     config = model.config.__class__.from_dict(model.config.to_dict())
     if eager:
         config._attn_implementation = "eager"
+    # MoE: the eager experts loop (grouped_mm cannot run on meta; every kernel computes the same)
+    config._experts_implementation = "eager"
     with torch.device("meta"):
         return type(model)._from_config(config)
 
@@ -559,12 +565,20 @@ _MAX_ROUNDS = 8
 def _infer(model: nn.Module, tp: int) -> Plan:
     """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
     running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
-    _refuse_moe(model)
+    experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
     reasons: dict[str, str] = {}
     meta = _build_meta(model)
     for _ in range(_MAX_ROUNDS):
         traced = _trace(model, forced, meta)
+        # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
+        # hidden -> 1) cannot be split: it stays whole, traced again
+        narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
+        if narrow - forced:
+            for f in narrow - forced:
+                reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
+            forced = forced | narrow
+            continue
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:
@@ -574,6 +588,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
+                place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = _dropout_dims(model, traced, forced)
@@ -619,29 +634,6 @@ def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
     """``fqns`` and the same modules in every other block, among ``candidates``."""
     keys = {_block_key(f) for f in fqns}
     return {f for f in candidates if _block_key(f) in keys}
-
-
-def _refuse_moe(model: nn.Module) -> None:
-    """Mixture-of-experts layers route tokens between experts: not split yet (a separate issue).
-    Found by class name (``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA``)
-    inside the model, or by an expert count in its config."""
-    blocks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if name.startswith(tuple(f"{b}." for b in blocks)) and _MOE_CLASS.search(cls):
-            raise ConfigError(
-                f"parallel.tp: {name} ({cls}) is a mixture-of-experts layer, which shardlm cannot split with "
-                "tp > 1 yet; parallel.fsdp trains it"
-            )
-    configs = [model.config, config_value(model.config, "text_config")]
-    for key in _MOE_COUNTS:
-        counts = [config_value(c, key) for c in configs if c is not None]
-        if any(isinstance(n, int) and n > 1 for n in counts):
-            raise ConfigError(
-                f"parallel.tp: {type(model).__name__} is a mixture-of-experts model "
-                f"({key}={max(n or 0 for n in counts)}), which shardlm cannot split with tp > 1 yet; "
-                "parallel.fsdp trains it"
-            )
 
 
 def _closure(traced: _Traced, bad: set[str]) -> set[str]:
@@ -712,7 +704,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
     * a ``replicate_grad_allreduce`` module with parameters of its own around split children (a
       ``replicate`` one becomes ``replicate_own``: its parameters act on whole activations only);
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
-      prediction head), other than tied input/output embeddings.
+      prediction head), other than tied input/output embeddings;
+    * an input embedding or LM head with parameters in submodules (Inkling 2's).
     """
     split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
@@ -745,6 +738,15 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
                 "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
                 "model with tp > 1 yet, parallel.fsdp trains it"
             )
+        # an input embedding / LM head of several parameterized modules (Inkling 2's): torch's vocabulary
+        # styles place only a module's own parameters (found with MoE models, which planned from here on)
+        module = model.get_submodule(fqn)
+        if style in ("embedding", "lm_head") and any("." in n for n, _ in module.named_parameters()):
+            raise ConfigError(
+                f"parallel.tp: {fqn} ({type(module).__name__}), the {style.replace('_', ' ')}, holds parameters in "
+                "submodules, which the vocabulary-parallel style cannot place yet; shardlm cannot split this model "
+                "with tp > 1 yet, parallel.fsdp trains it"
+            )
     places: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -760,7 +762,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
-    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR]
+    split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]
         raise ConfigError(
@@ -928,12 +930,16 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
         seen.update({id(p): f"{fqn}.{n}" for n, p in params})
-        local = {n: local_shape(tuple(p.shape), sharded_dim(style, module, n), tp) for n, p in params}
+        local = {
+            n: local_shape(tuple(p.shape), sharded_dim(style, module, n, plan.experts.get(fqn)), tp) for n, p in params
+        }
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
             source += "; its sub-block is kept replicated (listed below)"
+        if fqn in plan.experts:  # MoE
+            source += f"; {describe_experts(plan.experts[fqn])}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])

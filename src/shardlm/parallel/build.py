@@ -98,7 +98,10 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
-        styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
+        styles = {
+            fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn))
+            for fqn, s in plan.styles.items()
+        }
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
@@ -190,8 +193,10 @@ def init_from_seed(model: nn.Module, model_path: str, seed: int) -> None:
             print(f"random init: {exc}; building the whole model on rank 0 instead", flush=True)
         _init_from_whole_model(targets, model_path, seed)
         return
-    if len(filled) != len(targets):
-        raise RuntimeError(f"random init drew no value for {sorted(set(targets) - filled)[0]}")
+    # persistent buffers (MoE routing's e_score_correction_bias) keep the meta build's values (_restore_buffers)
+    unfilled = sorted(k for k, t in targets.items() if k not in filled and isinstance(t, nn.Parameter))
+    if unfilled:
+        raise RuntimeError(f"random init drew no value for {unfilled[0]}")
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:

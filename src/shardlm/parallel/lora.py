@@ -232,7 +232,10 @@ def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceM
 def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     """The TP styles of a LoRA-injected model: ``LoraParallel`` for adapted projections; a
     ``modules_to_save`` module's style moves to its frozen original and its trained copy."""
-    styles = {fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn)) for fqn, s in plan.styles.items()}
+    styles = {
+        fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn))
+        for fqn, s in plan.styles.items()
+    }
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
         if _is_lora_layer(module) and fqn in plan.sliced:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardlm.parallel.styles import ExpertParam
+
 
 @dataclass
 class Plan:
@@ -23,3 +25,5 @@ class Plan:
     # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
     # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
     dropout_sites: list[int | None] = field(default_factory=list)
+    # ``experts`` module fqn -> {parameter name: its placement} (``parallel/experts.py`` derives it)
+    experts: dict[str, dict[str, ExpertParam]] = field(default_factory=dict)

@@ -3,8 +3,11 @@
 A plan maps module FQNs to a ``Style``; ``PLACEMENTS`` says, per style, which dimension of the
 module's weight and bias it shards over TP (for an ``nn.Linear``/``nn.Embedding`` layout; a
 Conv1D stores its weight transposed, ``sharded_dim`` swaps it) and which activation it reads and
-produces. The plan (``autotp``), the DTensor styles (``tp``), LoRA's placements, the memory
-estimator and ``shardlm plan``'s table all read this, so they cannot disagree.
+produces. A mixture-of-experts module (``experts``) holds 3-D parameters of model-specific
+names and layouts: the plan's ``experts`` entry gives each its ``ExpertParam`` (derived by
+``parallel/experts.py``), which ``sharded_dim`` reads in place of a weight/bias dim. The plan
+(``autotp``), the DTensor styles (``tp``), LoRA's placements, the memory estimator and
+``shardlm plan``'s table all read this, so they cannot disagree.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Style(StrEnum):
     REPLICATE = "replicate"
     REPLICATE_LOCAL = "replicate_local"
     REPLICATE_OWN = "replicate_own"
+    EXPERTS = "experts"
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ PLACEMENTS: dict[Style, Placement] = {
         None, None, "replicated (local views of its own parameters)", "replicated",
         doc="a module with parameters of its own around split children: only those are local views",
     ),
+    Style.EXPERTS: Placement(
+        None, None, "replicated (hidden states, routing weights)", "replicated (all-reduced)", splits=True,
+        doc="fused 3-D expert parameters, each expert's intermediate dim sharded (gate and up halves each on "
+        "their own); computed on local tensors, the partial sum all-reduced once (per parameter: Plan.experts)",
+    ),
 }  # fmt: skip
 
 # the styles that divide a layer's work between the TP ranks (the rest hold whole parameters)
@@ -97,11 +106,33 @@ SPLIT_STYLES = tuple(s for s, p in PLACEMENTS.items() if p.splits)
 SPLIT_LINEAR = tuple(s for s, p in PLACEMENTS.items() if p.lora)
 
 
-def sharded_dim(style: str | None, module: nn.Module, param: str) -> int | None:
+@dataclass(frozen=True)
+class ExpertParam:
+    """How the ``experts`` style places one parameter of an experts module (``Plan.experts``).
+
+    ``dim``: the dimension sharded over TP (an expert's intermediate width), None: whole on every
+    rank. ``parts``: fused parts along ``dim``, each sharded on its own (2: gate and up concatenated,
+    ``_StridedShard``; an interleaved ``[g0, u0, g1, u1, ...]`` layout is split plainly, parts 1).
+    ``once``: whole, and added by one TP rank only (a bias after the down projection: the ranks'
+    outputs are summed, so every rank adding it would add it tp times); its gradient is summed
+    over TP.
+    """
+
+    dim: int | None
+    parts: int = 1
+    once: bool = False
+
+
+def sharded_dim(
+    style: str | None, module: nn.Module, param: str, experts: dict[str, ExpertParam] | None = None
+) -> int | None:
     """The dimension of ``module.<param>`` that ``style`` shards over TP, or None (whole on every
-    rank). A Conv1D stores its weight ``[in, out]``: the table's ``nn.Linear`` dim is swapped."""
+    rank). A Conv1D stores its weight ``[in, out]``: the table's ``nn.Linear`` dim is swapped.
+    ``experts``: the plan's entry for an ``experts`` module (its per-parameter placements)."""
     if style is None:
         return None
+    if style == Style.EXPERTS:
+        return experts[param].dim if experts and param in experts else None
     placement = PLACEMENTS[Style(style)]
     dim = {"weight": placement.weight, "bias": placement.bias}.get(param)
     if dim is not None and param == "weight" and is_conv1d(module):

@@ -23,6 +23,12 @@ checkpoints keep their HF layout. Three styles are ours:
   only its rows; their gradients are summed over TP like ``replicate_grad_allreduce``. The
   input's gradient joins the sibling colwise layers' partial sum (one all-reduce per sub-block).
 
+* ``ExpertsParallel`` (``experts``, mixture-of-experts layers): fused 3-D expert parameters,
+  each expert's intermediate dim sharded (``Plan.experts``: per parameter, derived by
+  ``parallel/experts.py``); the module's own forward, whatever experts kernel is active, runs on
+  the local pieces and its output, a partial sum, is all-reduced once; in backward the gradients of
+  its replicated inputs (hidden states, routing weights) are summed over TP in one all-reduce.
+
 After TP, attention modules that read head counts from attributes (``self.num_heads``,
 ``self.split_size``, ``self.config.num_attention_heads``) get those set to the local values.
 """
@@ -41,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardlm.parallel.hf import (
     MODULE_HEAD_ATTRS,
@@ -51,7 +58,7 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.plan import Plan
-from shardlm.parallel.styles import Style
+from shardlm.parallel.styles import ExpertParam, Style
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
@@ -295,10 +302,112 @@ class ShardedRMSNorm(ParallelStyle):
         return module
 
 
-def make_style(style: str, parts: list[int] | None = None, rows: list | None = None) -> ParallelStyle:
+def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum over TP of ``t`` (outside autograd: in a backward)."""
+    return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class _SumGradsOverTP(torch.autograd.Function):
+    """Identity forward; backward: the gradients of all its inputs summed over TP in one all-reduce
+    (flattened together, in the widest of their dtypes)."""
+
+    @staticmethod
+    def forward(ctx, mesh: DeviceMesh, *tensors: torch.Tensor):
+        ctx.mesh = mesh
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None, *grads)
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in present))
+        flat = _all_reduce(torch.cat([g.reshape(-1).to(dtype) for g in present]), ctx.mesh)
+        out, offset = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(flat[offset : offset + g.numel()].view(g.shape).to(g.dtype))
+            offset += g.numel()
+        return (None, *out)
+
+
+def expert_placements(module: nn.Module, params: dict[str, ExpertParam]) -> dict[str, object]:
+    """The TP placement of each parameter of an experts module (``styles.ExpertParam``)."""
+    placements: dict[str, object] = {}
+    for name, _ in module.named_parameters(recurse=False):
+        p = params.get(name)
+        if p is None or p.dim is None:
+            placements[name] = Replicate()
+        else:
+            placements[name] = _StridedShard(p.dim, split_factor=p.parts) if p.parts > 1 else Shard(p.dim)
+    return placements
+
+
+class ExpertsParallel(ParallelStyle):
+    """``experts``: a mixture-of-experts module of fused 3-D parameters, each expert's intermediate
+    dim sharded (see the module docstring and ``parallel/experts.py``).
+
+    While the module runs, its own parameters are local pieces (the hidden states and routing
+    weights it reads are plain replicated tensors), so any experts kernel computes this rank's
+    share of every expert: a partial sum of the output, all-reduced on the way out. A parameter
+    placed ``once`` (a bias after the down projection) is whole on every rank but used by rank 0
+    only (others see zeros): its gradient is summed over TP with the other TP-partial gradients
+    (``tp_partial_grad_params``). The gradients of the floating-point inputs are summed over TP
+    in one all-reduce (``_SumGradsOverTP``): each rank's covers only its share of the experts.
+    The swap happens in the module's own hooks, so FSDP2 and activation checkpointing see their
+    parameters as they left them (as in ``LocalReplicate``).
+    """
+
+    def __init__(self, params: dict[str, ExpertParam]):
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard_params(module, device_mesh, expert_placements(module, self.params), self.src_data_rank)
+        muted = device_mesh.get_local_rank() != 0
+        once = {name for name, p in self.params.items() if p.once}
+        saved: list[tuple[str, torch.Tensor]] = []
+
+        def to_local(mod, args, kwargs):
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    saved.append((name, param))
+                    local = param.to_local()
+                    mod._parameters[name] = local * 0 if muted and name in once else local
+            flat, spec = tree_flatten((args, kwargs))
+            floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if floats:
+                summed = _SumGradsOverTP.apply(device_mesh, *(flat[i] for i in floats))
+                for i, t in zip(floats, summed):
+                    flat[i] = t
+            return tree_unflatten(flat, spec)
+
+        def restore(mod, args, out):
+            while saved:
+                name, param = saved.pop()
+                mod._parameters[name] = param
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
+            # a tensor of its own (Rowwise's reason: models add into the output in place)
+            reduced = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            return reduced.redistribute(device_mesh, [Replicate()]).to_local().clone()
+
+        module.register_forward_pre_hook(to_local, with_kwargs=True)
+        module.register_forward_hook(restore)
+        return module
+
+
+def make_style(
+    style: str,
+    parts: list[int] | None = None,
+    rows: list | None = None,
+    experts: dict[str, ExpertParam] | None = None,
+) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
-    output rows)."""
+    output rows); ``experts``: the plan's ``experts`` entry of an experts module."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
@@ -323,6 +432,8 @@ def make_style(style: str, parts: list[int] | None = None, rows: list | None = N
             return LocalReplicate(own_only=True)
         case Style.SHARDED_NORM:
             return ShardedRMSNorm()
+        case Style.EXPERTS:
+            return ExpertsParallel(experts or {})
 
 
 _WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
@@ -367,13 +478,15 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
 
 
 def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
-    """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``
-    and the replicated parameters of sliced projections)."""
+    """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
+    the replicated parameters of sliced projections, and experts' parameters added ``once``)."""
     return [
         f"{fqn}.{pname}"
         for fqn, style in plan.styles.items()
-        if style == Style.REPLICATE_GRAD_ALLREDUCE or fqn in plan.sliced
         for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
+        if style == Style.REPLICATE_GRAD_ALLREDUCE
+        or fqn in plan.sliced
+        or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
     ]
 
 

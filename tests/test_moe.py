@@ -1,0 +1,280 @@
+"""Mixture-of-experts under TP: experts split by their intermediate dim (``parallel/experts.py``,
+the ``experts`` style), trained exactly like one process.
+
+Tiny models from each type's own config defaults (``scripts/tiny.py``: 4 experts, top-2, only
+sizes shrunk): Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (shared expert) and gpt-oss (interleaved
+gate/up, expert biases). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
+default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
+grad_norm 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+# Qwen3-MoE, Mixtral, OLMoE (q/k norms across the width: sharded_norm), Qwen2-MoE (a shared
+# expert, split like a dense MLP, and its 1-wide sigmoid gate, kept whole): gate_up concatenated
+CONCAT = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+# gpt-oss: gate/up interleaved in a transposed [E, H, 2I], expert biases (the down bias added by one
+# rank, its gradient summed over TP); its attention, with per-head sinks, is kept whole
+TRAINED = [*CONCAT, "gpt_oss"]
+CONCATENATED = {"gate_up_proj": (1, 2, False), "down_proj": (2, 1, False)}  # [E, 2I, H], [E, H, I]
+
+
+def _write(root: Path, model_type: str) -> str:
+    path = root / model_type
+    tiny_config(model_type).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {t: _write(root, t) for t in TRAINED}
+
+
+def _meta(path: str):
+    from shardlm.parallel.build import build_meta_model
+
+    return build_meta_model(path)
+
+
+def _layout(entry: dict) -> dict:
+    return {name: (p.dim, p.parts, p.once) for name, p in entry.items()}
+
+
+def test_the_plan_derives_each_experts_layout(dirs):
+    """Which parameter is the in/out projection, its intermediate dim, and gate/up concatenated (2
+    parts) or interleaved (gpt-oss: 1 part, its down bias added once) come from the probe."""
+    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.experts import find_experts
+
+    for model_type in CONCAT:
+        plan = infer_plan(_meta(dirs[model_type]), 2)
+        assert set(plan.experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}, model_type
+        for fqn, entry in plan.experts.items():
+            assert plan.styles[fqn] == "experts"
+            assert _layout(entry) == CONCATENATED, (model_type, entry)
+        gate = "model.layers.0.mlp.gate"
+        assert plan.styles[gate] == "replicate_local", model_type  # the router: whole, on plain tensors
+    plan = infer_plan(_meta(dirs["qwen2_moe"]), 2)
+    rows = {row["module"]: row for row in describe_plan(_meta(dirs["qwen2_moe"]), plan, 2)}
+    experts = rows["model.layers.0.mlp.experts"]  # `shardlm plan`'s table: the experts halved per rank
+    assert experts["local"] == {"gate_up_proj": (4, 64, 64), "down_proj": (4, 64, 32)}
+    assert 2 * experts["bytes_per_rank"] == experts["bytes_global"]
+    assert "probed: gate_up_proj dim 1 in 2 parts, down_proj dim 2" in experts["source"]
+    assert plan.styles["model.layers.0.mlp.shared_expert.gate_proj"] == "colwise"
+    assert plan.styles["model.layers.0.mlp.shared_expert.down_proj"] == "rowwise"
+    assert "1 output(s), fewer than tp=2" in plan.replicated["model.layers.0.mlp.shared_expert_gate"]
+    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases); its attention (per-head sinks)
+    # is kept whole and computes on local views, as does its router
+    plan = infer_plan(_meta(dirs["gpt_oss"]), 2)
+    assert plan.styles["model.layers.0.self_attn"] == plan.styles["model.layers.0.mlp.router"] == "replicate_local"
+    assert (
+        plan.experts["model.layers.0.mlp.experts"]
+        == find_experts(_meta(dirs["gpt_oss"]), 2)["model.layers.0.mlp.experts"]
+    )
+    assert _layout(plan.experts["model.layers.0.mlp.experts"]) == {
+        "gate_up_proj": (2, 1, False),
+        "gate_up_proj_bias": (1, 1, False),
+        "down_proj": (1, 1, False),
+        "down_proj_bias": (None, 1, True),
+    }
+
+
+def _split_sum(experts, layout: dict, tp: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole module's output, the sum of the outputs of ``tp`` ranks' pieces of ``layout``)."""
+    from shardlm.parallel.experts import local_positions
+
+    whole = {n: p.detach().clone() for n, p in experts.named_parameters(recurse=False)}
+    for p in whole.values():
+        p.normal_(std=p.shape[-1] ** -0.5)  # the init leaves biases at zero: make every parameter count
+
+    def run(params: dict) -> torch.Tensor:
+        for name, value in params.items():
+            experts._parameters[name] = torch.nn.Parameter(value)
+        return experts(*inputs)
+
+    want, total = run(whole), 0
+    for rank in range(tp):
+        pieces = {}
+        for name, value in whole.items():
+            p = layout[name]
+            if p.dim is not None:
+                value = value.index_select(p.dim, local_positions(value.shape[p.dim], p.parts, tp, rank))
+            elif p.once and rank:
+                value = torch.zeros_like(value)
+            pieces[name] = value
+        total = total + run(pieces)
+    return want, total
+
+
+@pytest.mark.parametrize("kernel", ["eager", "batched_mm", "grouped_mm"])
+def test_split_experts_sum_to_the_whole_with_every_kernel(dirs, kernel):
+    """The plan's pieces, run by each experts kernel on real numbers (a CPU model, not meta), sum
+    to the whole module's output: what every TP rank computes, without processes. The plan came
+    from the eager probe alone."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.parallel.experts import find_experts
+
+    for model_type in TRAINED:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()  # grouped_mm takes no fp64
+        model.set_experts_implementation(kernel)
+        fqn = "model.layers.0.mlp.experts"
+        layout = find_experts(_meta(dirs[model_type]), 2)[fqn]
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(7, config.hidden_size, generator=g)
+        index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+        weights = torch.rand(7, 2, generator=g)
+        want, total = _split_sum(model.get_submodule(fqn), layout, 2, (x, index, weights))
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"{model_type} {kernel}")
+
+
+def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
+    """An experts module no placement reproduces is refused in one line naming it."""
+    from shardlm.cli import main
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.experts import probe_layout
+
+    meta = _meta(_write(tmp_path, "qwen3_moe"))
+    experts = meta.get_submodule("model.layers.0.mlp.experts")
+    # an expert width tp=3 cannot split (64 per expert): no candidate
+    why = probe_layout(experts, meta.config.hidden_size, 3)
+    assert isinstance(why, str) and "no split of its parameters" in why
+
+    # a norm over the hidden width after the experts: partial sums cannot be normalized per rank
+    class Normed(type(experts)):
+        def forward(self, hidden, index, weights):
+            out = super().forward(hidden, index, weights)
+            return out / out.norm(dim=-1, keepdim=True)
+
+    experts.__class__ = Normed
+    why = probe_layout(experts, meta.config.hidden_size, 2)
+    assert isinstance(why, str) and "reproduces its output" in why
+    with pytest.raises(ConfigError):
+        from shardlm.parallel.experts import find_experts
+
+        find_experts(meta, 2)
+    # Mixtral with router jitter: each rank would draw its own noise
+    jitter = tiny_config("mixtral")
+    jitter.router_jitter_noise = 0.1
+    jitter.save_pretrained(tmp_path / "jitter")
+    assert main(["plan", str(tmp_path / "jitter"), "--tp", "2"]) == 2
+    assert "router_jitter_noise=0.1 randomizes the router in training" in capsys.readouterr().err
+    # experts as separate modules (JetMoE); a router that is an nn.Linear subclass returning a tuple
+    # (Phi-MoE's, which samples its experts at random in training)
+    phimoe = tiny_config("phimoe")
+    phimoe.router_jitter_noise = 0.0  # its default 0.01 is refused as jitter first
+    phimoe.save_pretrained(tmp_path / "phimoe")
+    expect = {"jetmoe": "mixture-of-experts layer whose experts are not fused", "phimoe": "is a router the trace"}
+    for model_type, text in expect.items():
+        path = str(tmp_path / model_type) if model_type == "phimoe" else _write(tmp_path, model_type)
+        assert main(["plan", path, "--tp", "2"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0] and "parallel.fsdp trains it" in lines[0], lines
+
+
+def test_the_router_loss_is_refused_not_dropped(tmp_path):
+    """Every family's default leaves ``output_router_logits`` off, so the loss is the language-model
+    loss alone, in transformers and in shardlm; a config that turns it on would have transformers
+    add ``router_aux_loss_coef * aux_loss``, which shardlm's trainer does not: refused, one line."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    for model_type in TRAINED:
+        assert tiny_config(model_type).output_router_logits is False, model_type
+    config = tiny_config("mixtral")
+    config.output_router_logits = True
+    config.save_pretrained(tmp_path / "aux")
+    raw = {"model": str(tmp_path / "aux"), "data": {"path": str(tmp_path / "data.txt")}}
+    with pytest.raises(ConfigError, match=r"model: output_router_logits=true adds the router's load-balancing") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
+    config.router_aux_loss_coef = 0.0  # asks for the logits only: nothing added to the loss
+    config.save_pretrained(tmp_path / "aux")
+    assert load_checked(raw=raw).model == str(tmp_path / "aux")
+
+
+def _report(label: str, got: list, ref: list) -> None:
+    """Print the largest relative differences (``pytest -s`` shows them: the measured parity)."""
+    loss = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(got, ref))
+    norm = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, ref))
+    print(f"{label}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
+
+
+def _expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' 3-D parameters on this rank, in the whole model), fp32 (gpt-oss's
+    down bias, ``[E, H]``, is whole on every rank)."""
+    local = whole = 0
+    for fqn in model.plan.experts:
+        for p in model.module.get_submodule(fqn).parameters(recurse=False):
+            if p.dim() == 3:
+                local += 4 * p.to_local().numel()
+                whole += 4 * p.numel()
+    return local, whole
+
+
+def tp2_body(paths: list[str]) -> tuple[dict, dict, dict]:
+    """Rank body (2 ranks): 5 steps of each model at tp=2, then the collectives of one micro-batch
+    and the experts' bytes per rank."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, {"tp": 2}, 4, 1)
+    mesh = build_mesh(ParallelConfig(tp=2))
+    counts, sizes = {}, {}
+    for path in paths:
+        model = parallelize(path, mesh)
+        counts[path] = model_collectives(model, mesh)
+        sizes[path] = _expert_bytes(model)
+    return losses, counts, sizes
+
+
+@pytest.mark.ranks
+def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
+    paths = [dirs[t] for t in TRAINED]
+    losses, counts, sizes = run_ranks(tp2_body, 2, paths)
+    for model_type, path in zip(TRAINED, paths):
+        ref = plain_reference(path, 4)
+        assert_parity(losses[path], ref, label=model_type)
+        _report(f"{model_type} tp=2", losses[path], ref)
+        print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts[path]}")
+        fwd, loss, bwd, grads = (sum(c.values()) for c in counts[path])
+        kinds = {str(k) for c in counts[path][:3] for k in c}
+        assert kinds == {"all_reduce"}, (model_type, kinds)
+        # as a dense model: embedding 1 + (attention 1 + MoE 1) per block forward, the same backward
+        # (the experts' input gradients, hidden states and routing weights, summed in one all-reduce);
+        # OLMoE's q/k norms across the width add 2 per block each way (as OLMo-2's); Qwen2-MoE's
+        # shared expert is a second MLP beside the experts: 1 more per block each way; gpt-oss's
+        # attention is kept whole: 1 fewer per block each way
+        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7), "gpt_oss": (3, 3, 3)}.get(model_type, (5, 3, 5))
+        assert (fwd, loss, bwd) == expected, (model_type, fwd, loss, bwd)
+        # one all-reduce per step of the TP-partial gradients: Qwen3's per-head q/k norms, gpt-oss's down bias
+        assert grads == (model_type in ("qwen3_moe", "gpt_oss")), (model_type, grads)
+        local, whole = sizes[path]
+        print(f"{model_type} experts: {local} bytes per rank of {whole}")
+        assert 2 * local == whole, (model_type, local, whole)
+
+
+@pytest.mark.ranks
+def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in TRAINED]
+    got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    for model_type, path in zip(TRAINED, paths):
+        ref = plain_reference(path, 4)
+        assert_parity(got[path], ref, label=model_type)
+        _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
