@@ -89,15 +89,16 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
             else (not kept)
         ), (name, kept)
     # anything the trace does not expect becomes one line naming the running module
-    import shardlm.parallel.autotp as plan
+    from shardlm.parallel import autotp, trace
+
+    forward = trace.meta_forward
 
     def boom(meta, *shape):
         meta.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: 1 / 0)
-        plan._meta_forward.__wrapped__(meta, *shape)
+        forward(meta, *shape)
 
-    boom.__wrapped__ = plan._meta_forward
-    monkeypatch.setattr(plan, "_meta_forward", boom)
-    monkeypatch.setattr(plan, "_PLANS", {})  # traced again, not taken from this process's plans
+    monkeypatch.setattr(trace, "meta_forward", boom)
+    monkeypatch.setattr(autotp, "PLANS", {})  # traced again, not taken from this process's plans
     assert main(["plan", dirs["gemma4_text"], "--tp", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "model.layers.0.self_attn (Gemma4TextAttention): tracing the tensor-parallel" in lines[0]

@@ -1,5 +1,8 @@
 """AutoTP: derive a tensor-parallel plan for a Hugging Face causal LM from its dataflow.
 
+The dataflow comes from one traced meta forward (``parallel/trace.py``); this module turns it into
+a plan: styles, what stays replicated and why, the dry run at one rank's shapes, the refusals.
+
 A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what each shards: ``styles.PLACEMENTS``):
 
 ``colwise``  Linear/Conv1D sharded by output features: it reads a replicated activation
@@ -23,22 +26,6 @@ A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what 
              ``replicate`` module with nothing split under it (``_run_local``)
 ``replicate_own``  a module with parameters of its own around split children (HRM's initial
              state): its own parameters only, replicated, computed on as local views
-
-The algorithm (no table of model names): run one forward of the model on the meta device
-under a ``TorchFunctionMode`` that tracks which tensors are *sharded* across TP ranks. A
-linear layer that reads an unsharded tensor becomes column-parallel and its output is
-sharded; every op propagates shardedness from inputs to outputs; a linear that reads a
-sharded tensor becomes row-parallel and its output, all-reduced, is unsharded again. This is
-the Megatron pairing (q/k/v/gate/up/fc1 -> o/down/fc2) found from the dataflow, so parallel
-attention+MLP blocks (GPT-NeoX, Falcon) and models with no hand-written plan (OPT, GPT-2)
-need nothing special. The first op that consumes a colwise output tells whether the
-projection is fused: a split/chunk/slice of the last dim means packed parts (GPT-2 c_attn,
-Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving (GPT-NeoX),
-which plain column sharding already keeps whole. A module with parameters that reads a
-sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
-width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (anything
-else is a violation, below). The model's own
-``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 What cannot be split is kept replicated, sub-block by sub-block, or refused; never guessed:
 
@@ -70,8 +57,8 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
-* data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
-  ``.item()``, ``nonzero``) are answered on meta without data (``_DATA_DEPENDENT``).
+* data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``.item()``) are
+  answered on meta without data (``parallel/trace.py``).
 
 Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
 computes) and stored *replicated* on the TP mesh, gradients summed over TP:
@@ -91,407 +78,32 @@ from __future__ import annotations
 import copy
 import json
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
     geometry,
-    head_counts,
     head_widths,
     is_conv1d,
     is_linear,
     out_features,
-    rms_norm_eps,
 )
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.tp import localize_geometry
-
-# torch ops by which a consumer cuts a fused projection's output into parts along the last dim
-_SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
-_VIEW_OPS = {"view", "reshape", "unflatten"}
-# answers for data-dependent questions a modeling file asks of a meta tensor during the trace
-# ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
-_DATA_DEPENDENT = {
-    "item": 0,
-    "__bool__": False,
-    "__int__": 0,
-    "__index__": 0,
-    "__float__": 0.0,
-    "tolist": [],
-    "__contains__": False,
-    "equal": False,
-    "allclose": False,
-    "is_nonzero": False,
-}
-_NO_ROWS = {"nonzero", "argwhere"}  # data-dependent shapes: answered as "no element matches"
-# ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
-# would reduce its own columns only (a parameter-free norm, a softmax gate)
-_REDUCTIONS = {
-    "sum", "mean", "softmax", "log_softmax", "norm", "var", "std", "var_mean", "std_mean", "amax", "amin",
-    "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod", "logsumexp", "prod",
-    "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
-}  # fmt: skip
-_RUNNING = "while running "  # the note ``_trace`` adds to an exception: the module whose forward raised it
-TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
-
-
-class _ShardTracker(TorchFunctionMode):
-    """Propagates 'sharded across TP ranks' through every torch op of a meta forward.
-
-    Each sharded tensor carries its *sources*: the column-parallel linears whose outputs it was
-    computed from. When something cannot act on a sharded tensor (a parameter of a module that
-    is not split with it, a per-head tensor that is not split with the heads), the sources are
-    recorded as a violation: ``_trace`` then keeps that whole sub-block replicated.
-    """
-
-    def __init__(self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=()) -> None:
-        super().__init__()
-        self.sharded: dict[int, frozenset[str]] = {}
-        self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
-        self.first_consumer: dict[int, tuple[str, tuple]] = {}
-        self.slices: dict[int, set[int]] = {}
-        self.param_owner = param_owner or {}
-        self.legit = legit if legit is not None else {}  # fqns whose parameters may meet sharded tensors
-        self.heads = {h for h in heads if h > 1}
-        self.violations: list[tuple[frozenset[str], str]] = []
-        self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
-        self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
-        self.running: list[str] = []  # modules whose forward is running, innermost last
-        self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
-        self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
-        # parameters a module's forward returns (GPT-NeoX-Japanese's attention returns its
-        # ``dense_bias`` for the layer to add): the caller receives the local view its style made
-        self.returned: set[int] = set()
-        # id(tensor) -> owners of the parameters it is computed from alone (DiffLlama's
-        # ``exp(sum(lambda_q1 * lambda_k1))``): such a tensor meeting split activations is a parameter
-        # meeting them (each rank would compute its gradient from its own heads only)
-        self.from_params: dict[int, frozenset[str]] = {}
-        self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
-        # per dropout call: (input sharded, its shape, its probability)
-        self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
-
-    def _record_dropout(self, func, args, kwargs) -> None:
-        """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
-        if is_dropout_call(func):
-            x = args[0] if args else kwargs.get("input", kwargs.get("query"))
-            sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
-            self.dropout_sites.append(
-                (sharded, dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs))
-            )
-
-    def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
-        self.keep.append(t)
-        if sources:
-            self.sharded[id(t)] = sources
-        else:
-            self.sharded.pop(id(t), None)
-
-    def is_sharded(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and id(t) in self.sharded
-
-    def sources(self, t) -> frozenset[str]:
-        return self.sharded.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            if name in _DATA_DEPENDENT:
-                return _DATA_DEPENDENT[name]
-            if name in _NO_ROWS:
-                if kwargs.get("as_tuple") or (len(args) > 1 and args[1] is True):
-                    return tuple(torch.empty(0, dtype=torch.long, device="meta") for _ in range(args[0].dim()))
-                return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
-        self._record_dropout(func, args, kwargs)
-        out = func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
-        # freed tensor's id can be reused (that made packed detection nondeterministic)
-        self.keep.extend(inputs)
-        self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        for t in inputs:
-            self.first_consumer.setdefault(id(t), (name, args[1:] if args and args[0] is t else args))
-            if (
-                isinstance(t, nn.Parameter)
-                and id(t) in self.param_owner
-                and id(t) not in self.tied | self.returned
-                and self.running
-            ):
-                owner = self.param_owner[id(t)]
-                if owner.split(" (")[0] != self.running[-1]:
-                    self.foreign.setdefault(owner, self.running[-1])
-        if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-            self.first_view.setdefault(id(args[0]), tuple(out.shape))
-        if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
-            self._record_slice(args[0], args[1])
-        sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
-        if inputs and not sources and all(self._owners(t) for t in inputs):
-            owners = frozenset().union(*(self._owners(t) for t in inputs))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.from_params[id(t)] = owners
-        if sources:
-            if not self.inside:
-                self._check(name, inputs, sources)
-                self._check_reduction(name, args, kwargs, sources)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.mark(t, sources)
-        return out
-
-    def _owners(self, t: torch.Tensor) -> frozenset[str]:
-        """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
-        if isinstance(t, nn.Parameter):
-            return frozenset({self.param_owner.get(id(t), "?")})
-        return self.from_params.get(id(t), frozenset())
-
-    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str]) -> None:
-        """Record what cannot act on this op's sharded input(s) as they stand."""
-        sharded = [t for t in inputs if id(t) in self.sharded]
-        for t in inputs:
-            if id(t) in self.sharded:
-                continue
-            if isinstance(t, nn.Parameter):
-                owner = self.param_owner.get(id(t), "?")
-                if owner not in self.legit:
-                    self.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
-            elif id(t) in self.from_params and not self.from_params[id(t)] <= self.legit.keys():
-                owner = sorted(self.from_params[id(t)] - self.legit.keys())[0]
-                self.violations.append(
-                    (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
-                )
-            elif t.dim() and t.numel() > 1 and self.heads:
-                for s in sharded:
-                    # the heads dim of split activations is never the last (that is head_dim or keys)
-                    for i in range(2, min(t.dim(), s.dim()) + 1):
-                        if t.shape[-i] == s.shape[-i] and t.shape[-i] in self.heads:
-                            self.violations.append(
-                                (
-                                    sources,
-                                    f"a per-head tensor of shape {tuple(t.shape)} (ALiBi slopes, position "
-                                    f"biases) is not split with the heads ({name})",
-                                )
-                            )
-                            return
-
-    def _check_reduction(self, name: str, args: tuple, kwargs: dict, sources: frozenset[str]) -> None:
-        """A reduction over the last dim of a flat column-parallel output (its width not yet viewed
-        into heads) would reduce each rank's columns only."""
-        if (
-            name not in _REDUCTIONS
-            or not args
-            or not isinstance(args[0], torch.Tensor)
-            or id(args[0]) not in self.sharded
-        ):
-            return
-        t = args[0]
-        if not t.dim() or t.shape[-1] not in {self.widths.get(src) for src in sources}:
-            return
-        if name in ("layer_norm", "rms_norm", "group_norm"):
-            dims = {t.dim() - 1}
-        else:
-            pos = 2 if name == "topk" else 1
-            dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
-            if isinstance(dim, torch.Tensor) or (
-                name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor)
-            ):
-                return  # elementwise max/min of two tensors
-            if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
-                dim = -1
-            dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
-        if dims is None or t.dim() - 1 in dims:
-            self.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
-
-    def _record_slice(self, tensor: torch.Tensor, index) -> None:
-        index = index if isinstance(index, tuple) else (index,)
-        if index and index[0] is Ellipsis and len(index) == 2 and isinstance(index[1], slice):
-            bounds = self.slices.setdefault(id(tensor), set())
-            for b in (index[1].start, index[1].stop):
-                if isinstance(b, int):
-                    bounds.add(b)
-
-
-def _parts_from_consumer(tracker: _ShardTracker, out: torch.Tensor) -> list[int] | None:
-    """Part sizes if the projection output is cut along its last dim right away, else None."""
-    width = out.shape[-1]
-    if id(out) in tracker.slices:
-        bounds = sorted({0, width} | {b % width if b < 0 else b for b in tracker.slices[id(out)]})
-        return [b - a for a, b in zip(bounds, bounds[1:])]
-    name, rest = tracker.first_consumer.get(id(out), ("", ()))
-    if name not in _SPLIT_OPS or not rest:
-        return None
-    dim = rest[1] if len(rest) > 1 else -1
-    if dim not in (-1, out.dim() - 1):
-        return None
-    arg = rest[0]
-    if name == "chunk":
-        return [width // arg] * arg
-    if isinstance(arg, int):
-        return [arg] * (width // arg)
-    return list(arg)
-
-
-def _build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
-    """A fresh meta copy of ``model``'s architecture (``eager``: eager attention, every op visible;
-    else the attention the ranks will run)."""
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    if eager:
-        config._attn_implementation = "eager"
-    # MoE: the eager experts loop (grouped_mm cannot run on meta; every kernel computes the same)
-    config._experts_implementation = "eager"
-    with torch.device("meta"):
-        return type(model)._from_config(config)
-
-
-def _meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> None:
-    meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
-
-
-@dataclass
-class _Traced:
-    styles: dict[str, str]
-    parts: dict[str, list[int]]
-    violations: list[tuple[frozenset[str], str]]
-    closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
-    views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
-    foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
-    dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``_ShardTracker.dropout_sites``
-
-
-def _trace(
-    model: nn.Module,
-    forced: frozenset[str] = frozenset(),
-    meta: nn.Module | None = None,
-    shape: tuple[int, int] = (1, TRACE_SEQ),
-) -> _Traced:
-    """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
-    sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
-    outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
-    given; the trace leaves it as is)."""
-    meta = meta if meta is not None else _build_meta(model)
-    styles: dict[str, str] = {}
-    registrations: dict[int, int] = {}
-    for _, m in meta.named_modules():
-        for p in m.parameters(recurse=False):
-            registrations[id(p)] = registrations.get(id(p), 0) + 1
-    param_owner = {
-        id(p): f"{m_name} ({type(m).__name__})"
-        for m_name, m in meta.named_modules()
-        for p in m.parameters(recurse=False)
-    }
-    legit: dict[str, bool] = {}
-    tracker = _ShardTracker(param_owner, legit, head_counts(meta.config))
-    tracker.tied = {i for i, n in registrations.items() if n > 1}
-    outputs: dict[str, torch.Tensor] = {}
-    closer_inputs: dict[str, frozenset[str]] = {}
-    hooks = []
-    running: list[str] = []  # modules whose forward is running (named when an exception escapes)
-    tracker.running = running
-    block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
-    widths_of_heads = head_widths(meta.config)
-
-    def pre(name):
-        label = f"{name} ({{}})"
-
-        def hook(module, args):
-            running.append(name)
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            sources = tracker.sources(args[0])
-            owner = label.format(type(module).__name__)
-            if is_linear(module) and name in forced:
-                styles[name] = "replicate"
-                if sources:
-                    tracker.violations.append((sources, f"{owner} reads its split activations"))
-            elif is_linear(module) and name.startswith(block_prefixes):
-                styles[name] = "rowwise" if sources else "colwise"
-                tracker.widths[name] = out_features(module)
-                legit[owner] = True
-                if sources:
-                    closer_inputs[name] = closer_inputs.get(name, frozenset()) | sources
-            elif sources and any(True for _ in module.parameters(recurse=False)):
-                width = args[0].shape[-1]
-                params = list(module.parameters(recurse=False))
-                if all(p.dim() == 1 and p.numel() == width for p in params) and width in widths_of_heads:
-                    styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
-                    legit[owner] = True
-                    tracker.inside.append(name)
-                elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
-                    styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
-                    legit[owner] = True
-                    tracker.inside.append(name)
-                else:
-                    what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
-                    tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
-
-        return hook
-
-    def post(name):
-        def hook(module, args, out):
-            if running and running[-1] == name:
-                running.pop()
-            if tracker.inside and tracker.inside[-1] == name:
-                tracker.inside.pop()
-            tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
-            if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
-                tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
-                outputs[name] = out
-
-        return hook
-
-    for name, module in meta.named_modules():
-        hooks.append(module.register_forward_pre_hook(pre(name)))
-        hooks.append(module.register_forward_hook(post(name)))
-    try:
-        with tracker:
-            _meta_forward(meta, shape)
-    except Exception as exc:
-        if running:
-            exc.add_note(f"{_RUNNING}{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})")
-        raise
-    finally:
-        for h in hooks:
-            h.remove()
-    parts, views = {}, {}
-    for name, style in styles.items():
-        if style == "colwise" and name in outputs:
-            views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
-            found = _parts_from_consumer(tracker, outputs[name])
-            if found and len(found) > 1:
-                styles[name], parts[name] = "packed_colwise", found
-    return _Traced(styles, parts, tracker.violations, closer_inputs, views, tracker.foreign, tracker.dropout_sites)
-
-
-def _dropout_dims(model: nn.Module, traced: _Traced, forced: frozenset[str]) -> list[int | None]:
-    """The sharded dim of each dropout site's input (see ``Plan.dropout_sites``).
-
-    Shardedness is known per tensor, not per dim, so a second trace with another batch size and
-    sequence length tells the batch/sequence dims (their sizes change) from the feature dims
-    (they do not); the sharded one is the first feature dim: heads in ``[batch, heads, q, k]``
-    attention probabilities, features in ``[batch, seq, ffn]`` or ``[batch*seq, ffn]``. The
-    second trace runs only for a model that drops on a sharded tensor (p > 0); other sharded
-    sites get -1, which ``dropout.traced_dim`` refuses should one ever draw a mask.
-    """
-    sites = traced.dropout_sites
-    if not any(sharded and p > 0 for sharded, _, p in sites):
-        return [-1 if sharded else None for sharded, _, _ in sites]
-    other = _trace(model, forced, shape=(2, 5)).dropout_sites
-    if len(other) != len(sites):
-        raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
-    dims: list[int | None] = []
-    for (sharded, a, _), (_, b, _) in zip(sites, other):
-        fixed = [d for d in range(len(a)) if len(a) == len(b) and a[d] == b[d]]
-        dims.append((fixed[0] if fixed else -1) if sharded else None)
-    return dims
+from shardlm.parallel.trace import (
+    RUNNING_NOTE,
+    ShardTracker,
+    Traced,
+    build_meta,
+    dropout_dims,
+    meta_forward,
+    trace_model,
+)
 
 
 def _hf_directions(model: nn.Module) -> dict[str, str]:
@@ -535,13 +147,13 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     if tp == 1:
         return Plan()
     key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str))
-    if key not in _PLANS:
-        _PLANS[key] = _infer_or_refuse(model, tp)
-    return copy.deepcopy(_PLANS[key])
+    if key not in PLANS:
+        PLANS[key] = _infer_or_refuse(model, tp)
+    return copy.deepcopy(PLANS[key])
 
 
 # plans already traced in this process (a model's plan is traced again by parallelize, estimate, LoRA checks)
-_PLANS: dict[tuple, Plan] = {}
+PLANS: dict[tuple, Plan] = {}
 
 
 def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
@@ -550,7 +162,7 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        notes = [n[len(_RUNNING) :] for n in getattr(exc, "__notes__", ()) if n.startswith(_RUNNING)]
+        notes = [n[len(RUNNING_NOTE) :] for n in getattr(exc, "__notes__", ()) if n.startswith(RUNNING_NOTE)]
         where = notes[0] if notes else type(model).__name__
         detail = " ".join(str(exc).split())[:160]
         raise ConfigError(
@@ -568,9 +180,9 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
     reasons: dict[str, str] = {}
-    meta = _build_meta(model)
+    meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
-        traced = _trace(model, forced, meta)
+        traced = trace_model(model, forced, meta)
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -591,7 +203,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
-                plan.dropout_sites = _dropout_dims(model, traced, forced)
+                plan.dropout_sites = dropout_dims(model, traced, forced)
                 return _finish(model, plan, forced, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
@@ -636,7 +248,7 @@ def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
     return {f for f in candidates if _block_key(f) in keys}
 
 
-def _closure(traced: _Traced, bad: set[str]) -> set[str]:
+def _closure(traced: Traced, bad: set[str]) -> set[str]:
     """``bad`` plus every row-parallel linear reading from it and every column-parallel linear
     feeding those: the whole sub-block, which then stays replicated."""
     bad = set(bad)
@@ -650,7 +262,7 @@ def _closure(traced: _Traced, bad: set[str]) -> set[str]:
     return bad
 
 
-def _assemble(model: nn.Module, tp: int, traced: _Traced) -> Plan:
+def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
     plan = Plan(parts=dict(traced.parts))
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
@@ -694,7 +306,7 @@ def _run_local(model: nn.Module, plan: Plan) -> None:
             plan.styles[f] = "replicate_local"
 
 
-def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: _Traced) -> None:
+def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 
     * a parameter used directly by another module's forward (a mixer calling
@@ -772,7 +384,7 @@ def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[
     return plan
 
 
-def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[str, str] | None:
+def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str, str] | None:
     """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
     attention modules their local head counts (``localize_geometry``), as the ranks will.
 
@@ -782,7 +394,7 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[st
     projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
     ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
     with the global trace's)."""
-    meta = _build_meta(model, eager=False)
+    meta = build_meta(model, eager=False)
     localize_geometry(meta, plan, tp)
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)
@@ -808,10 +420,10 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: _Traced) -> tuple[st
     for name, module in meta.named_modules():
         hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
         hooks.append(module.register_forward_hook(lambda m, a, o, name=name: _pop(stack, name, o, outputs)))
-    tracker = _ShardTracker()
+    tracker = ShardTracker()
     try:
         with tracker:
-            _meta_forward(meta)
+            meta_forward(meta)
     except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
         owner = _owner_of_split_linears(plan, stack)
         detail = " ".join(str(exc).split())[:120]
