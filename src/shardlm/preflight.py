@@ -25,13 +25,14 @@ def check_run(cfg: Config) -> None:
     """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work."""
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
-    if has_weights(cfg.model):  # the checkpoint's names, converted by transformers' rules, cover the model
-        check_weights(cfg.model, build_meta_model(cfg.model))
+    traced, weights = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model)
+    model = build_meta_model(cfg.model) if traced or weights else None  # one meta model (LoRA adapts it last)
+    if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
+        check_weights(cfg.model, model)
     check_router_aux_loss(cfg.model)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
-    if p.tp > 1 or cfg.lora is not None:  # what only the traced plan can refuse (Falcon's fused kv groups)
-        model = build_meta_model(cfg.model)
+    if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)
         plan = infer_plan(model, p.tp)
         if cfg.lora is not None:
             check_lora(cfg.lora, model, plan)
