@@ -8,6 +8,7 @@ they run in spawned processes, where fixtures do not exist.
 
 from __future__ import annotations
 
+import pool
 import pytest
 import torch.distributed as dist
 from helpers import run_ranks, train_jobs, write_model_dir
@@ -53,3 +54,8 @@ def tp2_runs(tmp_path_factory) -> dict:
         tied_full=tied_full,
         tied_fsdp=tied_fsdp,
     )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the pooled rank processes (tests/pool.py)."""
+    pool.shutdown()

@@ -1,6 +1,9 @@
 """Tiny models, tiny data, a plain one-process reference, and real multi-process runs.
 
-``run_ranks`` goes through ``shardlm.launch.spawn``, the launcher users' runs take.
+``run_ranks`` runs a rank body on pooled processes (tests/pool.py: started once per world size,
+a fresh process group and port per job); ``run_fresh_ranks`` goes through
+``shardlm.distributed.launch.spawn``, the launcher users' runs take, for tests of the launcher
+and of a process's memory.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pool
 import torch
 import torch.nn.functional as F
 from families import VOCAB
@@ -97,7 +101,13 @@ def shardlm_losses(model_paths: list[str], layout: dict, per_device: int, accum:
 
 
 def run_ranks(fn, world_size: int, *args):
-    """Run ``fn(*args)`` on ``world_size`` real processes (gloo, localhost); rank 0's result."""
+    """Run ``fn(*args)`` on ``world_size`` real processes (gloo, localhost), kept alive between
+    tests (tests/pool.py); rank 0's result."""
+    return pool.run(fn, world_size, *args)[0]
+
+
+def run_fresh_ranks(fn, world_size: int, *args):
+    """``run_ranks`` on new processes started by shardlm's launcher (``spawn``)."""
     return spawn(fn, world_size, *args)[0]
 
 
@@ -184,7 +194,7 @@ def train(model_path: str, layout: str, output_dir: str, **train_kw) -> list[flo
 
 
 def train_jobs(jobs: list[tuple]) -> list[list[float]]:
-    """Rank body: several runs one after another in one spawn (a spawn costs ~20 s here)."""
+    """Rank body: several runs one after another in one job (they share one set of processes and one process group)."""
     return [train(*job[:3], **(job[3] if len(job) > 3 else {})) for job in jobs]
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from helpers import run_ranks, token_dataset, train_config, write_model_dir
+from helpers import run_fresh_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm import ConfigError, ParallelConfig, Trainer, build_mesh, init_distributed, load_config, parallelize
 from shardlm.distributed.launch import RankFailed, root_failure
@@ -182,7 +182,7 @@ def runs(tmp_path_factory) -> dict:
     model = write_model_dir(str(root / "llama"), "llama")
     start = time.perf_counter()
     with pytest.raises(RankFailed) as info:
-        run_ranks(rank_body, 2, model, str(root))
+        run_fresh_ranks(rank_body, 2, model, str(root))
     elapsed = time.perf_counter() - start
     results = json.loads((root / "results.json").read_text())
     init_distributed()

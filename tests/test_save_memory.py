@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import family_config
-from helpers import run_ranks, token_dataset, train_config
+from helpers import run_fresh_ranks, token_dataset, train_config
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,7 +93,7 @@ def test_tp2_fsdp2_save_and_load_gather_no_tensor_and_save_stays_near_the_step_p
     gpt2 = str(tmp_path / "gpt2")  # HF weights on disk: the load path reads safetensors
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(family_config("gpt2")).save_pretrained(gpt2)
-    result = run_ranks(body, 4, llama, gpt2, str(tmp_path / "out"))
+    result = run_fresh_ranks(body, 4, llama, gpt2, str(tmp_path / "out"))
     for name, r in result.items():
         # DCP gathers and broadcasts its plans and metadata (pickled objects: c10d gather_,
         # allgather_, broadcast_); no tensor is redistributed (DTensor gathers with

@@ -24,7 +24,7 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import plain_reference, run_ranks, token_dataset, train_config, write_model_dir
+from helpers import plain_reference, run_fresh_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm import ConfigError, Trainer, build_mesh, init_distributed, load_config, parallelize
 from shardlm.train.metrics import Progress, mfu, peak_tflops
@@ -203,7 +203,7 @@ def one_process(model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(model_path, tmp_path_factory):
-    return run_ranks(two_ranks_body, 2, model_path, str(tmp_path_factory.mktemp("two")))
+    return run_fresh_ranks(two_ranks_body, 2, model_path, str(tmp_path_factory.mktemp("two")))
 
 
 @pytest.fixture(scope="module")
