@@ -17,6 +17,9 @@ A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what 
              q_norm/k_norm): replicated, gradients summed over the TP group
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
+``per_channel``  parameters acting per channel or per head on a column-parallel linear's split
+             output (Qwen3.5 DeltaNet's depthwise ``conv1d``, ``A_log``, ``dt_bias``): split like
+             its rows; a module using them directly computes on local views (``channels.py``)
 ``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole); in
              a finished plan it becomes ``replicate_local`` or ``replicate_own`` (below)
 ``replicate_local``  learned position embeddings (they make position tensors of their own), and
@@ -31,8 +34,8 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` of a short-convolution or Mamba mixer, a state-space parameter, a learned
-  activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
+  ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
+  parameter not aligned with one projection's channels, a learned activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
   slopes, position biases: found as a non-parameter tensor sharing the head-count dim of a split
   one, the trace using batch 1 and a prime sequence length so the sizes cannot be confused), is
   a *violation*: its sources, the row-parallel linears reading them and the column-parallel

@@ -13,7 +13,15 @@ Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving 
 which plain column sharding already keeps whole. A module with parameters that reads a
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
 width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (anything
-else is a violation, below). The model's own
+else is a violation, below). A parameter (or a tensor computed from one alone) whose first dim
+is the output width of the one column-parallel linear a split tensor came from, meeting that
+tensor along its channel dim (a depthwise convolution with ``groups`` equal to it, or a broadcast
+elementwise op), *follows* the split (``ShardTracker._follows``; ``channels.py`` splits it the
+same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused projection whose
+output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
+first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
+tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
+rank's own head count, unlike ALiBi slopes made from the config's. The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
