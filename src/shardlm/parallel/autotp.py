@@ -35,12 +35,13 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
   ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
-  parameter not aligned with one projection's channels, a learned activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
-  slopes, position biases: found as a non-parameter tensor sharing the head-count dim of a split
-  one, the trace using batch 1 and a prime sequence length so the sizes cannot be confused), is
-  a *violation*: its sources, the row-parallel linears reading them and the column-parallel
-  linears feeding those stay replicated (``Plan.replicated``, with the reason) and the trace runs
-  again. Replicated modules compute the whole sub-block on every rank: exact, just not split.
+  parameter not aligned with one projection's channels, a learned activation), or a per-head
+  tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
+  found as a non-parameter tensor sharing the head-count dim of a split one, the trace using
+  batch 1 and a prime sequence length so the sizes cannot be confused), is a *violation*: its
+  sources, the row-parallel linears reading them and the column-parallel linears feeding those
+  stay replicated (``Plan.replicated``, with the reason) and the trace runs again. Replicated
+  modules compute the whole sub-block on every rank: exact, just not split.
 * the plan is then dry-run on meta at one rank's shapes (``_dry_run``): what only breaks there
   (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
   silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
