@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.hf import out_features
+from shardlm.parallel.hf import MODULE_HEAD_ATTRS, MODULE_KV_ATTRS, out_features
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
 
@@ -87,6 +87,8 @@ def local_sizes(model: nn.Module, plan: Plan, reads: dict[str, set[str]], tp: in
     width of one of its linears (its output width, or one of its packed parts): divided by tp."""
     for fqn, names in reads.items():
         module = model.get_submodule(fqn)
+        if any(type(getattr(module, a, None)) is int for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+            continue  # attention: ``localize_geometry`` sets its sizes from the head counts
         widths: set[int] = set()
         for child, style in plan.styles.items():
             if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):
