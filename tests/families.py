@@ -96,6 +96,27 @@ def family_config(family: str, **overrides):
     return cls(**kwargs)
 
 
+# models from their own type's config defaults, sizes shrunk (``scripts/tiny.py``), with overrides
+# that keep a ratio of the published config the shrinking loses: Qwen3.5's Gated DeltaNet has
+# twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones
+TINY = {"qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2})}
+
+
+def write_tiny_dir(path: str, name: str) -> str:
+    """``TINY[name]`` written to ``path`` (config.json only: random init)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from tiny import tiny_config
+
+    model_type, overrides = TINY[name]
+    config = tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    type(config).from_dict(config.to_dict()).save_pretrained(path)
+    return path
+
+
 def write_family_dir(path: str, family: str, **overrides) -> str:
     os.makedirs(path, exist_ok=True)
     family_config(family, **overrides).save_pretrained(path)

@@ -9,7 +9,7 @@ without its module hooks, which break on in-place adds) and must be the Megatron
 
 import pytest
 import torch
-from families import write_family_dir
+from families import TINY, write_family_dir, write_tiny_dir
 from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses, train
 
 # Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q_norm/k_norm), Gemma (tied, scaled embeddings),
@@ -36,15 +36,20 @@ FAMILIES = [
     "phi3_gqa",
     "olmo2",
 ]
-PARTIAL_GRADS = {"qwen3", "phi3_gqa"}  # models whose TP-partial gradients are summed after backward
+# and Qwen3.5 text (families.TINY: Gated DeltaNet linear attention split by heads, parallel/channels.py)
+HYBRID = list(TINY)
+# models whose TP-partial gradients are summed after backward (Qwen3.5: its gated norm per value head,
+# its q/k/v projection of unequal parts and the conv1d over it, stored whole)
+PARTIAL_GRADS = {"qwen3", "phi3_gqa", "qwen3_5_text"}
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
-TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon"]
+TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text"]
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     tp2 = {f: write_family_dir(str(root / f), f) for f in FAMILIES}
+    tp2.update({name: write_tiny_dir(str(root / name), name) for name in HYBRID})
     tp4 = {f: write_family_dir(str(root / f"{f}_kv4"), f, num_key_value_heads=4, num_kv_heads=4) for f in TP4}
     return tp2, tp4
 
@@ -60,17 +65,29 @@ def count_collectives(paths: list[str], tp: int = 2) -> dict:
     return {path: model_collectives(parallelize(path, mesh), mesh) for path in paths}
 
 
-def tp2_body(paths: list[str], counted: list[str]) -> tuple[dict, dict]:
-    return shardlm_losses(paths, {"tp": 2}, 4, 1), count_collectives(counted)
+def local_elements(path: str, under: str, tp: int = 2) -> dict[str, int]:
+    """Rank body: elements of the parameters under modules named ``under`` on this rank, and in all."""
+    from shardlm import build_mesh, init_distributed, parallelize
+    from shardlm.config import ParallelConfig
+
+    init_distributed()
+    model = parallelize(path, build_mesh(ParallelConfig(tp=tp))).module
+    params = [(n, p) for n, p in model.named_parameters() if f".{under}." in n]
+    return {"local": sum(p.to_local().numel() for _, p in params), "global": sum(p.numel() for _, p in params)}
+
+
+def tp2_body(paths: list[str], counted: list[str], hybrid: str) -> tuple[dict, dict, dict]:
+    losses = shardlm_losses(paths, {"tp": 2}, 4, 1)
+    return losses, count_collectives(counted), local_elements(hybrid, "linear_attn")
 
 
 @pytest.mark.ranks
 def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs):
     tp2, _ = dirs
-    losses, counts = run_ranks(tp2_body, 2, list(tp2.values()), list(tp2.values()))
+    losses, counts, mixer = run_ranks(tp2_body, 2, list(tp2.values()), list(tp2.values()), tp2["qwen3_5_text"])
     for family, path in tp2.items():
         assert_parity(losses[path], plain_reference(path, 4), label=family)
-    for family in FAMILIES:
+    for family in tp2:
         fwd, loss, bwd, grads = (sum(c.values()) for c in counts[tp2[family]])
         kinds = {str(k) for c in counts[tp2[family]][:3] for k in c}
         assert kinds == {"all_reduce"}, (family, kinds)  # no all-gather anywhere
@@ -81,9 +98,14 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # all-reduce per step over all of them, flattened.
         # OLMo-2: its q_norm and k_norm each all-reduce a [tokens, 1] sum of squares, forward
         # and backward (2 per block each way), instead of gathering q and k as its HF plan does.
-        expected = {"phi": (5, 3, 3), "olmo2": (9, 3, 9)}.get(family, (5, 3, 5))
+        # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way.
+        expected = {"phi": (5, 3, 3), "olmo2": (9, 3, 9), "qwen3_5_text": (7, 3, 7)}.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
+    # each rank holds its heads of the DeltaNet mixers: in_proj_z/b/a, out_proj, A_log, dt_bias halved;
+    # in_proj_qkv ([key, key, value], unequal parts) and the conv1d over it stored whole (8192 + 512 of
+    # 17432 elements per mixer): 13076 per rank, 0.75 of the mixer
+    assert (mixer["global"], mixer["local"]) == (2 * 17432, 2 * 13076), mixer
 
 
 @pytest.mark.ranks

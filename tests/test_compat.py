@@ -32,6 +32,7 @@ MODELS = {
     "roc_bert": ("roc_bert", {}),  # the LM-head bias is also `cls.predictions.bias`: one tensor after TP
     "diffllama": ("diffllama", {}),  # exp(sum(lambda_q1 * lambda_k1)) scales split heads: kept replicated
     "hrm_text": ("hrm_text", {}),  # the model's own initial state around split layers: replicate_own
+    "rwkv": ("rwkv", {}),  # block 0's time_decay/time_first split with the channels of its key (per_channel)
 }
 # what `shardlm plan --tp 2` says: (exit code, text in its output, a linear it keeps replicated)
 EXPECT = {
@@ -47,6 +48,8 @@ EXPECT = {
     "roc_bert": (0, "cls.predictions.decoder", None),
     "diffllama": (0, "a tensor computed from parameters of model.layers.*", "model.layers.*.self_attn.q_proj"),
     "hrm_text": (0, "replicate_own", None),
+    # the later blocks' LayerNorms read split activations: those blocks stay whole
+    "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.attention.key"),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
     # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
@@ -109,6 +112,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 # with parity in `make matrix` (docs/compatibility.md), here only their plans are checked
 TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
 TRAINED += ["cpmant", "xlm", "roc_bert", "diffllama", "hrm_text"]  # kept replicated on local tensors, shared bias
+TRAINED += ["rwkv"]  # channels of its WKV mixer split (parallel/channels.py)
 
 
 @pytest.mark.ranks

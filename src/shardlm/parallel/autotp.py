@@ -17,6 +17,9 @@ A plan is ``{module_fqn: style}``; the style vocabulary (``styles.Style``; what 
              q_norm/k_norm): replicated, gradients summed over the TP group
 ``sharded_norm``  an RMSNorm across a whole sharded width (OLMo-2's q_norm/k_norm after
              column-parallel q/k): weight sharded like its input, the mean of squares all-reduced
+``per_channel``  parameters acting per channel or per head on a column-parallel linear's split
+             output (Qwen3.5 DeltaNet's depthwise ``conv1d``, ``A_log``, ``dt_bias``): split like
+             its rows; a module using them directly computes on local views (``channels.py``)
 ``replicate`` every other module owning parameters (norms, linears of sub-blocks kept whole); in
              a finished plan it becomes ``replicate_local`` or ``replicate_own`` (below)
 ``replicate_local``  learned position embeddings (they make position tensors of their own), and
@@ -31,13 +34,14 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` of a short-convolution or Mamba mixer, a state-space parameter, a learned
-  activation), or a per-head tensor that is not split with the heads (BLOOM's and MPT's ALiBi
-  slopes, position biases: found as a non-parameter tensor sharing the head-count dim of a split
-  one, the trace using batch 1 and a prime sequence length so the sizes cannot be confused), is
-  a *violation*: its sources, the row-parallel linears reading them and the column-parallel
-  linears feeding those stay replicated (``Plan.replicated``, with the reason) and the trace runs
-  again. Replicated modules compute the whole sub-block on every rank: exact, just not split.
+  ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
+  parameter not aligned with one projection's channels, a learned activation), or a per-head
+  tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
+  found as a non-parameter tensor sharing the head-count dim of a split one, the trace using
+  batch 1 and a prime sequence length so the sizes cannot be confused), is a *violation*: its
+  sources, the row-parallel linears reading them and the column-parallel linears feeding those
+  stay replicated (``Plan.replicated``, with the reason) and the trace runs again. Replicated
+  modules compute the whole sub-block on every rank: exact, just not split.
 * the plan is then dry-run on meta at one rank's shapes (``_dry_run``): what only breaks there
   (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
   silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
@@ -83,6 +87,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
+from shardlm.parallel.channels import channel_placements, local_sizes, place_channels
 from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
@@ -201,6 +206,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
+                plan.experts.update(channel_placements(plan))
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
@@ -285,6 +291,8 @@ def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
+    place_channels(model, plan, traced.follows, traced.foreign, tp)
+    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, tp)
     return plan
 
 
@@ -322,8 +330,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
     split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
         fqn = owner.split(" (")[0]
-        if plan.styles.get(fqn) is None:
-            continue
+        if plan.styles.get(fqn) is None or plan.styles.get(user) == "per_channel":
+            continue  # a ``per_channel`` user gives the parameters it uses local views (``channels.py``)
         if user and not any(f == user or f.startswith(f"{user}.") for f in split_all):
             # nothing split under the user (a mixer kept replicated): it runs on local copies
             plan.styles[user] = "replicate_local"
@@ -414,6 +422,11 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))
         elif style == "sharded_norm":
             module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+        elif style == "per_channel":
+            for pname, source in plan.channels.get(fqn, {}).items():
+                shape = list(getattr(module, pname).shape)
+                shape[0] = sum(b - a for a, b in plan.sliced[source][0]) if source in plan.sliced else shape[0] // tp
+                setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     stack: list[str] = []
     outputs: dict[str, torch.Tensor] = {}
     hooks = []
@@ -550,8 +563,11 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
             source += "; its sub-block is kept replicated (listed below)"
-        if fqn in plan.experts:  # MoE
+        if fqn in plan.experts and style == "experts":  # MoE
             source += f"; {describe_experts(plan.experts[fqn])}"
+        for pname, linear in plan.channels.get(fqn, {}).items():
+            whole = " (stored whole, each rank uses its rows)" if linear in plan.sliced else ""
+            source += f"; {pname} split with the output channels of {linear.rpartition('.')[2]}{whole}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])

@@ -33,7 +33,7 @@ from shardlm.parallel.autotp import infer_plan
 from shardlm.parallel.hf import tied_keys
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.seeded_init import UnwrittenInit, seeded_state
-from shardlm.parallel.tp import localize_geometry, make_style, tp_partial_grad_params
+from shardlm.parallel.tp import localize_geometry, plan_styles, tp_partial_grad_params
 
 
 @contextmanager
@@ -98,10 +98,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
-        styles = {
-            fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn))
-            for fqn, s in plan.styles.items()
-        }
+        styles = plan_styles(plan)
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     # a parameter registered in several modules stays one: the registration a style placed (BERT's

@@ -74,6 +74,12 @@ def head_widths(config) -> set[int]:
     )
     if not widths and heads and isinstance(hidden, int):
         widths.add(hidden // heads)
+    # other mixers' heads (Qwen3.5's Gated DeltaNet: ``linear_key_head_dim``, ``linear_value_head_dim``)
+    for name in dir(config) if hasattr(config, "to_dict") else ():
+        if name.endswith("head_dim") and name != "head_dim" and not name.startswith("_"):
+            value = config_value(config, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                widths.add(value)
     return widths
 
 
@@ -127,4 +133,8 @@ def rms_norm_eps(module: nn.Module) -> float | None:
         probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
         x = torch.randn(3, probe.weight.shape[0], generator=g)
         want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return eps if torch.allclose(probe(x), want, rtol=1e-5, atol=1e-6) else None
+        try:
+            got = probe(x)
+        except TypeError:  # a forward of more arguments (a gated norm's gate): not a plain RMSNorm
+            return None
+        return eps if torch.allclose(got, want, rtol=1e-5, atol=1e-6) else None

@@ -47,7 +47,7 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.hf import is_conv1d
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
-from shardlm.parallel.tp import column_input, local_linear, make_style, shard_params, sliced_linear
+from shardlm.parallel.tp import column_input, local_linear, make_style, plan_styles, shard_params, sliced_linear
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 CONFIG_FILE = "adapter_config.json"
@@ -232,10 +232,7 @@ def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceM
 def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     """The TP styles of a LoRA-injected model: ``LoraParallel`` for adapted projections; a
     ``modules_to_save`` module's style moves to its frozen original and its trained copy."""
-    styles = {
-        fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn))
-        for fqn, s in plan.styles.items()
-    }
+    styles = plan_styles(plan)
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
         if _is_lora_layer(module) and fqn in plan.sliced:

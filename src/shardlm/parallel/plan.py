@@ -26,4 +26,9 @@ class Plan:
     # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
     dropout_sites: list[int | None] = field(default_factory=list)
     # ``experts`` module fqn -> {parameter name: its placement} (``parallel/experts.py`` derives it)
+    # ``per_channel`` modules' entries too (``parallel/channels.py``): dim 0 split like their source, or None
     experts: dict[str, dict[str, ExpertParam]] = field(default_factory=dict)
+    # ``per_channel`` module fqn -> {parameter: the column-parallel linear whose channels it acts on}
+    channels: dict[str, dict[str, str]] = field(default_factory=dict)
+    # module fqn -> {int attribute its forward reads: its value on one rank} (a mixer's ``key_dim``)
+    local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)

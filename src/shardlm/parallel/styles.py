@@ -5,7 +5,8 @@ module's weight and bias it shards over TP (for an ``nn.Linear``/``nn.Embedding`
 Conv1D stores its weight transposed, ``sharded_dim`` swaps it) and which activation it reads and
 produces. A mixture-of-experts module (``experts``) holds 3-D parameters of model-specific
 names and layouts: the plan's ``experts`` entry gives each its ``ExpertParam`` (derived by
-``parallel/experts.py``), which ``sharded_dim`` reads in place of a weight/bias dim. The plan
+``parallel/experts.py``), which ``sharded_dim`` reads in place of a weight/bias dim; so does a
+``per_channel`` module's (``parallel/channels.py``). The plan
 (``autotp``), the DTensor styles (``tp``), LoRA's placements, the memory estimator and
 ``shardlm plan``'s table all read this, so they cannot disagree.
 """
@@ -32,6 +33,7 @@ class Style(StrEnum):
     REPLICATE_LOCAL = "replicate_local"
     REPLICATE_OWN = "replicate_own"
     EXPERTS = "experts"
+    PER_CHANNEL = "per_channel"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,11 @@ PLACEMENTS: dict[Style, Placement] = {
         doc="fused 3-D expert parameters, each expert's intermediate dim sharded (gate and up halves each on "
         "their own); computed on local tensors, the partial sum all-reduced once (per parameter: Plan.experts)",
     ),
+    Style.PER_CHANNEL: Placement(
+        None, None, "split per channel or head (local views)", "split per channel or head", splits=True,
+        doc="parameters acting per channel or head on a split activation (a depthwise conv1d, A_log, dt_bias), "
+        "split like it; a module using them directly sees local views (per parameter: Plan.experts)",
+    ),
 }  # fmt: skip
 
 # the styles that divide a layer's work between the TP ranks (the rest hold whole parameters)
@@ -131,7 +138,7 @@ def sharded_dim(
     ``experts``: the plan's entry for an ``experts`` module (its per-parameter placements)."""
     if style is None:
         return None
-    if style == Style.EXPERTS:
+    if style in (Style.EXPERTS, Style.PER_CHANNEL):
         return experts[param].dim if experts and param in experts else None
     placement = PLACEMENTS[Style(style)]
     dim = {"weight": placement.weight, "bias": placement.bias}.get(param)

@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardlm.parallel.channels import PerChannel, channel_partial_grads, local_views
 from shardlm.parallel.hf import (
     MODULE_HEAD_ATTRS,
     MODULE_KV_ATTRS,
@@ -404,10 +405,12 @@ def make_style(
     parts: list[int] | None = None,
     rows: list | None = None,
     experts: dict[str, ExpertParam] | None = None,
+    views: dict | None = None,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
-    output rows); ``experts``: the plan's ``experts`` entry of an experts module."""
+    output rows); ``experts``: the plan's ``experts`` entry of an experts or ``per_channel``
+    module; ``views``: a ``per_channel`` module's ``channels.local_views``."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
@@ -434,6 +437,16 @@ def make_style(
             return ShardedRMSNorm()
         case Style.EXPERTS:
             return ExpertsParallel(experts or {})
+        case Style.PER_CHANNEL:
+            return PerChannel(experts or {}, views or {})
+
+
+def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
+    """The torch style of every module of ``plan``."""
+    return {
+        fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn), local_views(plan, fqn))
+        for fqn, s in plan.styles.items()
+    }
 
 
 _WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
@@ -445,6 +458,9 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     Only modules that own a head-count attribute and hold column-parallel children are touched;
     a module reading ``self.config`` for head counts gets its own localized copy of the config.
     """
+    for name, sizes in plan.local_sizes.items():  # a mixer's widths (``channels.local_sizes``)
+        for attr, value in sizes.items():
+            setattr(model.get_submodule(name), attr, value)
     config = model.config
     heads = config_size(config, "num_attention_heads")
     if heads is None or not plan.attention:
@@ -479,8 +495,9 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
 
 def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
     """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
-    the replicated parameters of sliced projections, and experts' parameters added ``once``)."""
-    return [
+    the replicated parameters of sliced projections and of ``per_channel`` modules following
+    them, and experts' parameters added ``once``)."""
+    return channel_partial_grads(model, plan) + [
         f"{fqn}.{pname}"
         for fqn, style in plan.styles.items()
         for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)

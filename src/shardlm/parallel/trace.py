@@ -13,7 +13,15 @@ Phi-3 qkv_proj and gate_up_proj); a view into heads means per-head interleaving 
 which plain column sharding already keeps whole. A module with parameters that reads a
 sharded tensor gets ``replicate_grad_allreduce``, unless its parameter spans the sharded
 width (OLMo-2's full-width q/k norm): an RMSNorm there becomes ``sharded_norm`` (anything
-else is a violation, below). The model's own
+else is a violation, below). A parameter (or a tensor computed from one alone) whose first dim
+is the output width of the one column-parallel linear a split tensor came from, meeting that
+tensor along its channel dim (a depthwise convolution with ``groups`` equal to it, or a broadcast
+elementwise op), *follows* the split (``ShardTracker._follows``; ``channels.py`` splits it the
+same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused projection whose
+output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
+first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
+tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
+rank's own head count, unlike ALiBi slopes made from the config's. The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -66,6 +74,7 @@ _REDUCTIONS = {
     "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
 }  # fmt: skip
 RUNNING_NOTE = "while running "  # the note ``trace_model`` adds to an exception: the module whose forward raised it
+_SHAPE = torch._C.TensorBase.shape  # ``t.shape`` reaches the mode as this descriptor's ``__get__``
 TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
 
 
@@ -85,6 +94,12 @@ class ShardTracker(TorchFunctionMode):
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
         self.slices: dict[int, set[int]] = {}
         self.param_owner = param_owner or {}
+        self.params: dict[int, nn.Parameter] = {}  # id -> parameter (``follows``)
+        # head counts read off split tensors' shapes in the running module's forward, and the tensors
+        # made from such sizes (a recurrent state ``zeros(batch, value.shape[-2], ...)``): per head, but
+        # made at each rank's own head count, unlike ALiBi slopes made from the config's
+        self.shape_heads: set[int] = set()
+        self.from_split_shape: set[int] = set()
         self.legit = legit if legit is not None else {}  # fqns whose parameters may meet sharded tensors
         self.heads = {h for h in heads if h > 1}
         self.violations: list[tuple[frozenset[str], str]] = []
@@ -100,6 +115,13 @@ class ShardTracker(TorchFunctionMode):
         # ``exp(sum(lambda_q1 * lambda_k1))``): such a tensor meeting split activations is a parameter
         # meeting them (each rank would compute its gradient from its own heads only)
         self.from_params: dict[int, frozenset[str]] = {}
+        self.from_param_ids: dict[int, frozenset[int]] = {}  # the same tensors -> ids of those parameters
+        # a parameter acting per channel (or per head) on the split activations of one column-parallel
+        # linear (a depthwise conv's weight, Mamba's/DeltaNet's A_log, dt_bias): id(param) -> that linear
+        self.follows: dict[int, str] = {}
+        # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
+        # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
+        self.later_parts: dict[str, list[int]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
@@ -138,7 +160,12 @@ class ShardTracker(TorchFunctionMode):
                 return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
         self._record_dropout(func, args, kwargs)
         out = func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = tree_flatten((args, kwargs))[0]
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        if (getattr(func, "__self__", None) is _SHAPE or name == "size") and self.is_sharded(args[0]):
+            self.shape_heads |= {n for n in args[0].shape if n in self.heads}
+        elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
+            self.from_split_shape.add(id(out))
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
         # freed tensor's id can be reused (that made packed detection nondeterministic)
         self.keep.extend(inputs)
@@ -161,12 +188,16 @@ class ShardTracker(TorchFunctionMode):
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
         if inputs and not sources and all(self._owners(t) for t in inputs):
             owners = frozenset().union(*(self._owners(t) for t in inputs))
+            ids = frozenset().union(*(self._param_ids(t) for t in inputs))
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.from_params[id(t)] = owners
+                    self.from_param_ids[id(t)] = ids
+        if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
+            self._record_later_split(next(iter(sources)), args, kwargs)
         if sources:
             if not self.inside:
-                self._check(name, inputs, sources)
+                self._check(name, inputs, sources, args, kwargs)
                 self._check_reduction(name, args, kwargs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
@@ -179,11 +210,58 @@ class ShardTracker(TorchFunctionMode):
             return frozenset({self.param_owner.get(id(t), "?")})
         return self.from_params.get(id(t), frozenset())
 
-    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str]) -> None:
+    def _param_ids(self, t: torch.Tensor) -> frozenset[int]:
+        return frozenset({id(t)}) if isinstance(t, nn.Parameter) else self.from_param_ids.get(id(t), frozenset())
+
+    def _record_later_split(self, source: str, args: tuple, kwargs: dict) -> None:
+        """A split of a tensor computed from ``source``'s output alone, along a dim of its full width."""
+        t, width = args[0], self.widths.get(source)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if not isinstance(dim, int) or not t.dim() or t.shape[dim] != width or source in self.later_parts:
+            return
+        sizes = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("sections"))
+        if isinstance(sizes, (list, tuple)) and sum(sizes) == width and len(sizes) > 1:
+            self.later_parts[source] = list(sizes)
+        elif isinstance(sizes, int) and 0 < sizes < width and width % sizes == 0:
+            self.later_parts[source] = [sizes] * (width // sizes)
+
+    def _follows(self, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+        """Whether ``t`` (a parameter, or computed from one alone) acts per channel on the split
+        activations of one column-parallel linear, so that it can be split with them: its first dim
+        is that linear's width and meets the activations' channel dim (a depthwise convolution over
+        those channels, or an elementwise op broadcasting it along them)."""
+        ids = self._param_ids(t)
+        sources = frozenset().union(*(self.sharded[id(s)] for s in sharded))
+        if len(ids) != 1 or len(sources) != 1:
+            return False
+        (pid,), (source,) = ids, sources
+        param = self.params.get(pid)
+        width = self.widths.get(source)
+        if param is None or not param.dim() or param.shape[0] != width or self.follows.get(pid, source) != source:
+            return False
+        if name in ("conv1d", "conv2d", "convolution"):
+            groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+            x = args[0] if args else kwargs.get("input")
+            ok = x is not t and groups == width and t.shape[0] == width and x.dim() > 1 and x.shape[1] == width
+        else:
+            # broadcast: t's dims align with the trailing dims of every split input; its channel dim too
+            ok = all(
+                t.dim() <= s.dim()
+                and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
+                and any(a == width for a in t.shape)
+                for s in sharded
+            )
+        if ok:
+            self.follows[pid] = source
+        return ok
+
+    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None) -> None:
         """Record what cannot act on this op's sharded input(s) as they stand."""
         sharded = [t for t in inputs if id(t) in self.sharded]
         for t in inputs:
             if id(t) in self.sharded:
+                continue
+            if self._follows(name, t, sharded, args, kwargs or {}):
                 continue
             if isinstance(t, nn.Parameter):
                 owner = self.param_owner.get(id(t), "?")
@@ -194,7 +272,7 @@ class ShardTracker(TorchFunctionMode):
                 self.violations.append(
                     (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
                 )
-            elif t.dim() and t.numel() > 1 and self.heads:
+            elif t.dim() and t.numel() > 1 and self.heads and id(t) not in self.from_split_shape:
                 for s in sharded:
                     # the heads dim of split activations is never the last (that is head_dim or keys)
                     for i in range(2, min(t.dim(), s.dim()) + 1):
@@ -245,6 +323,17 @@ class ShardTracker(TorchFunctionMode):
                     bounds.add(b)
 
 
+def _ints(values) -> list[int]:
+    """The ints among ``values`` and inside the tuples (sizes) among them."""
+    out = []
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            out.extend(_ints(v))
+        elif type(v) is int:
+            out.append(v)
+    return out
+
+
 def _parts_from_consumer(tracker: ShardTracker, out: torch.Tensor) -> list[int] | None:
     """Part sizes if the projection output is cut along its last dim right away, else None."""
     width = out.shape[-1]
@@ -290,6 +379,8 @@ class Traced:
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
     foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
     dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
+    follows: dict[str, str]  # parameter fqn -> the column-parallel linear whose channels it acts on
+    reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
 
 
 def trace_model(
@@ -316,6 +407,7 @@ def trace_model(
     legit: dict[str, bool] = {}
     tracker = ShardTracker(param_owner, legit, head_counts(meta.config))
     tracker.tied = {i for i, n in registrations.items() if n > 1}
+    tracker.params = {id(p): p for p in meta.parameters()}
     outputs: dict[str, torch.Tensor] = {}
     closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
@@ -329,6 +421,7 @@ def trace_model(
 
         def hook(module, args):
             running.append(name)
+            tracker.shape_heads.clear()
             if not args or not isinstance(args[0], torch.Tensor):
                 return
             sources = tracker.sources(args[0])
@@ -376,6 +469,10 @@ def trace_model(
     for name, module in meta.named_modules():
         hooks.append(module.register_forward_pre_hook(pre(name)))
         hooks.append(module.register_forward_hook(post(name)))
+    reads: dict[str, set[str]] = {}
+    watched = {
+        name: _watch_reads(m, reads.setdefault(name, set())) for name, m in meta.named_modules() if _holds_linear(m)
+    }
     try:
         with tracker:
             meta_forward(meta, shape)
@@ -386,14 +483,54 @@ def trace_model(
     finally:
         for h in hooks:
             h.remove()
+        for name, cls in watched.items():
+            meta.get_submodule(name).__class__ = cls
+    int_reads = {
+        name: {a for a in names if type(meta.get_submodule(name).__dict__.get(a)) is int}
+        for name, names in reads.items()
+    }
     parts, views = {}, {}
     for name, style in styles.items():
         if style == "colwise" and name in outputs:
             views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
-            found = _parts_from_consumer(tracker, outputs[name])
+            found = _parts_from_consumer(tracker, outputs[name]) or tracker.later_parts.get(name)
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
-    return Traced(styles, parts, tracker.violations, closer_inputs, views, tracker.foreign, tracker.dropout_sites)
+    names = {
+        id(p): f"{m_name}.{p_name}" if m_name else p_name
+        for m_name, m in meta.named_modules()
+        for p_name, p in m.named_parameters(recurse=False)
+    }
+    follows = {names[pid]: source for pid, source in tracker.follows.items()}
+    return Traced(
+        styles,
+        parts,
+        tracker.violations,
+        closer_inputs,
+        views,
+        tracker.foreign,
+        tracker.dropout_sites,
+        follows,
+        {name: names for name, names in int_reads.items() if names},
+    )
+
+
+def _holds_linear(module: nn.Module) -> bool:
+    return any(is_linear(child) for child in module.children())
+
+
+def _watch_reads(module: nn.Module, names: set[str]) -> type:
+    """Record in ``names`` every attribute read on ``module`` (until its class is restored: the
+    returned original). The trace learns which sizes a mixer's forward reads (``self.key_dim``),
+    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache."""
+    cls = type(module)
+
+    def __getattribute__(self, attr):  # noqa: N807 - the hook is this dunder
+        names.add(attr)
+        return cls.__getattribute__(self, attr)
+
+    module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    return cls
 
 
 def dropout_dims(model: nn.Module, traced: Traced, forced: frozenset[str]) -> list[int | None]:

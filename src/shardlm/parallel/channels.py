@@ -1,0 +1,164 @@
+"""Parameters acting per channel or per head on split activations, split with them (``per_channel``).
+
+Linear-attention and state-space mixers keep state per head between an in-projection and an
+out-projection: Qwen3.5's Gated DeltaNet convolves the output of its fused q/k/v projection with
+a depthwise ``conv1d`` (one filter per channel) before cutting it into heads, and scales its
+per-head decay by ``A_log`` and ``dt_bias``. The trace (``ShardTracker._follows``) finds such a
+parameter from the dataflow: its first dim is the output width of one column-parallel linear
+and meets the channel dim of that linear's split activations (a depthwise convolution over them,
+or an elementwise op broadcasting it along them). Each rank then holds the channels of its own
+heads, exactly the rows of the projection it holds:
+
+* after a ``colwise`` projection, ``Shard(0)``; after a ``packed_colwise`` one of P equal parts,
+  ``_StridedShard(0, P)`` (its chunk of every part), so checkpoints keep the HF layout;
+* after a packed projection of unequal parts (``Plan.sliced``: DeltaNet's [key, key, value]),
+  which ``_StridedShard`` cannot express, stored whole on every rank like the projection, each
+  rank using its rows; the gradients are summed over TP (each rank's covers its rows only).
+
+The ``per_channel`` style goes to every module owning such parameters and to a module that uses
+them directly (the mixer calling ``causal_conv1d_fn(x, self.conv1d.weight)``: the conv module's
+own forward never runs). While it runs, it and the modules under it see local views of these
+parameters (their rows), whatever kernel the mixer calls (torch's fallback or a fused one): the
+trace and the plan do not depend on it. The sizes the mixer's forward reads off itself
+(``self.key_dim`` in its ``split``) are set to their local values (``local_sizes``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardlm.errors import ConfigError
+from shardlm.parallel.hf import MODULE_HEAD_ATTRS, MODULE_KV_ATTRS, out_features
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import ExpertParam, Style
+
+
+def place_channels(model: nn.Module, plan: Plan, follows: dict[str, str], foreign: dict[str, str], tp: int) -> None:
+    """Give the ``per_channel`` style to the owners of the parameters in ``follows`` (parameter
+    fqn -> the linear whose channels it acts on, from the trace) and to the modules using them
+    directly (``foreign``: owner -> user), recording each parameter's source in ``plan.channels``."""
+    for pfqn, source in sorted(follows.items()):
+        owner, _, pname = pfqn.rpartition(".")
+        style = plan.styles.get(source)
+        if style not in (Style.COLWISE, Style.PACKED_COLWISE):
+            continue  # its source stays whole (a kept-replicated sub-block): so does it
+        width = out_features(model.get_submodule(source))
+        parts = plan.parts.get(source, [width])
+        if any(p % tp for p in parts):
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide the output width {parts if len(parts) > 1 else width} of {source}, "
+                f"whose channels {pfqn} acts on; choose a tp that divides it"
+            )
+        plan.styles[owner] = Style.PER_CHANNEL.value
+        plan.channels.setdefault(owner, {})[pname] = source
+    for owner, user in foreign.items():
+        if owner.split(" (")[0] in plan.channels and plan.styles.get(user) in (
+            None,
+            Style.REPLICATE,
+            Style.PER_CHANNEL,
+        ):
+            plan.styles[user] = Style.PER_CHANNEL.value
+            plan.channels.setdefault(user, {})
+
+
+def channel_placements(plan: Plan) -> dict[str, dict[str, ExpertParam]]:
+    """The placement of each parameter of the ``per_channel`` modules (their ``Plan.experts``
+    entries): dim 0 split like the source's output rows, or whole where the source is ``sliced``."""
+    placements: dict[str, dict[str, ExpertParam]] = {}
+    for fqn, params in plan.channels.items():
+        placements[fqn] = {}
+        for pname, source in params.items():
+            if source in plan.sliced:
+                placements[fqn][pname] = ExpertParam(None)  # stored whole, each rank uses its rows
+            else:
+                parts = len(plan.parts.get(source, [1])) if plan.styles[source] == Style.PACKED_COLWISE else 1
+                placements[fqn][pname] = ExpertParam(0, parts)
+    return placements
+
+
+def local_sizes(model: nn.Module, plan: Plan, reads: dict[str, set[str]], tp: int) -> None:
+    """``plan.local_sizes``: in modules holding split linears and no attention head counts (those
+    ``tp.localize_geometry`` sets), every int attribute the forward reads that equals a split
+    width of one of its linears (its output width, or one of its packed parts): divided by tp."""
+    for fqn, names in reads.items():
+        module = model.get_submodule(fqn)
+        if any(type(getattr(module, a, None)) is int for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+            continue  # attention: ``localize_geometry`` sets its sizes from the head counts
+        widths: set[int] = set()
+        for child, style in plan.styles.items():
+            if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):
+                widths |= {out_features(model.get_submodule(child)), *plan.parts.get(child, [])}
+        found = {n: getattr(module, n) for n in sorted(names) if getattr(module, n) in widths}
+        if found:
+            plan.local_sizes[fqn] = {n: v // tp for n, v in found.items()}
+
+
+def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:
+    """For ``per_channel`` module ``fqn``: the ``per_channel`` modules it runs (itself: "", and
+    those under it, by path relative to it), each with, per whole-stored parameter (``sliced``
+    source), every rank's rows."""
+    views = {}
+    for name, params in plan.channels.items():
+        if name == fqn or name.startswith(f"{fqn}."):
+            path = name[len(fqn) + 1 :]
+            views[path] = {p: plan.sliced[src] for p, src in params.items() if src in plan.sliced}
+    return views
+
+
+def channel_partial_grads(model: nn.Module, plan: Plan) -> list[str]:
+    """Parameters stored whole whose gradient each rank computes for its rows only: summed over TP."""
+    return [f"{fqn}.{p}" for fqn, params in plan.channels.items() for p, src in params.items() if src in plan.sliced]
+
+
+def _rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([t[a:b] for a, b in rows]) if len(rows) > 1 else t[rows[0][0] : rows[0][1]]
+
+
+class PerChannel(ParallelStyle):
+    """``per_channel`` (see the module docstring): own parameters placed per ``params``
+    (``ExpertParam``: dim 0 split ``parts`` ways, or whole), others replicated; while the module
+    runs, it and the ``per_channel`` modules under it (``views``: ``local_views``) see local views:
+    the local shards, or their rank's rows of the whole-stored ones. The swap happens in the
+    module's own hooks, so FSDP2 and activation checkpointing see their parameters as they left
+    them (as in ``tp.LocalReplicate``)."""
+
+    def __init__(self, params: dict[str, ExpertParam], views: dict[str, dict[str, list[list[tuple[int, int]]]]]):
+        super().__init__()
+        self.params = params
+        self.views = views
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            p = self.params.get(name)
+            if p is None or p.dim is None:
+                placement = Replicate()
+            else:
+                placement = _StridedShard(p.dim, split_factor=p.parts) if p.parts > 1 else Shard(p.dim)
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        rank = device_mesh.get_local_rank()
+        views = {path: {p: rows[rank] for p, rows in params.items()} for path, params in self.views.items()}
+        saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+        def to_local(mod, args):
+            for path, rows in views.items():
+                sub = mod.get_submodule(path)
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        saved.append((sub, name, param))
+                        local = param.to_local()
+                        sub._parameters[name] = _rows(local, rows[name]) if name in rows else local
+
+        def restore(mod, args, out):
+            while saved:
+                sub, name, param = saved.pop()
+                sub._parameters[name] = param
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module
