@@ -88,6 +88,7 @@ class Layout:
     unexpected: list[str]
     used: list[int]  # indices into ``rules(model)`` of the transforms that matched
     rule_names: list[str]
+    keys: frozenset[str] = frozenset()  # the checkpoint's keys
 
 
 def rules(model: nn.Module) -> list:
@@ -136,7 +137,7 @@ def map_checkpoint(model: nn.Module, available: dict[str, tuple[tuple[int, ...],
             _plan_converter(unit, model, available)
     by_key = {out: unit for unit in units.values() for out in unit.outputs}
     used = [i for i, t in enumerate(transforms) if t.was_used()]
-    return Layout(list(units.values()), by_key, unexpected, used, [repr(t) for t in transforms])
+    return Layout(list(units.values()), by_key, unexpected, used, [repr(t) for t in transforms], frozenset(available))
 
 
 def _run_converter(unit: Unit, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,18 +244,58 @@ def _untied_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
 
 
-def missing(layout: Layout, needed: dict[str, tuple[int, ...] | None]) -> list[str]:
-    """Needed keys the layout does not produce, or produces with another shape, in model order."""
+def stored_as(model: nn.Module, layout: Layout, key: str, shape: tuple[int, ...]) -> list[str]:
+    """The checkpoint keys in-memory ``key`` has in ``layout``'s layout: what ``save_pretrained``
+    writes for it (``revert_weight_conversion``) with the rules the checkpoint matched (a prefix
+    change among them) and those it applies to a new model (Pythia's ``embed_out``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+
+    new = {repr(t) for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)}
+    chosen = [t for i, t in enumerate(rules(model)) if i in layout.used or repr(t) in new]
+    saved = model.__dict__.get("_weight_conversions")
+    model._weight_conversions = chosen
+    try:
+        return list(revert_weight_conversion(model, {key: _meta_tensor(shape, torch.float32)}))
+    except Exception:  # noqa: BLE001 - a reverse that needs values: name the in-memory key alone
+        return [key]
+    finally:
+        if saved is None:
+            del model._weight_conversions
+        else:
+            model._weight_conversions = saved
+
+
+def _gap(model: nn.Module | None, layout: Layout, key: str, shape, detail: str | None) -> str:
+    """``key`` as the refusal names it: with its checkpoint names where they differ, the absent ones first."""
+    names = stored_as(model, layout, key, shape) if model is not None and shape is not None else [key]
+    absent = [n for n in names if n not in layout.keys]
+    if names == [key]:
+        where = None
+    elif len(names) == 1:
+        where = f"stored as {names[0]} in this layout"
+    elif absent:
+        more = f" and {len(absent) - 1} more of them" if len(absent) > 1 else ""
+        where = f"stored as {len(names)} tensors in this layout; {absent[0]}{more} absent"
+    else:
+        where = f"stored as {len(names)} tensors in this layout, such as {names[0]}"
+    parts = [p for p in (where, detail) if p]
+    return f"{key} ({'; '.join(parts)})" if parts else key
+
+
+def missing(layout: Layout, needed: dict[str, tuple[int, ...] | None], model: nn.Module | None = None) -> list[str]:
+    """Needed keys the layout does not produce, or produces with another shape, in model order;
+    with ``model`` (its meta model), each named with its checkpoint names in this layout too."""
     out = []
     for key, shape in needed.items():
         unit = layout.by_key.get(key)
         got = unit.outputs.get(key) if unit else None
         if unit is None:
-            out.append(key)
+            out.append(_gap(model, layout, key, shape, None))
         elif unit.error is not None:
-            out.append(f"{key} ({unit.error})")
+            out.append(_gap(model, layout, key, shape, unit.error))
         elif shape is not None and got is not None and tuple(got) != tuple(shape):
-            out.append(f"{key} (converted: {list(got)}, the model needs {list(shape)})")
+            out.append(_gap(model, layout, key, shape, f"converted: {list(got)}, the model needs {list(shape)}"))
     return out
 
 
@@ -267,7 +308,7 @@ def check(model_path: str, model: nn.Module) -> Layout:
     """Before spawning: the checkpoint at ``model_path``, converted by transformers' rules, covers
     ``model`` (its meta model) with the model's shapes; else one ``ConfigError`` naming the first gap."""
     layout = map_checkpoint(model, _header(model_path))
-    refuse_missing(model_path, missing(layout, _untied_shapes(model)))
+    refuse_missing(model_path, missing(layout, _untied_shapes(model), model))
     return layout
 
 
@@ -319,7 +360,7 @@ def load(state: dict[str, torch.Tensor], model_path: str, meta: nn.Module) -> No
 
     available = _header(model_path)
     layout = map_checkpoint(meta, available)
-    refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}))
+    refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}, meta))
     direct: dict[str, torch.Tensor] = {}
     boxes: dict[str, list] = defaultdict(list)
     whole: dict[int, Unit] = {}
