@@ -106,13 +106,17 @@ def requested(model_path: str) -> bool:
 
 
 def check(model: nn.Module, accumulation_steps: int) -> None:
-    """Before spawning: refuse what the global load-balancing loss cannot do yet (see the module
-    docstring); ``model``: the meta model."""
-    config = model.config
-    if not getattr(config, "output_router_logits", False) or not getattr(model, "router_aux_loss_coef", 0):
-        return
+    """Before spawning, for a config that ``requested`` the loss: refuse what the global
+    load-balancing loss cannot do yet (see the module docstring), and a model whose own
+    attributes would not turn it on in the trainer (set on a text config the model does not
+    read it from): never dropped silently. ``model``: the meta model."""
     missing = [a for a in _ATTRS if not isinstance(getattr(model, a, None), (int, float))]
-    why = f"{type(model).__name__} has no {missing[0]}" if missing else _probe(model, router_loss_of(model))
+    if missing:
+        why = f"{type(model).__name__} has no {missing[0]}"
+    elif router_loss_of(model) is None:
+        why = f"{type(model).__name__} does not turn it on from its own config and router_aux_loss_coef"
+    else:
+        why = _probe(model, router_loss_of(model))
     if why:
         raise ConfigError(
             f"model: output_router_logits=true adds the router's load-balancing loss, which shardlm computes "
