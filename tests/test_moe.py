@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    CountCollectives,
     assert_parity,
     model_collectives,
     plain_reference,
@@ -293,7 +294,8 @@ def router_dirs(tmp_path_factory) -> dict[str, str]:
 
 def router_body(paths: list[str]) -> dict:
     """Rank body (2 ranks, in ``tp2_body``'s spawn): 5 steps of each model at tp=2 and at fsdp=2
-    (global batch 4); ``{(layout, path): [(loss, grad_norm, router_loss) per step]}``."""
+    (global batch 4); ``{(layout, path): [(loss, grad_norm, router_loss) per step]}``, and under
+    ``("collectives", layout)`` the collectives of the router term of one micro-step."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
@@ -302,8 +304,13 @@ def router_body(paths: list[str]) -> dict:
         for path in paths:
             cfg = train_config(path, shape, per_device, 1, 5)
             mesh = build_mesh(cfg.parallel)
-            history = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, token_dataset(), mesh).train()
-            out[(layout, path)] = [(h["loss"], h["grad_norm"], h["router_loss"]) for h in history]
+            trainer = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, token_dataset(), mesh)
+            out[(layout, path)] = [(h["loss"], h["grad_norm"], h["router_loss"]) for h in trainer.train()]
+        logits = tuple(torch.randn(8, trainer.router_loss.num_experts) for _ in range(2))
+        mode = CountCollectives()
+        with mode:
+            trainer.router_loss.terms(logits, trainer._all_reduce_dp)
+        out[("collectives", layout)] = dict(mode.counts)
     return out
 
 
@@ -325,3 +332,5 @@ def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, tp2_
             router = max(abs(r - want) / abs(want) for (_, _, r), want in zip(run, router_ref))
             print(f"{label}: router term {router:.1e} relative (of {router_ref[0]:.3g} at step 1)")
             assert router <= 1e-5, (label, [r for _, _, r in run], router_ref)
+    # per micro-step: one all-reduce of 2E + 1 values over the data-parallel ranks, none without them
+    assert got[("collectives", "tp=2")] == {} and got[("collectives", "fsdp=2")] == {"allreduce_": 1}, got

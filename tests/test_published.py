@@ -36,7 +36,7 @@ from helpers import run_ranks, token_dataset, train_config
 
 from shardlm.checkpoint.output import CHECK_MESSAGE
 from shardlm.cli import main
-from shardlm.parallel import published
+from shardlm.parallel import published, published_write
 from shardlm.parallel.build import build_meta_model
 
 
@@ -160,7 +160,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 def test_names_map_through_transformers_rules(models):
     for name, path in models.items():
         disk, memory = ON_DISK[name]
-        assert disk in published._header(path) and memory not in published._header(path), name
+        assert disk in published.header(path) and memory not in published.header(path), name
         with registered(name):
             layout = check(path)  # covers the model with its shapes
         assert memory in layout.by_key and not layout.unexpected, name
@@ -176,11 +176,9 @@ def test_consolidation_writes_the_layout_the_weights_came_from(models, tmp_path)
     ``save_pretrained`` writes for a new model, ``model.*``; from the published checkpoint, that
     layout; from a ``model.*`` checkpoint, ``model.*`` again (no rule matched, none reversed), as
     ``save_pretrained`` does after ``from_pretrained``. Names and shapes, headers only."""
-    from shardlm.parallel.build import build_meta_model
-
     prefixed = models["qwen3_5_text"]
     plain = write_published(str(tmp_path / "plain"), "qwen3_5_text", loaded_from_published=False)
-    shapes = published._untied_shapes(build_meta_model(prefixed))
+    shapes = published.untied_shapes(build_meta_model(prefixed))
     for case, (weights, expected) in {
         "random": (None, plain),
         "prefixed": (prefixed, prefixed),
@@ -190,12 +188,12 @@ def test_consolidation_writes_the_layout_the_weights_came_from(models, tmp_path)
         hf.mkdir()
         (hf / "config.json").write_bytes((Path(prefixed) / "config.json").read_bytes())
         if weights is not None:  # what every checkpoint of a run from weights records (checkpoint/layout.py)
-            published.record_layout(weights, str(hf), build_meta_model(weights))
-        unpack = published.PublishedUnpack(str(hf), build_meta_model(str(hf)), lambda k, t: {k: t})
-        want = {k: v[0] for k, v in published._header(expected).items()}
+            published_write.record_layout(weights, str(hf), build_meta_model(weights))
+        unpack = published_write.PublishedUnpack(str(hf), build_meta_model(str(hf)), lambda k, t: {k: t})
+        want = {k: v[0] for k, v in published.header(expected).items()}
         assert unpack.published_shapes(shapes) == want, case
-    assert any(k.startswith("model.language_model.") for k in published._header(prefixed))
-    assert not any(k.startswith("model.language_model.") for k in published._header(plain))
+    assert any(k.startswith("model.language_model.") for k in published.header(prefixed))
+    assert not any(k.startswith("model.language_model.") for k in published.header(plain))
 
 
 def _converter_cases():
@@ -361,7 +359,7 @@ def test_each_rank_reads_only_its_rows(models, runs):
     them again); of the per-expert tensors, those of the experts FSDP gives it (2 of 4), each the
     half of its intermediate rows (``w1``/``w3``, ``gate_proj``/``up_proj``) or columns
     (``w2``, ``down_proj``) TP gives it."""
-    sizes = {name: {k: math.prod(v[0]) for k, v in published._header(path).items()} for name, path in models.items()}
+    sizes = {name: {k: math.prod(v[0]) for k, v in published.header(path).items()} for name, path in models.items()}
     for name, reads in runs["reads"].items():
         assert reads.keys() <= sizes[name].keys(), name
         assert sum(reads.values()) < sum(sizes[name].values()) / 2, name
