@@ -11,7 +11,7 @@ legacy renamings left out), one process, no spawn:
   rename, by boxes, whole;
 * load them with ``published.load`` into a fresh model and compare every tensor, bit for bit,
   with the model that was saved;
-* write them back as consolidation does (``published.PublishedUnpack``, tensor by tensor) and
+* write them back as consolidation does (``published_write.PublishedUnpack``, tensor by tensor) and
   compare names, shapes and bits with the files ``save_pretrained`` wrote.
 
 Writes ``docs/published_weights.md`` and ``.json``; ``--types a,b`` limits it (then nothing is
@@ -44,7 +44,7 @@ def sweep(model_type: str, root: str) -> dict | None:
     from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from shardlm.parallel import published
+    from shardlm.parallel import published, published_write
     from shardlm.parallel.build import _base_state, _retie, _shared_parameters, build_meta_model
 
     row: dict = {"type": model_type}
@@ -91,13 +91,13 @@ def sweep(model_type: str, root: str) -> dict | None:
         hf = os.path.join(root, model_type + "-hf")
         os.makedirs(hf)
         shutil.copy(os.path.join(path, "config.json"), hf)
-        published.record_layout(path, hf, build_meta_model(path))
+        published_write.record_layout(path, hf, build_meta_model(path))
 
         def read(members: dict) -> None:  # what consolidation reads from the checkpoint
             for key, tensor in members.items():
                 tensor.copy_(state[key[len("model.") :]])
 
-        unpack = published.PublishedUnpack(hf, build_meta_model(hf), lambda n, t: {n: t}, read)
+        unpack = published_write.PublishedUnpack(hf, build_meta_model(hf), lambda n, t: {n: t}, read)
         written = {}
         for key, tensor in state.items():
             written.update(unpack(key, tensor))

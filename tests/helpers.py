@@ -112,7 +112,14 @@ def run_fresh_ranks(fn, world_size: int, *args):
 
 
 def plain_reference(
-    model_path: str, global_batch: int, steps: int = 5, seed: int = 0, optimizer=None, wrap=None, dropout=False
+    model_path: str,
+    global_batch: int,
+    steps: int = 5,
+    seed: int = 0,
+    optimizer=None,
+    wrap=None,
+    dropout=False,
+    router_losses: list | None = None,
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model (its seeded init values from
     ``shardlm.parallelize.reference_model``, block by block), mean F.cross_entropy over the
@@ -120,7 +127,9 @@ def plain_reference(
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
     parameters that then require grad train. ``dropout``: the model's dropout as shardlm draws it
     (``shardlm.parallel.dropout``, keyed by seed, step and the sample's position in the global batch);
-    otherwise torch's own (use it only with dropout 0)."""
+    otherwise torch's own (use it only with dropout 0). A model whose config turns the router's
+    load-balancing loss on (``output_router_logits``) adds ``router_aux_loss_coef * outputs.aux_loss``,
+    as transformers does; ``router_losses`` collects that term per step."""
     from contextlib import nullcontext
 
     from transformers import get_scheduler
@@ -152,8 +161,13 @@ def plain_reference(
         idx = torch.tensor(order.indices(step))
         key = DropoutKey(t.seed, step, torch.arange(global_batch))
         with DeterministicDropout(key) if dropout else nullcontext():
-            logits = model(input_ids=data.input_ids[idx]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=-100)
+            outputs = model(input_ids=data.input_ids[idx])
+        loss = F.cross_entropy(outputs.logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=-100)
+        if getattr(outputs, "aux_loss", None) is not None:  # output_router_logits: what transformers adds
+            router = model.router_aux_loss_coef * outputs.aux_loss
+            loss = loss + router
+            if router_losses is not None:
+                router_losses.append(router.item())
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         opt.step()

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses
+from helpers import (
+    CountCollectives,
+    assert_parity,
+    model_collectives,
+    plain_reference,
+    run_ranks,
+    shardlm_losses,
+    token_dataset,
+    train_config,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -186,29 +195,6 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
         assert len(lines) == 1 and text in lines[0] and "parallel.fsdp trains it" in lines[0], lines
 
 
-def test_the_router_loss_is_refused_not_dropped(tmp_path):
-    """Every family's default leaves ``output_router_logits`` off, so the loss is the language-model
-    loss alone, in transformers and in shardlm; a config that turns it on would have transformers
-    add ``router_aux_loss_coef * aux_loss``, which shardlm's trainer does not: refused, one line."""
-    from helpers import load_checked
-
-    from shardlm import ConfigError
-
-    (tmp_path / "data.txt").write_text("hello world\n")
-    for model_type in TRAINED:
-        assert tiny_config(model_type).output_router_logits is False, model_type
-    config = tiny_config("mixtral")
-    config.output_router_logits = True
-    config.save_pretrained(tmp_path / "aux")
-    raw = {"model": str(tmp_path / "aux"), "data": {"path": str(tmp_path / "data.txt")}}
-    with pytest.raises(ConfigError, match=r"model: output_router_logits=true adds the router's load-balancing") as info:
-        load_checked(raw=raw)
-    assert "\n" not in str(info.value)
-    config.router_aux_loss_coef = 0.0  # asks for the logits only: nothing added to the loss
-    config.save_pretrained(tmp_path / "aux")
-    assert load_checked(raw=raw).model == str(tmp_path / "aux")
-
-
 def _report(label: str, got: list, ref: list) -> None:
     """Print the largest relative differences (``pytest -s`` shows them: the measured parity)."""
     loss = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(got, ref))
@@ -228,9 +214,9 @@ def _expert_bytes(model) -> tuple[int, int]:
     return local, whole
 
 
-def tp2_body(paths: list[str]) -> tuple[dict, dict, dict]:
+def tp2_body(paths: list[str], router_paths: list[str]) -> tuple[dict, dict, dict, dict]:
     """Rank body (2 ranks): 5 steps of each model at tp=2, then the collectives of one micro-batch
-    and the experts' bytes per rank."""
+    and the experts' bytes per rank; then the router-loss runs (``router_body``)."""
     from shardlm import build_mesh, parallelize
     from shardlm.config import ParallelConfig
 
@@ -241,13 +227,19 @@ def tp2_body(paths: list[str]) -> tuple[dict, dict, dict]:
         model = parallelize(path, mesh)
         counts[path] = model_collectives(model, mesh)
         sizes[path] = _expert_bytes(model)
-    return losses, counts, sizes
+    return losses, counts, sizes, router_body(router_paths)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(dirs, router_dirs) -> tuple[dict, dict, dict, dict]:
+    """The one 2-rank spawn of this file: ``tp2_body``."""
+    return run_ranks(tp2_body, 2, [dirs[t] for t in TRAINED], [router_dirs[t] for t in ROUTER])
 
 
 @pytest.mark.ranks
-def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
+def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, tp2_run):
     paths = [dirs[t] for t in TRAINED]
-    losses, counts, sizes = run_ranks(tp2_body, 2, paths)
+    losses, counts, sizes, _ = tp2_run
     for model_type, path in zip(TRAINED, paths):
         ref = plain_reference(path, 4)
         assert_parity(losses[path], ref, label=model_type)
@@ -271,10 +263,74 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
 
 
 @pytest.mark.ranks
-def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
-    paths = [dirs[t] for t in TRAINED]
+def test_moe_at_tp2_fsdp2_matches_one_process(dirs, router_dirs):
+    """The models above, and Mixtral and Qwen3-MoE with the router's load-balancing loss on (``ROUTER``)."""
+    paths = [dirs[t] for t in TRAINED] + [router_dirs[t] for t in ROUTER]
     got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
-    for model_type, path in zip(TRAINED, paths):
+    for model_type, path in zip(TRAINED + [f"{t} +router loss" for t in ROUTER], paths):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
+
+
+# ---------------------------------------------------------------- the router's load-balancing loss
+
+# with output_router_logits on and the family's own router_aux_loss_coef (train/router_loss.py)
+ROUTER = ["mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def router_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("router")
+    out = {}
+    for model_type in ROUTER:
+        config = tiny_config(model_type)
+        assert config.output_router_logits is False and config.router_aux_loss_coef > 0  # off by default
+        config.output_router_logits = True
+        config.save_pretrained(root / model_type)
+        out[model_type] = str(root / model_type)
+    return out
+
+
+def router_body(paths: list[str]) -> dict:
+    """Rank body (2 ranks, in ``tp2_body``'s spawn): 5 steps of each model at tp=2 and at fsdp=2
+    (global batch 4); ``{(layout, path): [(loss, grad_norm, router_loss) per step]}``, and under
+    ``("collectives", layout)`` the collectives of the router term of one micro-step."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = {}
+    for layout, shape, per_device in (("tp=2", {"tp": 2}, 4), ("fsdp=2", {"fsdp": 2}, 2)):
+        for path in paths:
+            cfg = train_config(path, shape, per_device, 1, 5)
+            mesh = build_mesh(cfg.parallel)
+            trainer = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, token_dataset(), mesh)
+            out[(layout, path)] = [(h["loss"], h["grad_norm"], h["router_loss"]) for h in trainer.train()]
+        logits = tuple(torch.randn(8, trainer.router_loss.num_experts) for _ in range(2))
+        mode = CountCollectives()
+        with mode:
+            trainer.router_loss.terms(logits, trainer._all_reduce_dp)
+        out[("collectives", layout)] = dict(mode.counts)
+    return out
+
+
+@pytest.mark.ranks
+def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, tp2_run):
+    """Loss (language model + ``coef * aux_loss``) and grad_norm as one process computes them with
+    the model's own ``outputs.aux_loss`` on the global batch, at tp=2 (the replicated router's term
+    counted once) and fsdp=2 (the expert counts reduced over the ranks before the product); and the
+    router term alone, a small share of the loss at the families' coefficient (0.001), to 1e-5 of
+    itself: the mean of per-rank aux losses would miss it."""
+    got = tp2_run[3]
+    for model_type in ROUTER:
+        path, router_ref = router_dirs[model_type], []
+        ref = plain_reference(path, 4, router_losses=router_ref)
+        for layout in ("tp=2", "fsdp=2"):
+            run, label = got[(layout, path)], f"{model_type} {layout} +router loss"
+            assert_parity([(loss, norm) for loss, norm, _ in run], ref, label=label)
+            _report(label, [(loss, norm) for loss, norm, _ in run], ref)
+            router = max(abs(r - want) / abs(want) for (_, _, r), want in zip(run, router_ref))
+            print(f"{label}: router term {router:.1e} relative (of {router_ref[0]:.3g} at step 1)")
+            assert router <= 1e-5, (label, [r for _, _, r in run], router_ref)
+    # per micro-step: one all-reduce of 2E + 1 values over the data-parallel ranks, none without them
+    assert got[("collectives", "tp=2")] == {} and got[("collectives", "fsdp=2")] == {"allreduce_": 1}, got

@@ -7,16 +7,19 @@ Layouts, each a tiny model written by ``save_pretrained``:
   (``transformer.h.*.attn.attention.*`` -> ``model.layers.*.self_attn.*`` and more);
 - prefix change: Qwen3.5 text (``model.language_model.*``; written as transformers writes a model
   it loaded from that layout: ``_weight_conversions`` set, as ``from_pretrained`` sets it);
-- merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` -> fused ``gate_up_proj`` /
-  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 and dp_replicate=2 x fsdp=2);
+- merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` and Qwen3-MoE's
+  ``gate_proj``/``up_proj``/``down_proj`` -> fused ``gate_up_proj`` / ``down_proj`` (split by TP on
+  the intermediate dim, gate and up halves each on its own, and by FSDP on the expert dim);
 - chunk and concatenate across a TP split: rules registered for a Llama through transformers'
   public ``register_checkpoint_conversion_mapping`` (no causal LM of transformers 5.24 that shardlm
   splits with TP uses them), ``llama_rules``; ``Interleave`` (read whole) in one process.
 
-Trained one step at learning rate 0 (weights unchanged, bit for bit) at tp=2 and tp=2 x fsdp=2 (two
-spawns), each saved and consolidated: the consolidated files hold the original files' names, shapes
-and bits, and ``from_pretrained`` reports no missing or unexpected keys. Process-free: the name
-mapping, each rule kind's boxes against transformers' own converter, and the refusal before spawning.
+Trained one step at learning rate 0 (weights unchanged, bit for bit) at tp=2 x fsdp=2 (one 4-rank
+spawn; tp=2 alone covers nothing it does not), each saved and consolidated: the consolidated files
+hold the original files' names, shapes and bits, and ``from_pretrained`` reports no missing or
+unexpected keys. Process-free: the name mapping, each rule kind's boxes against transformers' own
+converter, the refusal before spawning, and which layout consolidation writes (Qwen3.5 from random
+init and from a checkpoint).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from helpers import run_ranks, token_dataset, train_config
 
 from shardlm.checkpoint.output import CHECK_MESSAGE
 from shardlm.cli import main
-from shardlm.parallel import published
+from shardlm.parallel import published, published_write
 from shardlm.parallel.build import build_meta_model
 
 
@@ -61,6 +64,17 @@ def _configs() -> dict:
             True,
         ),
         "mixtral": (tf.MixtralConfig(**small, intermediate_size=16, num_local_experts=4), False),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig(
+                **small,
+                head_dim=8,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+            False,
+        ),
         "llama_rules": (family_config("llama"), False),  # with REGISTERED_RULES
     }
 
@@ -104,32 +118,21 @@ ON_DISK = {
     "exaone": ("transformer.h.0.attn.attention.out_proj.weight", "model.layers.0.self_attn.o_proj.weight"),
     "qwen3_5_text": ("model.language_model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
     "mixtral": ("model.layers.0.block_sparse_moe.experts.3.w3.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+    "qwen3_moe": ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"),
     "llama_rules": ("model.layers.1.self_attn.q_b.weight", "model.layers.1.mlp.up_proj.weight"),
 }
-LAYOUTS = {  # world size -> {model: layout}
-    2: {
-        "gpt_neox": {"tp": 2},
-        "exaone": {"tp": 2},
-        "qwen3_5_text": {"tp": 2},
-        "mixtral": {"fsdp": 2},
-        "llama_rules": {"tp": 2},
-    },
-    4: {
-        "gpt_neox": {"tp": 2, "fsdp": 2},
-        "exaone": {"tp": 2, "fsdp": 2},
-        "qwen3_5_text": {"tp": 2, "fsdp": 2},
-        "mixtral": {"dp_replicate": 2, "fsdp": 2},
-        "llama_rules": {"tp": 2, "fsdp": 2},
-    },
-}
+# every model at tp=2 x fsdp=2, in one 4-rank spawn (tp=2 alone exercises nothing this does not)
+LAYOUT = {"tp": 2, "fsdp": 2}
 
 
-def write_published(path: str, name: str) -> str:
-    """``save_pretrained`` of a seeded tiny model of ``name``, in the layout transformers writes."""
+def write_published(path: str, name: str, loaded_from_published: bool | None = None) -> str:
+    """``save_pretrained`` of a seeded tiny model of ``name``, in the layout transformers writes
+    (``loaded_from_published`` False: as it writes a new model, whatever ``_configs`` says)."""
     from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    config, loaded_from_published = _configs()[name]
+    config, published_layout = _configs()[name]
+    loaded_from_published = published_layout if loaded_from_published is None else loaded_from_published
     torch.manual_seed(0)
     with registered(name):
         model = AutoModelForCausalLM.from_config(config)
@@ -157,13 +160,40 @@ def models(tmp_path_factory) -> dict[str, str]:
 def test_names_map_through_transformers_rules(models):
     for name, path in models.items():
         disk, memory = ON_DISK[name]
-        assert disk in published._header(path) and memory not in published._header(path), name
+        assert disk in published.header(path) and memory not in published.header(path), name
         with registered(name):
             layout = check(path)  # covers the model with its shapes
         assert memory in layout.by_key and not layout.unexpected, name
         assert layout.used, name
     kinds = published.describe(check(models["mixtral"]))
     assert kinds == {"rename": 17, "boxes": 4}  # 2 layers x (gate_up_proj, down_proj) from 24 per-expert tensors
+
+
+def test_consolidation_writes_the_layout_the_weights_came_from(models, tmp_path):
+    """What consolidation writes for Qwen3.5 text, whose published checkpoints are prefixed
+    (``model.language_model.*``) and whose ``save_pretrained`` of a new model is not (it drops the
+    ``PrefixChange`` of a model it did not load): from random init (no layout recorded), what
+    ``save_pretrained`` writes for a new model, ``model.*``; from the published checkpoint, that
+    layout; from a ``model.*`` checkpoint, ``model.*`` again (no rule matched, none reversed), as
+    ``save_pretrained`` does after ``from_pretrained``. Names and shapes, headers only."""
+    prefixed = models["qwen3_5_text"]
+    plain = write_published(str(tmp_path / "plain"), "qwen3_5_text", loaded_from_published=False)
+    shapes = published.untied_shapes(build_meta_model(prefixed))
+    for case, (weights, expected) in {
+        "random": (None, plain),
+        "prefixed": (prefixed, prefixed),
+        "plain": (plain, plain),
+    }.items():
+        hf = tmp_path / f"hf-{case}"
+        hf.mkdir()
+        (hf / "config.json").write_bytes((Path(prefixed) / "config.json").read_bytes())
+        if weights is not None:  # what every checkpoint of a run from weights records (checkpoint/layout.py)
+            published_write.record_layout(weights, str(hf), build_meta_model(weights))
+        unpack = published_write.PublishedUnpack(str(hf), build_meta_model(str(hf)), lambda k, t: {k: t})
+        want = {k: v[0] for k, v in published.header(expected).items()}
+        assert unpack.published_shapes(shapes) == want, case
+    assert any(k.startswith("model.language_model.") for k in published.header(prefixed))
+    assert not any(k.startswith("model.language_model.") for k in published.header(plain))
 
 
 def _converter_cases():
@@ -250,18 +280,28 @@ def _train_yaml(path: Path, model: str, output_dir: Path) -> Path:
 
 
 def test_refused_before_spawning(models, tmp_path, capsys):
-    """Names that, converted, do not cover the model: one line naming the first gap, exit 2, no rank."""
+    """Names that, converted, do not cover the model: one line naming the first gap, in memory and
+    as the checkpoint stores it (the absent tensor), exit 2, no rank."""
     from safetensors.torch import save_file
 
     cases = {
-        "gpt_neox": (("embed_out.weight",), "lacks weights for lm_head.weight (and 0 more)"),
+        "gpt_neox": (
+            ("embed_out.weight",),
+            "lacks weights for lm_head.weight (stored as embed_out.weight in this layout) (and 0 more)",
+        ),
         "mixtral": (
             (
                 "model.layers.1.block_sparse_moe.experts.2.w1.weight",
                 "model.layers.1.block_sparse_moe.experts.2.w3.weight",
             ),
-            "lacks weights for model.layers.1.mlp.experts.gate_up_proj (converted: [3, 32, 32], "
-            "the model needs [4, 32, 32]) (and 0 more)",
+            "lacks weights for model.layers.1.mlp.experts.gate_up_proj (stored as 8 tensors in this layout; "
+            "model.layers.1.block_sparse_moe.experts.2.w1.weight and 1 more of them absent; "
+            "converted: [3, 32, 32], the model needs [4, 32, 32]) (and 0 more)",
+        ),
+        "qwen3_5_text": (
+            ("model.language_model.layers.1.self_attn.q_proj.weight",),
+            "lacks weights for model.layers.1.self_attn.q_proj.weight "
+            "(stored as model.language_model.layers.1.self_attn.q_proj.weight in this layout) (and 0 more)",
         ),
     }
     for name, (drop, message) in cases.items():
@@ -273,8 +313,7 @@ def test_refused_before_spawning(models, tmp_path, capsys):
         save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
         (model / "config.json").write_bytes((Path(models[name]) / "config.json").read_bytes())
         out = tmp_path / f"out-{name}"
-        layout = "parallel.fsdp=2 parallel.tp=1" if name == "mixtral" else "parallel.tp=2"
-        assert main(["train", str(_train_yaml(tmp_path / f"{name}.yaml", str(model), out)), *layout.split()]) == 2
+        assert main(["train", str(_train_yaml(tmp_path / f"{name}.yaml", str(model), out))]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0] == f"error: model: '{model}' {message}", err
         assert not out.exists()
@@ -307,50 +346,44 @@ def train_lr0(jobs: list[tuple[str, str, dict, str]]) -> dict[str, dict[str, int
 
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory) -> dict:
-    """Two spawns: every model on 2 ranks (tp=2; Mixtral fsdp=2) and on 4 (tp=2 x fsdp=2; Mixtral
-    dp_replicate=2 x fsdp=2); ``{(world, model): output_dir}`` and ``{world: rank 0's reads}``."""
+    """One 4-rank spawn: every model at tp=2 x fsdp=2; ``{model: output_dir}`` and rank 0's reads."""
     root = tmp_path_factory.mktemp("published-runs")
-    out: dict = {"reads": {}}
-    for world, layouts in LAYOUTS.items():
-        jobs = [(name, models[name], layout, str(root / f"{name}-{world}")) for name, layout in layouts.items()]
-        out["reads"][world] = run_ranks(train_lr0, world, jobs)
-        out.update({(world, job[0]): job[3] for job in jobs})
-    return out
+    jobs = [(name, path, LAYOUT, str(root / name)) for name, path in models.items()]
+    return {"reads": run_ranks(train_lr0, 4, jobs), **{job[0]: job[3] for job in jobs}}
 
 
 @pytest.mark.ranks  # starts processes or a process group
 def test_each_rank_reads_only_its_rows(models, runs):
-    """Rank 0 reads of every file tensor just the part its own pieces hold: half of each at tp=2
-    (a quarter of the split ones at tp=2 x fsdp=2 where FSDP splits them again), never a whole
-    checkpoint. Renamed keys, merged experts, chunks and concatenations alike."""
-    sizes = {name: {k: math.prod(v[0]) for k, v in published._header(path).items()} for name, path in models.items()}
-    for world, per_model in runs["reads"].items():
-        for name, reads in per_model.items():
-            assert reads.keys() <= sizes[name].keys(), name
-            assert sum(reads.values()) < sum(sizes[name].values()), (world, name)
-    # tp=2: the published gate_up (Chunk) and the q halves (Concatenate along the columns) half each
-    tp2 = runs["reads"][2]["llama_rules"]
+    """Rank 0 (tp 0, fsdp 0) reads of every file tensor just the part its own pieces hold, never a
+    whole checkpoint: a quarter of the chunked and concatenated tensors (TP halves them, FSDP halves
+    them again); of the per-expert tensors, those of the experts FSDP gives it (2 of 4), each the
+    half of its intermediate rows (``w1``/``w3``, ``gate_proj``/``up_proj``) or columns
+    (``w2``, ``down_proj``) TP gives it."""
+    sizes = {name: {k: math.prod(v[0]) for k, v in published.header(path).items()} for name, path in models.items()}
+    for name, reads in runs["reads"].items():
+        assert reads.keys() <= sizes[name].keys(), name
+        assert sum(reads.values()) < sum(sizes[name].values()) / 2, name
+        print(f"{name}: rank 0 read {sum(reads.values())} of {sum(sizes[name].values())} elements")  # pytest -s
+    rules = runs["reads"]["llama_rules"]
     for key in ("model.layers.0.mlp.gate_up.weight", "model.layers.0.self_attn.q_a.weight"):
-        assert tp2[key] == sizes["llama_rules"][key] // 2, (key, tp2[key])
-    assert (
-        runs["reads"][4]["llama_rules"]["model.layers.0.mlp.gate_up.weight"]
-        == sizes["llama_rules"]["model.layers.0.mlp.gate_up.weight"] // 4
-    )
-    # Mixtral at fsdp=2: half of every expert's rows... of the experts rank 0 holds: 2 of 4, whole
-    fsdp2 = runs["reads"][2]["mixtral"]
-    held = [k for k in fsdp2 if ".experts." in k]
-    assert held and all(fsdp2[k] == sizes["mixtral"][k] for k in held) and len(held) == 12, held
+        assert rules[key] == sizes["llama_rules"][key] // 4, (key, rules[key])
+    for name in ("mixtral", "qwen3_moe"):
+        reads = runs["reads"][name]
+        experts = [k for k in sizes[name] if ".experts." in k]
+        held = [k for k in experts if k in reads]
+        assert len(experts) == 24 and len(held) == 12, held
+        assert all(".experts.0." in k or ".experts.1." in k for k in held), held
+        assert all(reads[k] == sizes[name][k] // 2 for k in held), {k: reads[k] for k in held}
 
 
 @pytest.mark.ranks  # starts processes
-@pytest.mark.parametrize("world", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(_configs()))
-def test_round_trip_gives_back_the_published_files(models, runs, world, name, tmp_path, capsys):
+def test_round_trip_gives_back_the_published_files(models, runs, name, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "hf")
     with registered(name):
-        assert main(["consolidate", runs[(world, name)], out]) == 0
+        assert main(["consolidate", runs[name], out]) == 0
         _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     original = _files(models[name])
     assert capsys.readouterr().out.strip().endswith(CHECK_MESSAGE.format(n=len(original)))

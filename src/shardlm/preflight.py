@@ -2,8 +2,8 @@
 
 ``config`` checks values alone; what only the model can answer is checked here, in the launcher
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
-rank: the head/vocabulary geometry against ``parallel.tp``, a router loss the trainer does not add
-(``output_router_logits``), LayerDrop under more than one rank,
+rank: the head/vocabulary geometry against ``parallel.tp``, a router load-balancing loss the trainer
+cannot compute over the global batch (``train/router_loss.py``), LayerDrop under more than one rank,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
@@ -16,20 +16,21 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
-from shardlm.parallel.experts import check_router_aux_loss
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
+from shardlm.train import router_loss
 
 
 def check_run(cfg: Config) -> None:
     """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work."""
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
-    traced, weights = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model)
-    model = build_meta_model(cfg.model) if traced or weights else None  # one meta model (LoRA adapts it last)
+    traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
+    model = build_meta_model(cfg.model) if traced or weights or router else None  # one meta model (LoRA adapts it last)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
-    check_router_aux_loss(cfg.model)
+    if router:  # the load-balancing loss over the global batch
+        router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)

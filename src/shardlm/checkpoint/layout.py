@@ -18,7 +18,7 @@ import uuid
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import build_meta_model, has_weights
-from shardlm.parallel.published import record_layout
+from shardlm.parallel.published_write import record_layout
 
 log = logging.getLogger("shardlm")
 

@@ -160,25 +160,6 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
             )
 
 
-def check_router_aux_loss(model_path: str) -> None:
-    """Refuse a config asking for the router's load-balancing loss (``output_router_logits`` true,
-    ``router_aux_loss_coef`` not 0): transformers' own training adds ``coef * aux_loss`` to the
-    loss, shardlm's trainer trains the language-model loss alone (``outputs.logits``), so the run
-    would silently differ from one process. Every family's default leaves it off."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    configs = [config, config_value(config, "text_config")]
-    for c in configs:
-        coef = config_value(c, "router_aux_loss_coef") if c is not None else None
-        if c is not None and config_value(c, "output_router_logits") is True and coef:
-            raise ConfigError(
-                f"model: output_router_logits=true adds the router's load-balancing loss (router_aux_loss_coef="
-                f"{coef}) to the loss, which shardlm does not compute yet; set output_router_logits to false in "
-                "config.json to train the language-model loss alone"
-            )
-
-
 def describe_experts(layout: dict[str, ExpertParam]) -> str:
     """``gate_up_proj dim 1 in 2 parts, down_proj dim 2, down_proj_bias added once`` (``shardlm plan``)."""
     words = []

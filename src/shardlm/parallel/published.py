@@ -23,20 +23,11 @@ Loading (``load``): every rank still reads only its own rows, through DCP's HF s
 Before spawning (``check``): the checkpoint's names after conversion must cover the model, with
 the model's shapes; otherwise one line naming the first missing (or misshapen) weight.
 
-Consolidation writes the published layout: the rules that matched at load time are recorded in the
-checkpoint (``hf/shardlm_weight_layout.json``, ``record_layout``) and reversed by
-``revert_weight_conversion``, as ``save_pretrained`` does for a model ``from_pretrained`` loaded;
-without a record (random init) the rules ``save_pretrained`` uses for a new model. Consolidation
-writes one checkpoint tensor at a time (``PublishedUnpack``); where a reverse joins several
-in-memory tensors into one (the reverse of a load-time ``Chunk`` or ``Split``), the group is read
-and written together. The written names are then mapped forward again by the same rules and must
-give exactly the model's keys and shapes (``check_reload``).
+Consolidation writes the layout back (``published_write.py``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -48,8 +39,6 @@ import torch.nn as nn
 from shardlm.distributed.shards import LoadPlanner, PackedShards, fill_from_full, index_runs, local_index, packed_view
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import tied_keys
-
-LAYOUT_FILE = "shardlm_weight_layout.json"
 
 
 @dataclass
@@ -88,6 +77,7 @@ class Layout:
     unexpected: list[str]
     used: list[int]  # indices into ``rules(model)`` of the transforms that matched
     rule_names: list[str]
+    keys: frozenset[str] = frozenset()  # the checkpoint's keys
 
 
 def rules(model: nn.Module) -> list:
@@ -97,7 +87,7 @@ def rules(model: nn.Module) -> list:
     return get_model_conversion_mapping(model)
 
 
-def _meta_tensor(shape, dtype) -> torch.Tensor:
+def meta_tensor(shape, dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
@@ -136,7 +126,7 @@ def map_checkpoint(model: nn.Module, available: dict[str, tuple[tuple[int, ...],
             _plan_converter(unit, model, available)
     by_key = {out: unit for unit in units.values() for out in unit.outputs}
     used = [i for i, t in enumerate(transforms) if t.was_used()]
-    return Layout(list(units.values()), by_key, unexpected, used, [repr(t) for t in transforms])
+    return Layout(list(units.values()), by_key, unexpected, used, [repr(t) for t in transforms], frozenset(available))
 
 
 def _run_converter(unit: Unit, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -151,7 +141,7 @@ def _run_converter(unit: Unit, model: nn.Module, tensors: dict[str, torch.Tensor
 
 def _plan_converter(unit: Unit, model: nn.Module, available: dict) -> None:
     try:
-        meta = {k: _meta_tensor(*available[k]) for keys in unit.sources.values() for k in keys}
+        meta = {k: meta_tensor(*available[k]) for keys in unit.sources.values() for k in keys}
         unit.outputs = {k: tuple(v.shape) for k, v in _run_converter(unit, model, meta).items()}
     except Exception as exc:  # noqa: BLE001 - the checkpoint's tensors do not fit the rule (or an op needs values)
         targets = unit.converter.target_patterns
@@ -229,7 +219,7 @@ def _tiles(target: tuple[int, ...] | None, pieces: list[Piece]) -> bool:
     return total == torch.Size(target).numel()
 
 
-def _header(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def header(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (shape, dtype)}`` of the safetensors files in ``model_path`` (headers only)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -237,24 +227,64 @@ def _header(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
 
 
-def _untied_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+def untied_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """In-memory keys a checkpoint must hold (tied duplicates left out), with their shapes."""
     tied = tied_keys(model)
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
 
 
-def missing(layout: Layout, needed: dict[str, tuple[int, ...] | None]) -> list[str]:
-    """Needed keys the layout does not produce, or produces with another shape, in model order."""
+def stored_as(model: nn.Module, layout: Layout, key: str, shape: tuple[int, ...]) -> list[str]:
+    """The checkpoint keys in-memory ``key`` has in ``layout``'s layout: what ``save_pretrained``
+    writes for it (``revert_weight_conversion``) with the rules the checkpoint matched (a prefix
+    change among them) and those it applies to a new model (Pythia's ``embed_out``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+
+    new = {repr(t) for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)}
+    chosen = [t for i, t in enumerate(rules(model)) if i in layout.used or repr(t) in new]
+    saved = model.__dict__.get("_weight_conversions")
+    model._weight_conversions = chosen
+    try:
+        return list(revert_weight_conversion(model, {key: meta_tensor(shape, torch.float32)}))
+    except Exception:  # noqa: BLE001 - a reverse that needs values: name the in-memory key alone
+        return [key]
+    finally:
+        if saved is None:
+            del model._weight_conversions
+        else:
+            model._weight_conversions = saved
+
+
+def _gap(model: nn.Module | None, layout: Layout, key: str, shape, detail: str | None) -> str:
+    """``key`` as the refusal names it: with its checkpoint names where they differ, the absent ones first."""
+    names = stored_as(model, layout, key, shape) if model is not None and shape is not None else [key]
+    absent = [n for n in names if n not in layout.keys]
+    if names == [key]:
+        where = None
+    elif len(names) == 1:
+        where = f"stored as {names[0]} in this layout"
+    elif absent:
+        more = f" and {len(absent) - 1} more of them" if len(absent) > 1 else ""
+        where = f"stored as {len(names)} tensors in this layout; {absent[0]}{more} absent"
+    else:
+        where = f"stored as {len(names)} tensors in this layout, such as {names[0]}"
+    parts = [p for p in (where, detail) if p]
+    return f"{key} ({'; '.join(parts)})" if parts else key
+
+
+def missing(layout: Layout, needed: dict[str, tuple[int, ...] | None], model: nn.Module | None = None) -> list[str]:
+    """Needed keys the layout does not produce, or produces with another shape, in model order;
+    with ``model`` (its meta model), each named with its checkpoint names in this layout too."""
     out = []
     for key, shape in needed.items():
         unit = layout.by_key.get(key)
         got = unit.outputs.get(key) if unit else None
         if unit is None:
-            out.append(key)
+            out.append(_gap(model, layout, key, shape, None))
         elif unit.error is not None:
-            out.append(f"{key} ({unit.error})")
+            out.append(_gap(model, layout, key, shape, unit.error))
         elif shape is not None and got is not None and tuple(got) != tuple(shape):
-            out.append(f"{key} (converted: {list(got)}, the model needs {list(shape)})")
+            out.append(_gap(model, layout, key, shape, f"converted: {list(got)}, the model needs {list(shape)}"))
     return out
 
 
@@ -266,8 +296,8 @@ def refuse_missing(model_path: str, gaps: list[str]) -> None:
 def check(model_path: str, model: nn.Module) -> Layout:
     """Before spawning: the checkpoint at ``model_path``, converted by transformers' rules, covers
     ``model`` (its meta model) with the model's shapes; else one ``ConfigError`` naming the first gap."""
-    layout = map_checkpoint(model, _header(model_path))
-    refuse_missing(model_path, missing(layout, _untied_shapes(model)))
+    layout = map_checkpoint(model, header(model_path))
+    refuse_missing(model_path, missing(layout, untied_shapes(model), model))
     return layout
 
 
@@ -317,9 +347,9 @@ def load(state: dict[str, torch.Tensor], model_path: str, meta: nn.Module) -> No
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    available = _header(model_path)
+    available = header(model_path)
     layout = map_checkpoint(meta, available)
-    refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}))
+    refuse_missing(model_path, missing(layout, {k: tuple(v.shape) for k, v in state.items()}, meta))
     direct: dict[str, torch.Tensor] = {}
     boxes: dict[str, list] = defaultdict(list)
     whole: dict[int, Unit] = {}
@@ -346,121 +376,6 @@ def load(state: dict[str, torch.Tensor], model_path: str, meta: nn.Module) -> No
                 if out in state:
                     fill_from_full(state[out], tensor)
             del full
-
-
-# --- consolidation: the reverse ---------------------------------------------------------------
-
-
-def record_layout(model_path: str, dest: str, model: nn.Module) -> None:
-    """Write which of transformers' rules matched the checkpoint at ``model_path`` (``model``: its
-    meta model) into ``dest`` (a checkpoint's ``hf/``), so consolidation writes the same layout back."""
-    import transformers
-
-    layout = map_checkpoint(model, _header(model_path))
-    record = {
-        "transformers": transformers.__version__,
-        "rules_used": [[i, layout.rule_names[i]] for i in layout.used],
-    }
-    with open(os.path.join(dest, LAYOUT_FILE), "w") as fh:
-        json.dump(record, fh, indent=1)
-
-
-def saving_model(hf_dir: str, model: nn.Module) -> nn.Module:
-    """``model``, the meta model of ``hf_dir``, with ``_weight_conversions`` set as ``save_pretrained`` would
-    find it: the recorded rules (a model loaded from a checkpoint), else those transformers uses
-    for a new model (``revert_weight_conversion``: no ``PrefixChange``, no legacy renamings)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
-
-    path = os.path.join(hf_dir, LAYOUT_FILE)
-    if os.path.isfile(path):
-        with open(path) as fh:
-            record = json.load(fh)
-        transforms = rules(model)
-        chosen = []
-        for index, name in record["rules_used"]:
-            if index >= len(transforms) or repr(transforms[index]) != name:
-                raise ConfigError(
-                    f"checkpoint '{os.path.dirname(hf_dir)}' was loaded with the conversion rule {name} of "
-                    f"transformers {record['transformers']}, which this transformers does not have at that place"
-                )
-            chosen.append(transforms[index])
-    else:
-        chosen = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
-    model._weight_conversions = chosen
-    return model
-
-
-def _joined_groups(model: nn.Module, keys: list[str]) -> dict[str, list[str]]:
-    """In-memory keys that one reverse converter joins into one tensor (the reverse of a load-time
-    ``Chunk``/``Split``), grouped as ``revert_weight_conversion`` groups them: ``{key: group}``."""
-    from transformers.core_model_loading import WeightConverter, apply_converters, dot_natural_key
-
-    reverse = [t.reverse_transform() for t in model._weight_conversions[::-1]]
-    converters = [t for t in reverse if isinstance(t, WeightConverter)]
-    groups: dict[str, list[str]] = defaultdict(list)
-    for key in sorted(keys, key=dot_natural_key):
-        renamed, pattern = apply_converters(key, converters)
-        if pattern is not None:
-            groups[renamed].append(key)
-    return {k: g for g in groups.values() if len(g) > 1 for k in g}
-
-
-class PublishedUnpack:
-    """``consolidate``'s unpack: one checkpoint tensor -> its tensors in the published layout
-    (transformers' ``revert_weight_conversion``), after ``inner``. Where the reverse joins several
-    in-memory tensors into one, the group's first tensor gives the joined tensor (the others are
-    read for it by ``read``, which fills ``{"model.<name>": tensor}`` from the checkpoint) and the
-    others give nothing."""
-
-    def __init__(self, hf_dir: str, model: nn.Module, inner, read=None):
-        self.model = saving_model(hf_dir, model)
-        self.inner = inner
-        self.read = read
-        self.shapes = _untied_shapes(self.model)
-        self.groups = _joined_groups(self.model, list(self.shapes))
-
-    def _members(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        others = [k for k in self.groups[name] if k != name]
-        if tensor.is_meta:
-            state = {f"model.{k}": _meta_tensor(self.shapes[k], tensor.dtype) for k in others}
-        else:
-            state = {f"model.{k}": torch.empty(self.shapes[k], dtype=tensor.dtype) for k in others}
-            self.read(state)
-        return {name: tensor, **{k[len("model.") :]: v for k, v in state.items()}}
-
-    def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        if name in self.groups:
-            if self.groups[name][0] != name:
-                return {}  # written with the group's first tensor
-            members = self._members(name, tensor)
-            inner = {k: v for n, t in members.items() for k, v in self.inner(n, t).items()}
-            return revert_weight_conversion(self.model, inner)
-        out = {}
-        for key, value in self.inner(name, tensor).items():
-            out.update(revert_weight_conversion(self.model, {key: value}))
-        return out
-
-    def published_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """What ``save_pretrained`` would write for these in-memory tensors, reverted all at once."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        state = {k: _meta_tensor(v, torch.float32) for k, v in shapes.items()}
-        return {k: tuple(v.shape) for k, v in revert_weight_conversion(self.model, state).items()}
-
-
-def check_reload(model: nn.Module, out: str) -> str | None:
-    """The written directory, mapped forward by the rules ``from_pretrained`` uses onto ``model`` (a
-    fresh meta model), gives exactly its keys with its shapes; else what is missing or unexpected."""
-    layout = map_checkpoint(model, _header(out))
-    gaps = missing(layout, _untied_shapes(model))
-    if gaps:
-        return f"from_pretrained would miss '{gaps[0]}' in the written files"
-    if layout.unexpected:
-        return f"from_pretrained would not expect '{layout.unexpected[0]}' in the written files"
-    return None
 
 
 def describe(layout: Layout) -> dict[str, int]:

@@ -77,6 +77,7 @@ from shardlm.train.metrics import (
     peak_tflops,
 )
 from shardlm.train.optim import build_optimizer, build_scheduler
+from shardlm.train.router_loss import router_loss_of
 
 log = logging.getLogger("shardlm")
 
@@ -217,6 +218,7 @@ class Trainer:
         if self.eval_dataset is None and self.config.eval.path:
             self.eval_dataset = build_eval_dataset(self.config)
         self.num_params = count_params(self.module)
+        self.router_loss = router_loss_of(self.module)  # the load-balancing loss over the global batch, or None
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
         self._tp_replicas = tp_replicated_params(self.module) if self.mesh.parallel.tp > 1 else []
@@ -233,9 +235,13 @@ class Trainer:
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
+        return self.outputs(input_ids).logits
+
+    def outputs(self, input_ids: torch.Tensor):
+        """The model's outputs for ``input_ids`` (logits, and router logits where the model gives them)."""
         ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
-            return self.module(input_ids=input_ids).logits
+            return self.module(input_ids=input_ids)
 
     def dropout_mode(self, micro: int) -> DeterministicDropout | None:
         """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
@@ -263,18 +269,23 @@ class Trainer:
             self._tp_checked = True
         count = self._all_reduce_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
         for micro, batch in enumerate(batches):
             mode = self.dropout_mode(micro)
             with mode or nullcontext():
-                logits = self.forward(batch.input_ids)
+                outputs = self.outputs(batch.input_ids)
             if mode is not None and self._has_dropout is None:
                 self._has_dropout = mode.used
-            with loss_context(isinstance(logits, DTensor)):
-                micro_loss = token_loss_sum(logits, batch.labels)
-                (micro_loss / denom).backward()
+            with loss_context(isinstance(outputs.logits, DTensor)):
+                micro_loss = token_loss_sum(outputs.logits, batch.labels)
+                roots = [micro_loss / denom]
+                if self.router_loss is not None:  # one backward for both (train/router_loss.py)
+                    term, router_total = self.router_loss.terms(outputs.router_logits, self._all_reduce_dp)
+                    roots.append(term)
+                    router_sum += router_total.detach()
+                torch.autograd.backward(roots)
             loss_sum += as_local(micro_loss).detach()
-        loss = self._all_reduce_dp(loss_sum) / denom
+        loss = self._all_reduce_dp(loss_sum) / denom + router_sum
         if self.model.tp_partial_grads:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
         grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm)
@@ -297,6 +308,8 @@ class Trainer:
             "tokens_per_second": tokens / elapsed,
             "step_time_s": elapsed,
         }
+        if self.router_loss is not None:  # its share of ``loss``: router_aux_loss_coef * aux_loss
+            record["router_loss"] = float(router_sum)
         return {**record, "skipped": True} if skipped else record
 
     @torch.no_grad()
