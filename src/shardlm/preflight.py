@@ -3,7 +3,7 @@
 ``config`` checks values alone; what only the model can answer is checked here, in the launcher
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
 rank: the head/vocabulary geometry against ``parallel.tp``, a router loss the trainer does not add
-(``output_router_logits``), LayerDrop under more than one rank,
+(``output_router_logits``), LayerDrop under more than one rank, the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
@@ -16,6 +16,7 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
+from shardlm.parallel.ep import check_ep
 from shardlm.parallel.experts import check_router_aux_loss
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
@@ -26,7 +27,9 @@ def check_run(cfg: Config) -> None:
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model)
-    model = build_meta_model(cfg.model) if traced or weights else None  # one meta model (LoRA adapts it last)
+    model = build_meta_model(cfg.model) if traced or weights or p.ep > 1 else None  # one (LoRA adapts it last)
+    if p.ep > 1:  # the model has experts, as many as ep divides
+        check_ep(model, p.ep)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
     check_router_aux_loss(cfg.model)
