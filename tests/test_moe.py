@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses
+from helpers import (
+    assert_parity,
+    model_collectives,
+    plain_reference,
+    run_ranks,
+    shardlm_losses,
+    token_dataset,
+    train_config,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -278,3 +286,115 @@ def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
+
+
+# ---------------------------------------------------------------- expert parallelism (parallel.ep)
+
+# the families the EP spawn trains: concatenated gate/up (Qwen3-MoE, Mixtral) and gpt-oss's interleaved
+# [E, H, 2I] with expert biases
+EP_TRAINED = ["qwen3_moe", "mixtral", "gpt_oss"]
+EP_LAYOUT = {"fsdp": 2, "ep": 2}  # 2 ranks: each holds 2 of the 4 experts; ep carved out of fsdp
+
+
+def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
+    """One line each, naming the key: ep must divide fsdp (EP ranks are fsdp ranks), LoRA is not
+    combined with EP yet; with the model: ep must divide the expert count, and a dense model has
+    nothing to divide."""
+    from helpers import load_checked, write_model_dir
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    data = {"path": str(tmp_path / "data.txt")}
+    dense = write_model_dir(str(tmp_path / "llama"))
+    cases = [
+        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 4}, None, r"parallel.ep=4 must divide parallel.fsdp=2"),
+        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 2}, {"r": 4}, r"parallel.ep > 1 with lora is not supported"),
+        (dirs["qwen3_moe"], {"fsdp": 3, "ep": 3}, None, r"parallel.ep=3 must divide the 4 experts of model.layers.0"),
+        (dense, {"fsdp": 2, "ep": 2}, None, r"parallel.ep=2: LlamaForCausalLM has no fused mixture-of-experts"),
+        (dirs["qwen3_moe"], {"ep": 0}, None, r"parallel.ep must be >= 1"),
+    ]
+    for model, parallel, lora, match in cases:
+        raw = {"model": model, "data": data, "parallel": parallel, **({"lora": lora} if lora else {})}
+        with pytest.raises(ConfigError, match=match) as info:
+            load_checked(raw=raw)
+        assert "\n" not in str(info.value)
+    assert load_checked(raw={"model": dirs["qwen3_moe"], "data": data, "parallel": EP_LAYOUT}).parallel.ep == 2
+
+
+def _ep_expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' parameters on this rank, in the whole model), fp32."""
+    local = sum(4 * model.module.get_parameter(n).to_local().numel() for n in model.expert_grads)
+    whole = sum(4 * model.module.get_parameter(n).numel() for n in model.expert_grads)
+    return local, whole
+
+
+def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list[float]:
+    """4 steps at fsdp=2 (global batch 4), saving every 2: the losses."""
+    from shardlm import Trainer, build_mesh, parallelize
+
+    extra = {"resume": resume} if resume else {}
+    cfg = train_config(path, {"fsdp": 2, "ep": ep}, 2, 1, 4, output_dir=out, save_steps=2, **extra)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+def ep2_body(paths: list[str], root: str) -> tuple[dict, dict, dict, dict]:
+    """Rank body (2 ranks): 5 steps of each model at fsdp=2 x ep=2; the collectives of one
+    micro-batch and the experts' bytes per rank; then checkpoints across ep sizes (the first
+    model): ep=2 saved -> ep=1 resumed, and ep=1 saved -> ep=2 resumed."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, EP_LAYOUT, 2, 1)
+    mesh = build_mesh(ParallelConfig(**EP_LAYOUT))
+    counts, sizes = {}, {}
+    for path in paths:
+        model = parallelize(path, mesh)
+        counts[path] = model_collectives(model, mesh)
+        sizes[path] = _ep_expert_bytes(model)
+    runs = {"ep2": _resume_run(paths[0], 2, f"{root}/ep2"), "ep1": _resume_run(paths[0], 1, f"{root}/ep1")}
+    runs["ep2_to_ep1"] = _resume_run(paths[0], 1, f"{root}/ep2_to_ep1", f"{root}/ep2/checkpoints/step-2")
+    runs["ep1_to_ep2"] = _resume_run(paths[0], 2, f"{root}/ep1_to_ep2", f"{root}/ep1/checkpoints/step-2")
+    return losses, counts, sizes, runs
+
+
+@pytest.mark.ranks
+def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, tmp_path):
+    """fsdp=2 x ep=2: each rank holds half of every layer's experts, tokens travel by all-to-all;
+    5 steps equal one process (loss 1e-5, grad_norm 1e-4). Checkpoints saved at ep=2 resume at
+    ep=1 and the other way round with the losses of the uninterrupted run (1e-5), and
+    ``shardlm consolidate`` of the ep=2 checkpoint gives the ep=1 run's weights."""
+    from safetensors.torch import load_file
+
+    from shardlm.cli import main
+
+    paths = [dirs[t] for t in EP_TRAINED]
+    losses, counts, sizes, runs = run_ranks(ep2_body, 2, paths, str(tmp_path))
+    for model_type, path in zip(EP_TRAINED, paths):
+        ref = plain_reference(path, 4)
+        assert_parity(losses[path], ref, label=model_type)
+        _report(f"{model_type} fsdp=2 x ep=2", losses[path], ref)
+        print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts[path]}")
+        local, whole = sizes[path]
+        print(f"{model_type} experts: {local} bytes per rank of {whole}")
+        assert 2 * local == whole, (model_type, local, whole)
+        fwd, _, bwd, _ = counts[path]
+        # per MoE layer (2 blocks): forward 2 all-to-alls of the counts and rows' way there and back
+        # (3: counts, rows out, rows back), backward 2 (the rows' gradients); FSDP's own collectives beside
+        assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
+        assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
+    for a, b in zip(runs["ep2"], runs["ep1"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (runs["ep2"], runs["ep1"])
+    for resumed, full in (("ep2_to_ep1", "ep2"), ("ep1_to_ep2", "ep1")):
+        assert len(runs[resumed]) == 2, runs[resumed]
+        for a, b in zip(runs[resumed], runs[full][2:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (resumed, runs[resumed], runs[full])
+    weights = {}
+    for run in ("ep2", "ep1"):
+        out = str(tmp_path / f"hf_{run}")
+        assert main(["consolidate", str(tmp_path / run / "checkpoints" / "step-4"), out]) == 0
+        weights[run] = {k: v for f in sorted(Path(out).glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert weights["ep2"].keys() == weights["ep1"].keys() and any("experts" in k for k in weights["ep2"])
+    for key, value in weights["ep2"].items():
+        torch.testing.assert_close(value, weights["ep1"][key], rtol=1e-4, atol=1e-6, msg=key)
