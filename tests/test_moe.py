@@ -281,11 +281,13 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
 @pytest.mark.ranks
 def test_moe_at_tp2_fsdp2_matches_one_process(dirs):
     paths = [dirs[t] for t in TRAINED]
-    got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    ep_paths = [dirs[t] for t in TP2_EP2_TRAINED]
+    got, ep_got = run_ranks(four_ranks_body, 4, paths, ep_paths)
     for model_type, path in zip(TRAINED, paths):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
+    check_tp2_ep2(ep_got)
 
 
 # ---------------------------------------------------------------- expert parallelism (parallel.ep)
@@ -398,3 +400,58 @@ def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, tmp_path):
     assert weights["ep2"].keys() == weights["ep1"].keys() and any("experts" in k for k in weights["ep2"])
     for key, value in weights["ep2"].items():
         torch.testing.assert_close(value, weights["ep1"][key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+# tp=2 x ep=2 (4 ranks, in the 4-rank spawn above): Qwen3-MoE (gate/up halves each split over TP
+# inside the experts each EP rank holds: Shard(0) x _StridedShard) and gpt-oss (expert biases, the
+# down bias added by one TP rank)
+TP2_EP2_TRAINED = ["qwen3_moe", "gpt_oss"]
+TP2_EP2_LAYOUT = {"tp": 2, "fsdp": 2, "ep": 2}
+
+
+def four_ranks_body(paths: list[str], ep_paths: list[str]) -> tuple[dict, dict]:
+    """Rank body (4 ranks): ``paths`` at tp=2 x fsdp=2, then ``ep_paths`` at tp=2 x fsdp=2 x ep=2
+    (with the collectives of one micro-batch and the experts' bytes per rank)."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    ep_losses = shardlm_losses(ep_paths, TP2_EP2_LAYOUT, 2, 1)
+    mesh = build_mesh(ParallelConfig(**TP2_EP2_LAYOUT))
+    out = {}
+    for path in ep_paths:
+        model = parallelize(path, mesh)
+        out[path] = (ep_losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
+    return losses, out
+
+
+def check_tp2_ep2(got: dict) -> None:
+    for model_type, path in zip(TP2_EP2_TRAINED, got):
+        losses, counts, (local, whole) = got[path]
+        ref = plain_reference(path, 4)
+        assert_parity(losses, ref, label=f"{model_type} tp=2 x ep=2")
+        _report(f"{model_type} tp=2 x fsdp=2 x ep=2", losses, ref)
+        print(f"{model_type} tp=2 x ep=2 collectives per micro-batch (forward, loss, backward, grads): {counts}")
+        print(f"{model_type} tp=2 x ep=2 experts: {local} bytes per rank of {whole}")
+        assert 4 * local == whole, (model_type, local, whole)
+        fwd, _, bwd, _ = counts
+        assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
+        assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
+
+
+def test_plan_shows_the_experts_per_rank(dirs, capsys):
+    """``shardlm plan --ep``: each rank's experts and their bytes (TP's split inside each expert too)."""
+    from shardlm.cli import main
+
+    assert main(["plan", dirs["qwen3_moe"], "--tp", "1", "--ep", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        "experts model.layers.0.mlp.experts: 2 of 4 experts per rank (ep=2, tp=1): gate_up_proj 2x128x64, "
+        "down_proj 2x64x64; 0.094 MB per rank of 0.188 MB"
+    )
+    assert main(["plan", dirs["gpt_oss"], "--tp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("experts model.layers.0.mlp.experts: 2 of 4 experts per rank (ep=2, tp=2)"), out[0]
+    assert "down_proj_bias 2x64" in out[0], out[0]  # the bias after the down projection: whole over TP
+    assert main(["plan", dirs["qwen3_moe"], "--tp", "1", "--ep", "3"]) == 2
+    assert "parallel.ep=3 must divide the 4 experts" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the tensor-parallel plan of a model")
     plan.add_argument("model", help="Hugging Face model directory")
     plan.add_argument("--tp", type=int, required=True)
+    plan.add_argument("--ep", type=int, default=1, help="expert parallelism: also show the experts per rank")
     plan.add_argument("--json", action="store_true", help="print only {module: style} as JSON")
     cons = sub.add_parser("consolidate", help="sharded checkpoint -> Hugging Face model directory, verified exactly")
     cons.add_argument("checkpoint", help="a checkpoint step-N directory, or an output_dir (its newest checkpoint)")
@@ -88,12 +89,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from shardlm.parallel.autotp import any_block, check_geometry, describe_plan, infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.ep import describe_ep
 
-    if args.tp < 2:
-        raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
+    if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:
+        raise ConfigError(f"--tp {args.tp} --ep {args.ep}: a plan needs tp >= 2 or ep >= 2")
     check_geometry(args.model, args.tp)
     model = build_meta_model(args.model)
     plan = infer_plan(model, args.tp)
+    if args.ep > 1 and not args.json:
+        print("\n".join(describe_ep(model, plan, args.tp, args.ep)))
+    if args.tp == 1:
+        return 0
     if args.json:
         print(json.dumps(plan.styles, indent=2))
         return 0

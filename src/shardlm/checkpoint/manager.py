@@ -125,7 +125,7 @@ def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
             "seed": t.seed,
             "num_samples": state.num_samples,
             "world_size": dist.get_world_size(),
-            "layout": {"tp": cfg.parallel.tp, "fsdp": cfg.parallel.fsdp, "dp_replicate": cfg.parallel.dp_replicate},
+            "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep")},
             "lora": state.lora_marker(),
             "scheduler": state.scheduler.state_dict(),
             "config": cfg.to_dict(),

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.experts import count_attrs, experts_modules
-from shardlm.parallel.styles import ExpertParam
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import ExpertParam, Style, local_shape, sharded_dim
 from shardlm.parallel.tp import SumGradsOverTP, expert_placements, sum_tp_partial_grads
 
 
@@ -61,6 +62,26 @@ def check_ep(model: nn.Module, ep: int) -> None:
             raise ConfigError(
                 f"parallel.ep={ep} must divide the {count} experts of {fqn}; set parallel.ep to a divisor of {count}"
             )
+
+
+def describe_ep(model: nn.Module, plan: Plan, tp: int, ep: int) -> list[str]:
+    """``shardlm plan --ep``: per experts module, the experts each rank holds, its local shapes
+    (TP's split of each expert, then ``Shard(0)`` over ep) and fp32 bytes per rank."""
+    check_ep(model, ep)
+    lines = []
+    for fqn in experts_modules(model):
+        module = model.get_submodule(fqn)
+        count, shapes, local_bytes, whole = next(module.parameters()).shape[0], [], 0, 0
+        for name, p in module.named_parameters(recurse=False):
+            dim = sharded_dim(Style.EXPERTS, module, name, plan.experts.get(fqn)) if tp > 1 else None
+            shape = local_shape(local_shape(tuple(p.shape), dim, tp), 0, ep)
+            shapes.append(f"{name} {'x'.join(map(str, shape))}")
+            local_bytes, whole = local_bytes + 4 * torch.Size(shape).numel(), whole + 4 * p.numel()
+        lines.append(
+            f"experts {fqn}: {count // ep} of {count} experts per rank (ep={ep}, tp={tp}): {', '.join(shapes)}; "
+            f"{local_bytes / 2**20:.3f} MB per rank of {whole / 2**20:.3f} MB"
+        )
+    return lines
 
 
 def _zero_grad_term(params: list[torch.Tensor]) -> torch.Tensor:
