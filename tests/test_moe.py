@@ -325,10 +325,11 @@ def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
 
 
 def _ep_expert_bytes(model) -> tuple[int, int]:
-    """(bytes of the experts' parameters on this rank, in the whole model), fp32."""
-    local = sum(4 * model.module.get_parameter(n).to_local().numel() for n in model.expert_grads)
-    whole = sum(4 * model.module.get_parameter(n).numel() for n in model.expert_grads)
-    return local, whole
+    """(bytes of the experts' 3-D parameters on this rank, in the whole model), fp32 (under TP,
+    gpt-oss's down bias ``[E, H]`` is whole over TP, halved only by EP)."""
+    params = [model.module.get_parameter(n) for n in model.expert_grads]
+    local = sum(4 * p.to_local().numel() for p in params if p.dim() == 3)
+    return local, sum(4 * p.numel() for p in params if p.dim() == 3)
 
 
 def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list[float]:
@@ -434,7 +435,11 @@ def check_tp2_ep2(got: dict) -> None:
         print(f"{model_type} tp=2 x ep=2 collectives per micro-batch (forward, loss, backward, grads): {counts}")
         print(f"{model_type} tp=2 x ep=2 experts: {local} bytes per rank of {whole}")
         assert 4 * local == whole, (model_type, local, whole)
-        fwd, _, bwd, _ = counts
+        fwd, _, bwd, grads = counts
+        # TP's all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block; gpt-oss's attention
+        # is kept whole), each way; the TP-partial gradients (Qwen3's q/k norms, gpt-oss's down bias) once
+        assert fwd["all_reduce"] == bwd["all_reduce"] == (5 if model_type == "qwen3_moe" else 3), (model_type, counts)
+        assert sum(grads.values()) == 1, (model_type, grads)
         assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
         assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
 

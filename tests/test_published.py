@@ -8,7 +8,7 @@ Layouts, each a tiny model written by ``save_pretrained``:
 - prefix change: Qwen3.5 text (``model.language_model.*``; written as transformers writes a model
   it loaded from that layout: ``_weight_conversions`` set, as ``from_pretrained`` sets it);
 - merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` -> fused ``gate_up_proj`` /
-  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 and dp_replicate=2 x fsdp=2);
+  ``down_proj`` (mixture-of-experts: refused at tp > 1, so at fsdp=2 x ep=2 and dp_replicate=2 x fsdp=2);
 - chunk and concatenate across a TP split: rules registered for a Llama through transformers'
   public ``register_checkpoint_conversion_mapping`` (no causal LM of transformers 5.24 that shardlm
   splits with TP uses them), ``llama_rules``; ``Interleave`` (read whole) in one process.
@@ -111,7 +111,7 @@ LAYOUTS = {  # world size -> {model: layout}
         "gpt_neox": {"tp": 2},
         "exaone": {"tp": 2},
         "qwen3_5_text": {"tp": 2},
-        "mixtral": {"fsdp": 2},
+        "mixtral": {"fsdp": 2, "ep": 2},  # each rank 2 of the 4 experts, under expert parallelism
         "llama_rules": {"tp": 2},
     },
     4: {
@@ -336,7 +336,7 @@ def test_each_rank_reads_only_its_rows(models, runs):
         runs["reads"][4]["llama_rules"]["model.layers.0.mlp.gate_up.weight"]
         == sizes["llama_rules"]["model.layers.0.mlp.gate_up.weight"] // 4
     )
-    # Mixtral at fsdp=2: half of every expert's rows... of the experts rank 0 holds: 2 of 4, whole
+    # Mixtral at fsdp=2 x ep=2: the experts rank 0 holds, 2 of 4, whole (FSDP's Shard(0) held the same)
     fsdp2 = runs["reads"][2]["mixtral"]
     held = [k for k in fsdp2 if ".experts." in k]
     assert held and all(fsdp2[k] == sizes["mixtral"][k] for k in held) and len(held) == 12, held
