@@ -460,3 +460,17 @@ def test_plan_shows_the_experts_per_rank(dirs, capsys):
     assert "down_proj_bias 2x64" in out[0], out[0]  # the bias after the down projection: whole over TP
     assert main(["plan", dirs["qwen3_moe"], "--tp", "1", "--ep", "3"]) == 2
     assert "parallel.ep=3 must divide the 4 experts" in capsys.readouterr().err
+
+
+def test_estimate_counts_the_experts_per_rank(dirs):
+    """``shardlm estimate --ep``: the experts are divided over ep (not chunked by FSDP), and FSDP
+    neither gathers nor reduce-scatters them."""
+    from shardlm.estimate import estimate
+
+    c = tiny_config("qwen3_moe")
+    experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size  # elements
+    base, ep = estimate(dirs["qwen3_moe"], fsdp=4), estimate(dirs["qwen3_moe"], fsdp=4, ep=2)
+    assert ep.params_local - base.params_local == experts // 2 - experts // 4
+    assert base.bytes["compute_weights"] - ep.bytes["compute_weights"] == 4 * experts  # root + 2 blocks: all
+    assert base.bytes["reduce_scatter"] - ep.bytes["reduce_scatter"] == 4 * experts // c.num_hidden_layers
+    assert estimate(dirs["qwen3_moe"], fsdp=2, ep=2).params_local == estimate(dirs["qwen3_moe"], fsdp=2).params_local

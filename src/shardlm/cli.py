@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--tp", type=int, default=1)
     est.add_argument("--fsdp", type=int, default=1)
     est.add_argument("--dp-replicate", type=int, default=1)
+    est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of --fsdp)")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
     est.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
@@ -169,6 +170,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.lora_r,
         args.gradient_checkpointing,
         args.memory,
+        args.ep,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0
