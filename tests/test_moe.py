@@ -6,6 +6,10 @@ sizes shrunk): Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (shared expert) and gpt-oss 
 gate/up, expert biases). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
 default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
 grad_norm 1e-4 relative.
+
+Expert parallelism (``parallel.ep``, ``parallel/ep.py``): Qwen3-MoE, Mixtral and gpt-oss at
+fsdp=2 x ep=2 in the module's one 2-rank spawn (with DCP resumes across ep=2 <-> ep=1 and
+consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn.
 """
 
 from __future__ import annotations
@@ -253,9 +257,9 @@ def tp2_body(paths: list[str]) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.ranks
-def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs):
+def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, two_ranks):
     paths = [dirs[t] for t in TRAINED]
-    losses, counts, sizes = run_ranks(tp2_body, 2, paths)
+    losses, counts, sizes = two_ranks["tp2"]
     for model_type, path in zip(TRAINED, paths):
         ref = plain_reference(path, 4)
         assert_parity(losses[path], ref, label=model_type)
@@ -342,6 +346,20 @@ def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list
     return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(dirs, tmp_path_factory) -> dict:
+    """The one 2-rank spawn of this module: the MoE models at tp=2 (``tp2_body``), then at
+    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``)."""
+    root = tmp_path_factory.mktemp("ep")
+    paths, ep_paths = [dirs[t] for t in TRAINED], [dirs[t] for t in EP_TRAINED]
+    tp2, ep2 = run_ranks(two_ranks_body, 2, paths, ep_paths, str(root))
+    return {"tp2": tp2, "ep2": ep2, "root": root}
+
+
+def two_ranks_body(paths: list[str], ep_paths: list[str], root: str) -> tuple:
+    return tp2_body(paths), ep2_body(ep_paths, root)
+
+
 def ep2_body(paths: list[str], root: str) -> tuple[dict, dict, dict, dict]:
     """Rank body (2 ranks): 5 steps of each model at fsdp=2 x ep=2; the collectives of one
     micro-batch and the experts' bytes per rank; then checkpoints across ep sizes (the first
@@ -363,7 +381,7 @@ def ep2_body(paths: list[str], root: str) -> tuple[dict, dict, dict, dict]:
 
 
 @pytest.mark.ranks
-def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, tmp_path):
+def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, two_ranks, tmp_path):
     """fsdp=2 x ep=2: each rank holds half of every layer's experts, tokens travel by all-to-all;
     5 steps equal one process (loss 1e-5, grad_norm 1e-4). Checkpoints saved at ep=2 resume at
     ep=1 and the other way round with the losses of the uninterrupted run (1e-5), and
@@ -372,8 +390,8 @@ def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, tmp_path):
 
     from shardlm.cli import main
 
-    paths = [dirs[t] for t in EP_TRAINED]
-    losses, counts, sizes, runs = run_ranks(ep2_body, 2, paths, str(tmp_path))
+    paths, root = [dirs[t] for t in EP_TRAINED], two_ranks["root"]
+    losses, counts, sizes, runs = two_ranks["ep2"]
     for model_type, path in zip(EP_TRAINED, paths):
         ref = plain_reference(path, 4)
         assert_parity(losses[path], ref, label=model_type)
@@ -396,7 +414,7 @@ def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, tmp_path):
     weights = {}
     for run in ("ep2", "ep1"):
         out = str(tmp_path / f"hf_{run}")
-        assert main(["consolidate", str(tmp_path / run / "checkpoints" / "step-4"), out]) == 0
+        assert main(["consolidate", str(root / run / "checkpoints" / "step-4"), out]) == 0
         weights[run] = {k: v for f in sorted(Path(out).glob("*.safetensors")) for k, v in load_file(f).items()}
     assert weights["ep2"].keys() == weights["ep1"].keys() and any("experts" in k for k in weights["ep2"])
     for key, value in weights["ep2"].items():
