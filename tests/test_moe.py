@@ -426,11 +426,13 @@ def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, two_ranks, t
 # down bias added by one TP rank)
 TP2_EP2_TRAINED = ["qwen3_moe", "gpt_oss"]
 TP2_EP2_LAYOUT = {"tp": 2, "fsdp": 2, "ep": 2}
+FSDP4_EP2_LAYOUT = {"fsdp": 4, "ep": 2}  # ep carved out of fsdp=4: efsdp=2 ranks hold the same experts
 
 
 def four_ranks_body(paths: list[str], ep_paths: list[str]) -> tuple[dict, dict]:
     """Rank body (4 ranks): ``paths`` at tp=2 x fsdp=2, then ``ep_paths`` at tp=2 x fsdp=2 x ep=2
-    (with the collectives of one micro-batch and the experts' bytes per rank)."""
+    (with the collectives of one micro-batch and the experts' bytes per rank), then the first of
+    them at fsdp=4 x ep=2 (experts held by 2 ranks each: their gradients summed over those 2)."""
     from shardlm import build_mesh, parallelize
     from shardlm.config import ParallelConfig
 
@@ -441,10 +443,14 @@ def four_ranks_body(paths: list[str], ep_paths: list[str]) -> tuple[dict, dict]:
     for path in ep_paths:
         model = parallelize(path, mesh)
         out[path] = (ep_losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
+    out["fsdp4_ep2"] = shardlm_losses(ep_paths[:1], FSDP4_EP2_LAYOUT, 1, 1)[ep_paths[0]]
     return losses, out
 
 
 def check_tp2_ep2(got: dict) -> None:
+    fsdp4, ref = got.pop("fsdp4_ep2"), plain_reference(next(iter(got)), 4)
+    assert_parity(fsdp4, ref, label=f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2")
+    _report(f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2", fsdp4, ref)
     for model_type, path in zip(TP2_EP2_TRAINED, got):
         losses, counts, (local, whole) = got[path]
         ref = plain_reference(path, 4)
