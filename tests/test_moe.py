@@ -6,6 +6,10 @@ sizes shrunk): Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (shared expert) and gpt-oss 
 gate/up, expert biases). Reference: the plain transformers loop of ``helpers.plain_reference`` (fp32, the
 default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
 grad_norm 1e-4 relative.
+
+Expert parallelism (``parallel.ep``, ``parallel/ep.py``): Qwen3-MoE, Mixtral and gpt-oss at
+fsdp=2 x ep=2 in the module's one 2-rank spawn (with DCP resumes across ep=2 <-> ep=1 and
+consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn.
 """
 
 from __future__ import annotations
@@ -230,16 +234,10 @@ def tp2_body(paths: list[str], router_paths: list[str]) -> tuple[dict, dict, dic
     return losses, counts, sizes, router_body(router_paths)
 
 
-@pytest.fixture(scope="module")
-def tp2_run(dirs, router_dirs) -> tuple[dict, dict, dict, dict]:
-    """The one 2-rank spawn of this file: ``tp2_body``."""
-    return run_ranks(tp2_body, 2, [dirs[t] for t in TRAINED], [router_dirs[t] for t in ROUTER])
-
-
 @pytest.mark.ranks
-def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, tp2_run):
+def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, two_ranks):
     paths = [dirs[t] for t in TRAINED]
-    losses, counts, sizes, _ = tp2_run
+    losses, counts, sizes, _ = two_ranks["tp2"]
     for model_type, path in zip(TRAINED, paths):
         ref = plain_reference(path, 4)
         assert_parity(losses[path], ref, label=model_type)
@@ -264,13 +262,16 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, tp2_run):
 
 @pytest.mark.ranks
 def test_moe_at_tp2_fsdp2_matches_one_process(dirs, router_dirs):
-    """The models above, and Mixtral and Qwen3-MoE with the router's load-balancing loss on (``ROUTER``)."""
+    """The models above, and Mixtral and Qwen3-MoE with the router's load-balancing loss on
+    (``ROUTER``), at tp=2 x fsdp=2; then the expert-parallel layouts (``four_ranks_body``)."""
     paths = [dirs[t] for t in TRAINED] + [router_dirs[t] for t in ROUTER]
-    got = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    ep_paths = [dirs[t] for t in TP2_EP2_TRAINED]
+    got, ep_got = run_ranks(four_ranks_body, 4, paths, ep_paths)
     for model_type, path in zip(TRAINED + [f"{t} +router loss" for t in ROUTER], paths):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
+    check_tp2_ep2(ep_got)
 
 
 # ---------------------------------------------------------------- the router's load-balancing loss
@@ -293,7 +294,7 @@ def router_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def router_body(paths: list[str]) -> dict:
-    """Rank body (2 ranks, in ``tp2_body``'s spawn): 5 steps of each model at tp=2 and at fsdp=2
+    """Rank body (2 ranks, in ``tp2_body``'s job): 5 steps of each model at tp=2 and at fsdp=2
     (global batch 4); ``{(layout, path): [(loss, grad_norm, router_loss) per step]}``, and under
     ``("collectives", layout)`` the collectives of the router term of one micro-step."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
@@ -315,13 +316,13 @@ def router_body(paths: list[str]) -> dict:
 
 
 @pytest.mark.ranks
-def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, tp2_run):
+def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, two_ranks):
     """Loss (language model + ``coef * aux_loss``) and grad_norm as one process computes them with
     the model's own ``outputs.aux_loss`` on the global batch, at tp=2 (the replicated router's term
     counted once) and fsdp=2 (the expert counts reduced over the ranks before the product); and the
     router term alone, a small share of the loss at the families' coefficient (0.001), to 1e-5 of
     itself: the mean of per-rank aux losses would miss it."""
-    got = tp2_run[3]
+    got = two_ranks["tp2"][3]
     for model_type in ROUTER:
         path, router_ref = router_dirs[model_type], []
         ref = plain_reference(path, 4, router_losses=router_ref)
@@ -334,3 +335,210 @@ def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, tp2_
             assert router <= 1e-5, (label, [r for _, _, r in run], router_ref)
     # per micro-step: one all-reduce of 2E + 1 values over the data-parallel ranks, none without them
     assert got[("collectives", "tp=2")] == {} and got[("collectives", "fsdp=2")] == {"allreduce_": 1}, got
+
+
+# ---------------------------------------------------------------- expert parallelism (parallel.ep)
+
+# the families the EP spawn trains: concatenated gate/up (Qwen3-MoE, Mixtral) and gpt-oss's interleaved
+# [E, H, 2I] with expert biases
+EP_TRAINED = ["qwen3_moe", "mixtral", "gpt_oss"]
+EP_LAYOUT = {"fsdp": 2, "ep": 2}  # 2 ranks: each holds 2 of the 4 experts; ep carved out of fsdp
+
+
+def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
+    """One line each, naming the key: ep must divide fsdp (EP ranks are fsdp ranks), LoRA is not
+    combined with EP yet; with the model: ep must divide the expert count, and a dense model has
+    nothing to divide."""
+    from helpers import load_checked, write_model_dir
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    data = {"path": str(tmp_path / "data.txt")}
+    dense = write_model_dir(str(tmp_path / "llama"))
+    cases = [
+        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 4}, None, r"parallel.ep=4 must divide parallel.fsdp=2"),
+        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 2}, {"r": 4}, r"parallel.ep > 1 with lora is not supported"),
+        (dirs["qwen3_moe"], {"fsdp": 3, "ep": 3}, None, r"parallel.ep=3 must divide the 4 experts of model.layers.0"),
+        (dense, {"fsdp": 2, "ep": 2}, None, r"parallel.ep=2: LlamaForCausalLM has no fused mixture-of-experts"),
+        (dirs["qwen3_moe"], {"ep": 0}, None, r"parallel.ep must be >= 1"),
+    ]
+    for model, parallel, lora, match in cases:
+        raw = {"model": model, "data": data, "parallel": parallel, **({"lora": lora} if lora else {})}
+        with pytest.raises(ConfigError, match=match) as info:
+            load_checked(raw=raw)
+        assert "\n" not in str(info.value)
+    assert load_checked(raw={"model": dirs["qwen3_moe"], "data": data, "parallel": EP_LAYOUT}).parallel.ep == 2
+
+
+def _ep_expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' 3-D parameters on this rank, in the whole model), fp32 (under TP,
+    gpt-oss's down bias ``[E, H]`` is whole over TP, halved only by EP)."""
+    params = [model.module.get_parameter(n) for n in model.expert_grads]
+    local = sum(4 * p.to_local().numel() for p in params if p.dim() == 3)
+    return local, sum(4 * p.numel() for p in params if p.dim() == 3)
+
+
+def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list[float]:
+    """4 steps at fsdp=2 (global batch 4), saving every 2: the losses."""
+    from shardlm import Trainer, build_mesh, parallelize
+
+    extra = {"resume": resume} if resume else {}
+    cfg = train_config(path, {"fsdp": 2, "ep": ep}, 2, 1, 4, output_dir=out, save_steps=2, **extra)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dirs, router_dirs, tmp_path_factory) -> dict:
+    """The one 2-rank spawn of this module: the MoE models at tp=2 (``tp2_body``), then at
+    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``)."""
+    root = tmp_path_factory.mktemp("ep")
+    paths, ep_paths = [dirs[t] for t in TRAINED], [dirs[t] for t in EP_TRAINED]
+    router_paths = [router_dirs[t] for t in ROUTER]
+    tp2, ep2 = run_ranks(two_ranks_body, 2, paths, router_paths, ep_paths, str(root))
+    return {"tp2": tp2, "ep2": ep2, "root": root}
+
+
+def two_ranks_body(paths: list[str], router_paths: list[str], ep_paths: list[str], root: str) -> tuple:
+    return tp2_body(paths, router_paths), ep2_body(ep_paths, root)
+
+
+def ep2_body(paths: list[str], root: str) -> tuple[dict, dict, dict, dict]:
+    """Rank body (2 ranks): 5 steps of each model at fsdp=2 x ep=2; the collectives of one
+    micro-batch and the experts' bytes per rank; then checkpoints across ep sizes (the first
+    model): ep=2 saved -> ep=1 resumed, and ep=1 saved -> ep=2 resumed."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, EP_LAYOUT, 2, 1)
+    mesh = build_mesh(ParallelConfig(**EP_LAYOUT))
+    counts, sizes = {}, {}
+    for path in paths:
+        model = parallelize(path, mesh)
+        counts[path] = model_collectives(model, mesh)
+        sizes[path] = _ep_expert_bytes(model)
+    runs = {"ep2": _resume_run(paths[0], 2, f"{root}/ep2"), "ep1": _resume_run(paths[0], 1, f"{root}/ep1")}
+    runs["ep2_to_ep1"] = _resume_run(paths[0], 1, f"{root}/ep2_to_ep1", f"{root}/ep2/checkpoints/step-2")
+    runs["ep1_to_ep2"] = _resume_run(paths[0], 2, f"{root}/ep1_to_ep2", f"{root}/ep1/checkpoints/step-2")
+    return losses, counts, sizes, runs
+
+
+@pytest.mark.ranks
+def test_moe_at_ep2_matches_one_process_and_resumes_across_ep(dirs, two_ranks, tmp_path):
+    """fsdp=2 x ep=2: each rank holds half of every layer's experts, tokens travel by all-to-all;
+    5 steps equal one process (loss 1e-5, grad_norm 1e-4). Checkpoints saved at ep=2 resume at
+    ep=1 and the other way round with the losses of the uninterrupted run (1e-5), and
+    ``shardlm consolidate`` of the ep=2 checkpoint gives the ep=1 run's weights."""
+    from safetensors.torch import load_file
+
+    from shardlm.cli import main
+
+    paths, root = [dirs[t] for t in EP_TRAINED], two_ranks["root"]
+    losses, counts, sizes, runs = two_ranks["ep2"]
+    for model_type, path in zip(EP_TRAINED, paths):
+        ref = plain_reference(path, 4)
+        assert_parity(losses[path], ref, label=model_type)
+        _report(f"{model_type} fsdp=2 x ep=2", losses[path], ref)
+        print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts[path]}")
+        local, whole = sizes[path]
+        print(f"{model_type} experts: {local} bytes per rank of {whole}")
+        assert 2 * local == whole, (model_type, local, whole)
+        fwd, _, bwd, _ = counts[path]
+        # per MoE layer (2 blocks): forward 2 all-to-alls of the counts and rows' way there and back
+        # (3: counts, rows out, rows back), backward 2 (the rows' gradients); FSDP's own collectives beside
+        assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
+        assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
+    for a, b in zip(runs["ep2"], runs["ep1"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (runs["ep2"], runs["ep1"])
+    for resumed, full in (("ep2_to_ep1", "ep2"), ("ep1_to_ep2", "ep1")):
+        assert len(runs[resumed]) == 2, runs[resumed]
+        for a, b in zip(runs[resumed], runs[full][2:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (resumed, runs[resumed], runs[full])
+    weights = {}
+    for run in ("ep2", "ep1"):
+        out = str(tmp_path / f"hf_{run}")
+        assert main(["consolidate", str(root / run / "checkpoints" / "step-4"), out]) == 0
+        weights[run] = {k: v for f in sorted(Path(out).glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert weights["ep2"].keys() == weights["ep1"].keys() and any("experts" in k for k in weights["ep2"])
+    for key, value in weights["ep2"].items():
+        torch.testing.assert_close(value, weights["ep1"][key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+# tp=2 x ep=2 (4 ranks, in the 4-rank spawn above): Qwen3-MoE (gate/up halves each split over TP
+# inside the experts each EP rank holds: Shard(0) x _StridedShard) and gpt-oss (expert biases, the
+# down bias added by one TP rank)
+TP2_EP2_TRAINED = ["qwen3_moe", "gpt_oss"]
+TP2_EP2_LAYOUT = {"tp": 2, "fsdp": 2, "ep": 2}
+FSDP4_EP2_LAYOUT = {"fsdp": 4, "ep": 2}  # ep carved out of fsdp=4: efsdp=2 ranks hold the same experts
+
+
+def four_ranks_body(paths: list[str], ep_paths: list[str]) -> tuple[dict, dict]:
+    """Rank body (4 ranks): ``paths`` at tp=2 x fsdp=2, then ``ep_paths`` at tp=2 x fsdp=2 x ep=2
+    (with the collectives of one micro-batch and the experts' bytes per rank), then the first of
+    them at fsdp=4 x ep=2 (experts held by 2 ranks each: their gradients summed over those 2)."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    losses = shardlm_losses(paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    ep_losses = shardlm_losses(ep_paths, TP2_EP2_LAYOUT, 2, 1)
+    mesh = build_mesh(ParallelConfig(**TP2_EP2_LAYOUT))
+    out = {}
+    for path in ep_paths:
+        model = parallelize(path, mesh)
+        out[path] = (ep_losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
+    out["fsdp4_ep2"] = shardlm_losses(ep_paths[:1], FSDP4_EP2_LAYOUT, 1, 1)[ep_paths[0]]
+    return losses, out
+
+
+def check_tp2_ep2(got: dict) -> None:
+    fsdp4, ref = got.pop("fsdp4_ep2"), plain_reference(next(iter(got)), 4)
+    assert_parity(fsdp4, ref, label=f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2")
+    _report(f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2", fsdp4, ref)
+    for model_type, path in zip(TP2_EP2_TRAINED, got):
+        losses, counts, (local, whole) = got[path]
+        ref = plain_reference(path, 4)
+        assert_parity(losses, ref, label=f"{model_type} tp=2 x ep=2")
+        _report(f"{model_type} tp=2 x fsdp=2 x ep=2", losses, ref)
+        print(f"{model_type} tp=2 x ep=2 collectives per micro-batch (forward, loss, backward, grads): {counts}")
+        print(f"{model_type} tp=2 x ep=2 experts: {local} bytes per rank of {whole}")
+        assert 4 * local == whole, (model_type, local, whole)
+        fwd, _, bwd, grads = counts
+        # TP's all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block; gpt-oss's attention
+        # is kept whole), each way; the TP-partial gradients (Qwen3's q/k norms, gpt-oss's down bias) once
+        assert fwd["all_reduce"] == bwd["all_reduce"] == (5 if model_type == "qwen3_moe" else 3), (model_type, counts)
+        assert sum(grads.values()) == 1, (model_type, grads)
+        assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
+        assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
+
+
+def test_plan_shows_the_experts_per_rank(dirs, capsys):
+    """``shardlm plan --ep``: each rank's experts and their bytes (TP's split inside each expert too)."""
+    from shardlm.cli import main
+
+    assert main(["plan", dirs["qwen3_moe"], "--tp", "1", "--ep", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        "experts model.layers.0.mlp.experts: 2 of 4 experts per rank (ep=2, tp=1): gate_up_proj 2x128x64, "
+        "down_proj 2x64x64; 0.094 MB per rank of 0.188 MB"
+    )
+    assert main(["plan", dirs["gpt_oss"], "--tp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("experts model.layers.0.mlp.experts: 2 of 4 experts per rank (ep=2, tp=2)"), out[0]
+    assert "down_proj_bias 2x64" in out[0], out[0]  # the bias after the down projection: whole over TP
+    assert main(["plan", dirs["qwen3_moe"], "--tp", "1", "--ep", "3"]) == 2
+    assert "parallel.ep=3 must divide the 4 experts" in capsys.readouterr().err
+
+
+def test_estimate_counts_the_experts_per_rank(dirs):
+    """``shardlm estimate --ep``: the experts are divided over ep (not chunked by FSDP), and FSDP
+    neither gathers nor reduce-scatters them."""
+    from shardlm.estimate import estimate
+
+    c = tiny_config("qwen3_moe")
+    experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size  # elements
+    base, ep = estimate(dirs["qwen3_moe"], fsdp=4), estimate(dirs["qwen3_moe"], fsdp=4, ep=2)
+    assert ep.params_local - base.params_local == experts // 2 - experts // 4
+    assert base.bytes["compute_weights"] - ep.bytes["compute_weights"] == 4 * experts  # root + 2 blocks: all
+    assert base.bytes["reduce_scatter"] - ep.bytes["reduce_scatter"] == 4 * experts // c.num_hidden_layers
+    assert estimate(dirs["qwen3_moe"], fsdp=2, ep=2).params_local == estimate(dirs["qwen3_moe"], fsdp=2).params_local

@@ -9,7 +9,8 @@ Layouts, each a tiny model written by ``save_pretrained``:
   it loaded from that layout: ``_weight_conversions`` set, as ``from_pretrained`` sets it);
 - merge + concatenate: Mixtral's per-expert ``w1``/``w3``/``w2`` and Qwen3-MoE's
   ``gate_proj``/``up_proj``/``down_proj`` -> fused ``gate_up_proj`` / ``down_proj`` (split by TP on
-  the intermediate dim, gate and up halves each on its own, and by FSDP on the expert dim);
+  the intermediate dim, gate and up halves each on its own, and by FSDP (Mixtral: by expert
+  parallelism) on the expert dim);
 - chunk and concatenate across a TP split: rules registered for a Llama through transformers'
   public ``register_checkpoint_conversion_mapping`` (no causal LM of transformers 5.24 that shardlm
   splits with TP uses them), ``llama_rules``; ``Interleave`` (read whole) in one process.
@@ -121,8 +122,11 @@ ON_DISK = {
     "qwen3_moe": ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"),
     "llama_rules": ("model.layers.1.self_attn.q_b.weight", "model.layers.1.mlp.up_proj.weight"),
 }
-# every model at tp=2 x fsdp=2, in one 4-rank spawn (tp=2 alone exercises nothing this does not)
+# every model at tp=2 x fsdp=2, in one 4-rank job (tp=2 alone exercises nothing this does not);
+# Mixtral's experts divided by expert parallelism instead of FSDP (ep carved out of fsdp=2): rank 0
+# holds the same experts (0 and 1) and reads the same rows either way
 LAYOUT = {"tp": 2, "fsdp": 2}
+LAYOUTS = {"mixtral": {"tp": 2, "fsdp": 2, "ep": 2}}
 
 
 def write_published(path: str, name: str, loaded_from_published: bool | None = None) -> str:
@@ -348,7 +352,7 @@ def train_lr0(jobs: list[tuple[str, str, dict, str]]) -> dict[str, dict[str, int
 def runs(models, tmp_path_factory) -> dict:
     """One 4-rank spawn: every model at tp=2 x fsdp=2; ``{model: output_dir}`` and rank 0's reads."""
     root = tmp_path_factory.mktemp("published-runs")
-    jobs = [(name, path, LAYOUT, str(root / name)) for name, path in models.items()]
+    jobs = [(name, path, LAYOUTS.get(name, LAYOUT), str(root / name)) for name, path in models.items()]
     return {"reads": run_ranks(train_lr0, 4, jobs), **{job[0]: job[3] for job in jobs}}
 
 

@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the tensor-parallel plan of a model")
     plan.add_argument("model", help="Hugging Face model directory")
     plan.add_argument("--tp", type=int, required=True)
+    plan.add_argument("--ep", type=int, default=1, help="expert parallelism: also show the experts per rank")
     plan.add_argument("--json", action="store_true", help="print only {module: style} as JSON")
     cons = sub.add_parser("consolidate", help="sharded checkpoint -> Hugging Face model directory, verified exactly")
     cons.add_argument("checkpoint", help="a checkpoint step-N directory, or an output_dir (its newest checkpoint)")
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--tp", type=int, default=1)
     est.add_argument("--fsdp", type=int, default=1)
     est.add_argument("--dp-replicate", type=int, default=1)
+    est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of --fsdp)")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
     est.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
@@ -88,12 +90,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from shardlm.parallel.autotp import any_block, check_geometry, describe_plan, infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.ep import describe_ep
 
-    if args.tp < 2:
-        raise ConfigError(f"--tp {args.tp}: a plan needs tp >= 2")
+    if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:
+        raise ConfigError(f"--tp {args.tp} --ep {args.ep}: a plan needs tp >= 2 or ep >= 2")
     check_geometry(args.model, args.tp)
     model = build_meta_model(args.model)
     plan = infer_plan(model, args.tp)
+    if args.ep > 1 and not args.json:
+        print("\n".join(describe_ep(model, plan, args.tp, args.ep)))
+    if args.tp == 1:
+        return 0
     if args.json:
         print(json.dumps(plan.styles, indent=2))
         return 0
@@ -163,6 +170,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.lora_r,
         args.gradient_checkpointing,
         args.memory,
+        args.ep,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

@@ -62,8 +62,10 @@ from torch import nn
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
+from shardlm.parallel.ep import check_ep
+from shardlm.parallel.experts import experts_modules
 from shardlm.parallel.hf import config_size, is_conv1d
-from shardlm.parallel.styles import lora_dims, sharded_dim
+from shardlm.parallel.styles import local_shape, lora_dims, sharded_dim
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GIB = 1024**3
@@ -126,11 +128,19 @@ def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tup
 
 
 def count_params(
-    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, lora_r: int | None = None, experts: dict | None = None
+    model: nn.Module,
+    styles: dict[str, str],
+    tp: int,
+    fsdp: int,
+    lora_r: int | None = None,
+    experts: dict | None = None,
+    ep: int = 1,
 ) -> tuple[int, int, int, int]:
     """(full, local, trainable local, trainable tensors) parameter counts; tied parameters count once.
-    ``experts``: the plan's per-parameter placements of ``experts`` modules (``Plan.experts``)."""
+    ``experts``: the plan's per-parameter placements of ``experts`` modules (``Plan.experts``).
+    ``ep`` > 1: the experts modules' parameters are divided over ep on dim 0, not chunked by FSDP."""
     experts = experts or {}
+    ep_modules = set(experts_modules(model)) if ep > 1 else set()
     seen: set[int] = set()
     full = local = trainable = 0
     targeted = tensors = 0
@@ -140,7 +150,11 @@ def count_params(
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            n = local_numel(tuple(param.shape), sharded_dim(style, module, pname, experts.get(mname)), tp, fsdp)
+            dim = sharded_dim(style, module, pname, experts.get(mname))
+            if mname in ep_modules:  # Shard(0) over ep, TP inside each expert, left out by FSDP
+                n = local_numel(local_shape(tuple(param.shape), 0, ep), dim, tp, 1)
+            else:
+                n = local_numel(tuple(param.shape), dim, tp, fsdp)
             full += param.numel()
             local += n
             trainable += 0 if lora_r else n
@@ -202,42 +216,45 @@ def activation_elements(config, tokens: int, tp: int, checkpointing: bool, lora_
 
 
 def tp_local_elements(
-    model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "", experts: dict | None = None
+    model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "", experts: dict | None = None, skip=()
 ) -> int:
-    """Elements ``model`` (or a submodule whose fqn is ``prefix``) holds per TP rank, before FSDP."""
+    """Elements ``model`` (or a submodule whose fqn is ``prefix``) holds per TP rank, before FSDP;
+    ``skip``: module fqns left out (the experts under EP, which FSDP does not gather)."""
     experts = experts or {}
     seen: set[int] = set()
     n = 0
     for mname, sub in model.named_modules():
         fqn = ".".join(x for x in (prefix, mname) if x)
         for pname, p in sub.named_parameters(recurse=False):
-            if id(p) not in seen:
+            if id(p) not in seen and fqn not in skip:
                 seen.add(id(p))
                 n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname, experts.get(fqn)), tp, 1)
     return n
 
 
-def _block_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None) -> tuple[int, int]:
+def _block_elements(
+    model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None, skip=()
+) -> tuple[int, int]:
     """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
     blocks = decoder_blocks(model)
     if not blocks:
-        return tp_local_elements(model, styles, tp, experts=experts), 1
+        return tp_local_elements(model, styles, tp, experts=experts, skip=skip), 1
     names = {id(m): n for n, m in model.named_modules()}
-    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])], experts), len(blocks)
+    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])], experts, skip), len(blocks)
 
 
-def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None) -> int:
+def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None, skip=()) -> int:
     """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
-    block, count = _block_elements(model, styles, tp, experts)
-    return tp_local_elements(model, styles, tp, experts=experts) - count * block + min(2, count) * block
+    block, count = _block_elements(model, styles, tp, experts, skip)
+    return tp_local_elements(model, styles, tp, experts=experts, skip=skip) - count * block + min(2, count) * block
 
 
 def _compute_weight_bytes(
-    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool, experts: dict | None = None
+    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool, experts: dict | None = None, skip=()
 ) -> int:
     """Weights in the compute dtype held beside the master shards (see the module docstring)."""
     if fsdp > 1:
-        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp, experts)
+        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp, experts, skip)
     return 2 * tp_local_elements(model, styles, tp, experts=experts) if bf16 else 0
 
 
@@ -262,17 +279,24 @@ def estimate(
     lora_r: int | None = None,
     gradient_checkpointing: bool = False,
     memory_gib: float | None = None,
+    ep: int = 1,
 ) -> Estimate:
-    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank)."""
+    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
+    ``ep``: expert parallelism, carved out of ``fsdp``)."""
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),
         ("--dp-replicate", dp_replicate),
         ("--batch", batch),
         ("--seq", seq),
+        ("--ep", ep),
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if fsdp % ep:
+        raise ConfigError(
+            f"--ep {ep} must divide --fsdp {fsdp}: expert-parallel ranks are carved out of the fsdp ranks"
+        )
     if lora_r is not None and lora_r < 1:
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
     if memory_gib is not None and memory_gib <= 0:
@@ -280,10 +304,22 @@ def estimate(
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     model = build_meta_model(model_path)
+    check_ep(model, ep)
     plan = infer_plan(model, tp)
+    skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
     # sliced projections (kv heads replicated, unequal packed parts) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
-    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts)
+    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
+    # EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward
+    ep_casts = (
+        sum(
+            count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
+            for fqn in skip
+        )
+        // ep
+        if bf16
+        else 0
+    )
     grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq
@@ -295,9 +331,11 @@ def estimate(
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
-        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts),
+        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (
-            4 * _block_elements(model, styles, tp, plan.experts)[0] if fsdp * dp_replicate > 1 and not lora_r else 0
+            4 * _block_elements(model, styles, tp, plan.experts, skip)[0]
+            if fsdp * dp_replicate > 1 and not lora_r
+            else 0
         ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
@@ -306,6 +344,7 @@ def estimate(
     layout = {
         "tp": tp,
         "fsdp": fsdp,
+        "ep": ep,
         "dp_replicate": dp_replicate,
         "batch": batch,
         "seq": seq,
@@ -328,7 +367,8 @@ def format_table(est: Estimate) -> str:
     lay = est.layout
     lines = [
         (
-            f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}, per rank: "
+            f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
+            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}, per rank: "
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"

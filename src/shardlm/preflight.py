@@ -4,6 +4,7 @@
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
 rank: the head/vocabulary geometry against ``parallel.tp``, a router load-balancing loss the trainer
 cannot compute over the global batch (``train/router_loss.py``), LayerDrop under more than one rank,
+the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
@@ -16,6 +17,7 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
+from shardlm.parallel.ep import check_ep
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
@@ -26,11 +28,14 @@ def check_run(cfg: Config) -> None:
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
-    model = build_meta_model(cfg.model) if traced or weights or router else None  # one meta model (LoRA adapts it last)
+    # one meta model for every check that needs it (LoRA adapts it last)
+    model = build_meta_model(cfg.model) if traced or weights or router or p.ep > 1 else None
+    if p.ep > 1:  # the model has experts, as many as ep divides
+        check_ep(model, p.ep)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
-        router_loss.check(model, cfg.train.gradient_accumulation_steps)
+        router_loss.check(model, cfg.train.gradient_accumulation_steps, p.ep)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)

@@ -125,7 +125,7 @@ def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
             "seed": t.seed,
             "num_samples": state.num_samples,
             "world_size": dist.get_world_size(),
-            "layout": {"tp": cfg.parallel.tp, "fsdp": cfg.parallel.fsdp, "dp_replicate": cfg.parallel.dp_replicate},
+            "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep")},
             "lora": state.lora_marker(),
             "scheduler": state.scheduler.state_dict(),
             "config": cfg.to_dict(),
@@ -213,6 +213,18 @@ def _check_lora(step_dir: str, marker: dict, mine: dict | None) -> None:
                 raise ConfigError(f"lora: {key} is {b!r} but '{step_dir}' was trained with {a!r}; set it back")
 
 
+def fit_groups(scheduler_state: dict, groups: int) -> dict:
+    """The scheduler's state for an optimizer of ``groups`` parameter groups. Its per-group lists
+    (``base_lrs``, the last lrs, the lambdas' state) hold one value repeated (one learning rate,
+    one schedule), but the number of groups depends on the layout: parameters on different meshes
+    cannot share a multi-tensor kernel (the experts under EP, ``train/optim.py``), so the lists
+    are cut or repeated to the optimizer's."""
+    saved = len(scheduler_state.get("lr_lambdas") or [])
+    if saved in (0, groups):
+        return scheduler_state
+    return {k: [v[0]] * groups if isinstance(v, list) and len(v) == saved else v for k, v in scheduler_state.items()}
+
+
 def load_checkpoint(state: TrainState, cfg: Config, step_dir: str) -> dict:
     """Collective: restore model, optimizer, scheduler and RNG from ``step_dir`` (any layout).
 
@@ -232,7 +244,7 @@ def load_checkpoint(state: TrainState, cfg: Config, step_dir: str) -> dict:
     set_state_dict(
         state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=state.options()
     )
-    state.scheduler.load_state_dict(marker["scheduler"])
+    state.scheduler.load_state_dict(fit_groups(marker["scheduler"], len(state.optimizer.param_groups)))
     state.scheduler.last_epoch -= 1  # recompute this step's lr: same value, or the new schedule's
     state.scheduler.step()  # if train.max_steps changed on resume
     _restore_rng(step_dir, marker["world_size"])

@@ -109,9 +109,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, raw
 def validate(cfg: Config) -> None:
     """Checks of values and paths alone (those that need the model: ``shardlm.preflight``)."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    for key in ("tp", "fsdp", "dp_replicate"):
+    for key in ("tp", "fsdp", "dp_replicate", "ep"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    _validate_ep(cfg)
     for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
@@ -128,6 +129,19 @@ def validate(cfg: Config) -> None:
     _validate_checkpointing(t)
     _validate_training(t, cfg.eval)
     _validate_faults(t)
+
+
+def _validate_ep(cfg: Config) -> None:
+    """Expert-parallel ranks are carved out of the fsdp ranks (``parallel/ep.py``); what the
+    model decides (its expert count) is checked by ``shardlm.preflight``."""
+    p = cfg.parallel
+    if p.ep > 1 and p.fsdp % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp}: expert-parallel ranks are carved out of the "
+            f"fsdp ranks; set parallel.fsdp to a multiple of {p.ep}"
+        )
+    if p.ep > 1 and cfg.lora is not None:
+        raise ConfigError("parallel.ep > 1 with lora is not supported yet; train LoRA with parallel.ep=1")
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

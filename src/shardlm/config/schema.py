@@ -54,11 +54,17 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first)."""
+    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first).
+
+    ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
+    ranks carved out of the ``fsdp`` ranks (as torchtitan does): those ranks see different data
+    and exchange tokens with all-to-all (``parallel/ep.py``); it adds no processes.
+    """
 
     tp: int = 1
     fsdp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:

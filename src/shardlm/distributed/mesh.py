@@ -4,6 +4,11 @@ The world is one 3-D mesh ``(dp_replicate, fsdp, tp)``: TP innermost so its freq
 collectives stay between neighbouring ranks (the same GPU node), data parallelism outside.
 gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1) mesh so every code path
 is the same.
+
+Expert parallelism (``parallel.ep``) adds no processes: the ``fsdp`` dim is unflattened into
+``(efsdp, ep)``, ``ep`` inner (neighbouring fsdp ranks exchange tokens), on the same root mesh,
+so the experts' parameters live on ``(ep, tp)`` and their gradients are summed over the
+data-parallel ranks left, ``(dp_replicate, efsdp)``, which hold the same experts.
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ class Mesh:
 
     world: DeviceMesh
     parallel: ParallelConfig
+    ep_world: DeviceMesh | None = None  # (dp_replicate, efsdp, ep, tp) when parallel.ep > 1
+
+    @property
+    def experts(self) -> DeviceMesh:
+        """The ``(ep, tp)`` mesh the experts' parameters are placed on (``parallel/ep.py``)."""
+        if self.ep_world is None:
+            raise ValueError("Mesh.experts: parallel.ep is 1, the experts are placed by TP and FSDP")
+        return self.ep_world["ep", "tp"]
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel ranks holding the same experts, over which their gradients are summed
+        (None: there are none besides this rank)."""
+        p = self.parallel
+        if self.ep_world is None or p.dp_replicate * (p.fsdp // p.ep) == 1:
+            return None
+        return self.ep_world["dp_replicate", "efsdp"]._flatten("edp").get_group()
 
     @property
     def tp(self) -> DeviceMesh:
@@ -124,4 +146,8 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
             f"{parallel.world_size} but the world has {world_size} processes; make the product equal the process count"
         )
     shape = (parallel.dp_replicate, parallel.fsdp, parallel.tp)
-    return Mesh(init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS), parallel)
+    world = init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
+    ep_world = None
+    if parallel.ep > 1:
+        ep_world = world._unflatten("fsdp", (parallel.fsdp // parallel.ep, parallel.ep), ("efsdp", "ep"))
+    return Mesh(world, parallel, ep_world)

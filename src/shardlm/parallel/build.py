@@ -30,6 +30,7 @@ from shardlm.distributed.shards import fill_from_full
 from shardlm.errors import ConfigError
 from shardlm.parallel import lora, published
 from shardlm.parallel.autotp import infer_plan
+from shardlm.parallel.ep import apply_ep
 from shardlm.parallel.hf import tied_keys
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.seeded_init import UnwrittenInit, seeded_state
@@ -98,7 +99,11 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if with_lora:
         styles = lora.lora_styles(model, plan)
     else:
-        styles = plan_styles(plan)
+        styles = {
+            fqn: style
+            for fqn, style in plan_styles(plan).items()
+            if not (mesh.parallel.ep > 1 and fqn in plan.experts)  # placed with EP (``apply_ep``)
+        }
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
@@ -113,13 +118,16 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         head.weight = emb.weight
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
-    """FSDP2 over the data-parallel mesh: one group per decoder block, the rest at the root.
+def apply_fsdp(
+    model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | None = None, ignored: set | None = None
+) -> None:
+    """FSDP2 over the data-parallel mesh: one group per decoder block, the rest at the root;
+    ``ignored``: parameters FSDP leaves alone (the experts under EP, ``parallel/ep.py``).
 
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
     already normalized by the global token count, see ``train/loss.py``.
     """
-    kwargs = {"mesh": mesh.dp, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {"mesh": mesh.dp, "mp_policy": mp_policy or MixedPrecisionPolicy(), "ignored_params": ignored}
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -250,6 +258,8 @@ class ParallelModel:
     gradients each TP rank holds only a partial sum of, summed over TP before clipping.
     ``fsdp_param_dtype``: the dtype FSDP2 computes in (bf16 when its policy casts; then the trainer
     does not autocast). ``lora``: the peft ``LoraConfig`` of the adapters, None for full training.
+    ``expert_grads``: under EP, the experts' parameters, whose gradients are summed over
+    ``expert_dp_group`` (the data-parallel ranks holding the same experts; None: none).
     """
 
     module: nn.Module
@@ -257,6 +267,8 @@ class ParallelModel:
     tp_partial_grads: list[nn.Parameter]
     fsdp_param_dtype: torch.dtype | None = None
     lora: PeftLoraConfig | None = None
+    expert_grads: list[str] | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
 
 
 def parallelize(
@@ -286,8 +298,9 @@ def parallelize(
                 param.data = param.data.to(frozen_dtype)
     if mesh.parallel.tp > 1:
         apply_tp(model, mesh, plan, with_lora=peft_cfg is not None)
+    experts = apply_ep(model, mesh.experts, plan.experts) if mesh.parallel.ep > 1 else []
     if mesh.parallel.dp_size > 1:
-        apply_fsdp(model, mesh, mp_policy)
+        apply_fsdp(model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
     shared = _shared_parameters(model)
     model.to_empty(device=mesh.device)
     _retie(shared)
@@ -308,4 +321,5 @@ def parallelize(
     if lora_config is not None and mesh.parallel.tp > 1:
         partial += lora.tp_partial_grad_params(model, plan)
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
-    return ParallelModel(model, plan, partial, mp_policy.param_dtype if fsdp_on else None, peft_cfg)
+    dtype = mp_policy.param_dtype if fsdp_on else None
+    return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, mesh.expert_dp_group if experts else None)

@@ -73,6 +73,23 @@ def is_experts_module(module: nn.Module) -> bool:
     return len(three_d) >= 2 and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] > 1
 
 
+def experts_modules(model: nn.Module) -> list[str]:
+    """FQNs of the fused experts modules inside the decoder blocks (``is_experts_module``)."""
+    blocks = _block_prefixes(model)
+    return [name for name, m in model.named_modules() if name.startswith(blocks) and is_experts_module(m)]
+
+
+def count_attrs(module: nn.Module) -> list[str]:
+    """Integer attributes of an experts module holding its expert count (``num_experts``), found by
+    value and name: what a forward on fewer experts (a probe, an expert-parallel rank) must change."""
+    count = next(module.parameters()).shape[0]
+    return [
+        name
+        for name, value in vars(module).items()
+        if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and value == count
+    ]
+
+
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
     """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
     ``ConfigError`` for an experts module no placement splits exactly, for router jitter noise
@@ -191,7 +208,6 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
     """A CPU copy of ``module`` cut to ``experts`` experts, random fp64 parameters, eager kernel
     (shallow: its submodules, activations, are shared; nothing of ``module`` is changed or copied
     whole, so a real model's experts cost only the few kept)."""
-    count = next(module.parameters()).shape[0]
     probe = copy.copy(module)
     probe._parameters, values = {}, {}
     for name, p in module.named_parameters(recurse=False):
@@ -199,9 +215,8 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
         values[name] = torch.randn(shape, generator=g, dtype=torch.float64) / max(1, p.shape[-1]) ** 0.5
         probe._parameters[name] = nn.Parameter(values[name], requires_grad=False)
     probe._buffers = {n: torch.zeros(b.shape, dtype=b.dtype) if b.is_meta else b for n, b in module._buffers.items()}
-    for name, value in list(vars(probe).items()):
-        if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and value == count:
-            setattr(probe, name, experts)  # num_experts
+    for name in count_attrs(module):
+        setattr(probe, name, experts)  # num_experts
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "_experts_implementation"):
         probe.config = copy.deepcopy(config)

@@ -308,7 +308,7 @@ def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
-class _SumGradsOverTP(torch.autograd.Function):
+class SumGradsOverTP(torch.autograd.Function):
     """Identity forward; backward: the gradients of all its inputs summed over TP in one all-reduce
     (flattened together, in the widest of their dtypes)."""
 
@@ -356,7 +356,7 @@ class ExpertsParallel(ParallelStyle):
     placed ``once`` (a bias after the down projection) is whole on every rank but used by rank 0
     only (others see zeros): its gradient is summed over TP with the other TP-partial gradients
     (``tp_partial_grad_params``). The gradients of the floating-point inputs are summed over TP
-    in one all-reduce (``_SumGradsOverTP``): each rank's covers only its share of the experts.
+    in one all-reduce (``SumGradsOverTP``): each rank's covers only its share of the experts.
     The swap happens in the module's own hooks, so FSDP2 and activation checkpointing see their
     parameters as they left them (as in ``LocalReplicate``).
     """
@@ -380,7 +380,7 @@ class ExpertsParallel(ParallelStyle):
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
-                summed = _SumGradsOverTP.apply(device_mesh, *(flat[i] for i in floats))
+                summed = SumGradsOverTP.apply(device_mesh, *(flat[i] for i in floats))
                 for i, t in zip(floats, summed):
                     flat[i] = t
             return tree_unflatten(flat, spec)

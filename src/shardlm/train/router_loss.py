@@ -105,7 +105,7 @@ def requested(model_path: str) -> bool:
     return any(getattr(c, "output_router_logits", False) and getattr(c, "router_aux_loss_coef", 0) for c in configs)
 
 
-def check(model: nn.Module, accumulation_steps: int) -> None:
+def check(model: nn.Module, accumulation_steps: int, ep: int = 1) -> None:
     """Before spawning, for a config that ``requested`` the loss: refuse what the global
     load-balancing loss cannot do yet (see the module docstring), and a model whose own
     attributes would not turn it on in the trainer (set on a text config the model does not
@@ -128,4 +128,9 @@ def check(model: nn.Module, accumulation_steps: int) -> None:
             f"train.gradient_accumulation_steps: {accumulation_steps} with the router's load-balancing loss "
             "(output_router_logits=true): its expert counts over the global batch are needed before the first "
             "backward; set it to 1 (raise train.per_device_train_batch_size instead)"
+        )
+    if ep > 1:
+        raise ConfigError(
+            f"parallel.ep: {ep} with the router's load-balancing loss (output_router_logits=true) is not tested "
+            "yet; set parallel.ep to 1 (tp and fsdp compute it exactly) or output_router_logits to false"
         )

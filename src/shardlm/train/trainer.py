@@ -64,6 +64,7 @@ from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
 from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
+from shardlm.parallel.ep import sum_expert_grads
 from shardlm.parallel.tp import sum_tp_partial_grads
 from shardlm.train import faults
 from shardlm.train.loss import loss_context, token_loss_sum
@@ -288,6 +289,8 @@ class Trainer:
         loss = self._all_reduce_dp(loss_sum) / denom + router_sum
         if self.model.tp_partial_grads:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
+        if self.model.expert_grads:  # EP: over the data-parallel ranks holding the same experts
+            sum_expert_grads(self.module, self.model.expert_grads, self.model.expert_dp_group)
         grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.guard.check(loss, grad_norm, self.step + 1)  # collective: same answer on every rank
