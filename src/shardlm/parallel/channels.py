@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.hf import MODULE_HEAD_ATTRS, MODULE_KV_ATTRS, out_features
+from shardlm.parallel.hf import all_head_widths, out_features
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
 
@@ -82,13 +82,16 @@ def channel_placements(plan: Plan) -> dict[str, dict[str, ExpertParam]]:
 
 
 def local_sizes(model: nn.Module, plan: Plan, reads: dict[str, set[str]], tp: int) -> None:
-    """``plan.local_sizes``: in modules holding split linears and no attention head counts (those
-    ``tp.localize_geometry`` sets), every int attribute the forward reads that equals a split
-    width of one of its linears (its output width, or one of its packed parts): divided by tp."""
+    """``plan.local_sizes``: in ``per_channel`` modules (mixers; attention's sizes are set from its
+    head counts by ``tp.localize_geometry``), every int attribute the forward reads that equals a
+    split width of one of its linears (its output width, or one of its packed parts) and is not a
+    head width: divided by tp."""
+    heads = all_head_widths(model.config)  # never split (Llama's head_dim is its kv width at 1 kv head)
     for fqn, names in reads.items():
         module = model.get_submodule(fqn)
-        if any(type(getattr(module, a, None)) is int for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+        if fqn not in plan.channels:
             continue  # attention: ``localize_geometry`` sets its sizes from the head counts
+        names = {n for n in names if getattr(module, n) not in heads}
         widths: set[int] = set()
         for child, style in plan.styles.items():
             if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):

@@ -74,8 +74,15 @@ def head_widths(config) -> set[int]:
     )
     if not widths and heads and isinstance(hidden, int):
         widths.add(hidden // heads)
-    # other mixers' heads (Qwen3.5's Gated DeltaNet: ``linear_key_head_dim``, ``linear_value_head_dim``)
-    for name in dir(config) if hasattr(config, "to_dict") else ():
+    return widths
+
+
+def all_head_widths(config) -> set[int]:
+    """``head_widths`` and the other head dims a config names (``..._head_dim``: Qwen3.5's Gated
+    DeltaNet ``linear_key_head_dim``/``linear_value_head_dim``, MLA's ``v_head_dim``): widths a
+    per-head norm or a mixer's size may have, never split."""
+    widths = head_widths(config)
+    for name in dir(config):
         if name.endswith("head_dim") and name != "head_dim" and not name.startswith("_"):
             value = config_value(config, name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

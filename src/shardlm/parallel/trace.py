@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.parallel.hf import (
+    all_head_widths,
     head_counts,
-    head_widths,
     is_linear,
     out_features,
     rms_norm_eps,
@@ -414,7 +414,7 @@ def trace_model(
     running: list[str] = []  # modules whose forward is running (named when an exception escapes)
     tracker.running = running
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
-    widths_of_heads = head_widths(meta.config)
+    widths_of_heads = all_head_widths(meta.config)
 
     def pre(name):
         label = f"{name} ({{}})"
