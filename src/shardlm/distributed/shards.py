@@ -11,6 +11,10 @@ FSDP dim included: torch's ``compute_local_shape_and_global_offset`` gets those 
 ``PackedShards`` presents a packed DTensor to DCP as its P boxes, views of the local tensor: it
 is saved and loaded in place, by every rank at once, and never gathered whole (what the earlier
 ``full_tensor()`` on every save did, per parameter and per optimizer state).
+
+``LocalParams``: a module's DTensor parameters seen as their local tensors while it runs (the
+styles that run a module's own forward on local pieces: ``replicate_local``, ``per_channel``,
+``experts``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from itertools import product
 
 import torch
+import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -190,3 +195,22 @@ class LoadPlanner(DefaultLoadPlanner):
 def as_local(value: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss, a norm) as the plain tensor every rank holds."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+class LocalParams:
+    """Plain tensors in place of a module's DTensor parameters while it runs: ``swap`` puts a local
+    tensor in (any submodule's parameter), ``restore`` puts every parameter back. Styles call both
+    from the module's own forward hooks, so FSDP2 (which unshards a whole block before) and
+    activation checkpointing (which reruns the module) see their parameters as they left them."""
+
+    def __init__(self):
+        self.saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def swap(self, sub: nn.Module, name: str, local: torch.Tensor) -> None:
+        self.saved.append((sub, name, sub._parameters[name]))
+        sub._parameters[name] = local
+
+    def restore(self) -> None:
+        while self.saved:
+            sub, name, param = self.saved.pop()
+            sub._parameters[name] = param

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardlm.distributed.shards import LocalParams
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import all_head_widths, out_features
 from shardlm.parallel.plan import Plan
@@ -126,9 +127,7 @@ class PerChannel(ParallelStyle):
     """``per_channel`` (see the module docstring): own parameters placed per ``params``
     (``ExpertParam``: dim 0 split ``parts`` ways, or whole), others replicated; while the module
     runs, it and the ``per_channel`` modules under it (``views``: ``local_views``) see local views:
-    the local shards, or their rank's rows of the whole-stored ones. The swap happens in the
-    module's own hooks, so FSDP2 and activation checkpointing see their parameters as they left
-    them (as in ``tp.LocalReplicate``)."""
+    the local shards, or their rank's rows of the whole-stored ones (swapped by ``LocalParams``)."""
 
     def __init__(self, params: dict[str, ExpertParam], views: dict[str, dict[str, list[list[tuple[int, int]]]]]):
         super().__init__()
@@ -146,22 +145,16 @@ class PerChannel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
         rank = device_mesh.get_local_rank()
         views = {path: {p: rows[rank] for p, rows in params.items()} for path, params in self.views.items()}
-        saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+        params = LocalParams()
 
         def to_local(mod, args):
             for path, rows in views.items():
                 sub = mod.get_submodule(path)
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
-                        saved.append((sub, name, param))
                         local = param.to_local()
-                        sub._parameters[name] = _rows(local, rows[name]) if name in rows else local
-
-        def restore(mod, args, out):
-            while saved:
-                sub, name, param = saved.pop()
-                sub._parameters[name] = param
+                        params.swap(sub, name, _rows(local, rows[name]) if name in rows else local)
 
         module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore)
+        module.register_forward_hook(lambda mod, args, out: params.restore())
         return module

@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardlm.distributed.shards import LocalParams
 from shardlm.parallel.channels import PerChannel, channel_partial_grads, local_views
 from shardlm.parallel.hf import (
     MODULE_HEAD_ATTRS,
@@ -251,9 +252,7 @@ class LocalReplicate(ParallelStyle):
     while the module runs, it and its submodules see local views of them, so code that uses a
     child's parameter directly (``conv1d(x, self.conv1d.weight)``) or makes plain tensors of its
     own computes on plain tensors throughout. Every rank computes the same values; the views'
-    gradients arrive as replicated gradients of the parameters. The swap happens in the module's
-    own forward hooks, so FSDP2 (which unshards a whole block before) and activation
-    checkpointing (which reruns the module) see their parameters as they left them."""
+    gradients arrive as replicated gradients of the parameters (swapped by ``LocalParams``)."""
 
     def __init__(self, own_only: bool = False):
         super().__init__()
@@ -263,22 +262,16 @@ class LocalReplicate(ParallelStyle):
         shard_params(
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
-        saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+        params = LocalParams()
 
         def to_local(mod, args):
             for sub in [mod] if self.own_only else mod.modules():
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
-                        saved.append((sub, name, param))
-                        sub._parameters[name] = param.to_local(grad_placements=[Replicate()])
-
-        def restore(mod, args, out):
-            while saved:
-                sub, name, param = saved.pop()
-                sub._parameters[name] = param
+                        params.swap(sub, name, param.to_local(grad_placements=[Replicate()]))
 
         module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore)
+        module.register_forward_hook(lambda mod, args, out: params.restore())
         return module
 
 
@@ -357,8 +350,7 @@ class ExpertsParallel(ParallelStyle):
     only (others see zeros): its gradient is summed over TP with the other TP-partial gradients
     (``tp_partial_grad_params``). The gradients of the floating-point inputs are summed over TP
     in one all-reduce (``SumGradsOverTP``): each rank's covers only its share of the experts.
-    The swap happens in the module's own hooks, so FSDP2 and activation checkpointing see their
-    parameters as they left them (as in ``LocalReplicate``).
+    The swap is ``LocalParams``'s.
     """
 
     def __init__(self, params: dict[str, ExpertParam]):
@@ -369,14 +361,13 @@ class ExpertsParallel(ParallelStyle):
         shard_params(module, device_mesh, expert_placements(module, self.params), self.src_data_rank)
         muted = device_mesh.get_local_rank() != 0
         once = {name for name, p in self.params.items() if p.once}
-        saved: list[tuple[str, torch.Tensor]] = []
+        params = LocalParams()
 
         def to_local(mod, args, kwargs):
             for name, param in list(mod._parameters.items()):
                 if isinstance(param, DTensor):
-                    saved.append((name, param))
                     local = param.to_local()
-                    mod._parameters[name] = local * 0 if muted and name in once else local
+                    params.swap(mod, name, local * 0 if muted and name in once else local)
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
@@ -386,9 +377,7 @@ class ExpertsParallel(ParallelStyle):
             return tree_unflatten(flat, spec)
 
         def restore(mod, args, out):
-            while saved:
-                name, param = saved.pop()
-                mod._parameters[name] = param
+            params.restore()
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
             # a tensor of its own (Rowwise's reason: models add into the output in place)
