@@ -1,7 +1,7 @@
 """Faults, each against an uninterrupted run: a killed rank, SIGTERM, non-finite steps, timeouts.
 
 Real 2-rank runs (tp=2, gloo, localhost) through ``launch.spawn``, the launcher the CLI uses;
-faults are injected in the rank bodies below (a patched ``Trainer.forward``), never in shardlm.
+faults are injected in the rank bodies below (a patched ``Trainer.outputs``), never in shardlm.
 Two spawns: the first checks the collective timeout and then loses rank 1 to SIGKILL mid-step;
 the second resumes that run and holds every other check. References: the uninterrupted run's
 own losses (same layout: 1e-6 relative, as in test_checkpoint.py).
@@ -41,18 +41,21 @@ def trainer(model: str, output_dir: str, **train_kw) -> Trainer:
 
 
 def patch_forward(at_steps: set[int], action) -> None:
-    """Make ``Trainer.forward`` call ``action(trainer, logits)`` during the given (1-based) steps."""
-    forward = Trainer.forward
+    """Make ``Trainer.outputs`` (the training step's forward) call ``action(trainer, logits)``
+    during the given (1-based) steps; its result replaces the logits."""
+    outputs = Trainer.outputs
 
     def patched(self, input_ids):
-        logits = forward(self, input_ids)
-        return action(self, logits) if self.step + 1 in at_steps else logits
+        out = outputs(self, input_ids)
+        if self.step + 1 in at_steps:
+            out.logits = action(self, out.logits)
+        return out
 
-    Trainer.forward = patched
+    Trainer.outputs = patched
 
 
-def unpatch(original=Trainer.forward) -> None:
-    Trainer.forward = original
+def unpatch(original=Trainer.outputs) -> None:
+    Trainer.outputs = original
 
 
 # ---------------------------------------------------------------- the rank bodies
