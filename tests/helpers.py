@@ -107,7 +107,11 @@ def run_ranks(fn, world_size: int, *args):
 
 
 def run_fresh_ranks(fn, world_size: int, *args):
-    """``run_ranks`` on new processes started by shardlm's launcher (``spawn``)."""
+    """``run_ranks`` on new processes started by shardlm's launcher (``spawn``). The pooled
+    workers are stopped first (the next pooled job starts new ones): the launcher forwards a
+    SIGTERM it receives to every multiprocessing child of its process, which in a test process
+    includes the pool (test_faults sends one to the launcher)."""
+    pool.shutdown()
     return spawn(fn, world_size, *args)[0]
 
 
