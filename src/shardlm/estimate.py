@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
@@ -282,7 +283,7 @@ def estimate(
     ep: int = 1,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
-    ``ep``: expert parallelism, carved out of ``fsdp``)."""
+    ``ep``: expert parallelism, carved out of the data-parallel ranks)."""
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),
@@ -293,9 +294,10 @@ def estimate(
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if fsdp % ep:
+    if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
         raise ConfigError(
-            f"--ep {ep} must divide --fsdp {fsdp}: expert-parallel ranks are carved out of the fsdp ranks"
+            f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
+            "expert-parallel ranks are carved out of the data-parallel ranks"
         )
     if lora_r is not None and lora_r < 1:
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
