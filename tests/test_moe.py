@@ -354,8 +354,8 @@ TP2_REP_EP_LAYOUT = {"tp": 2, "dp_replicate": 2, "ep": 2}
 
 def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
     """One line each, naming the key: ep must divide fsdp or be a multiple of it dividing
-    dp_replicate x fsdp (EP ranks are data-parallel ranks, fsdp first), LoRA is not combined with
-    EP yet; with the model: ep must divide the expert count, and a dense model has nothing to divide."""
+    dp_replicate x fsdp (EP ranks are data-parallel ranks, fsdp first); with the model: ep must
+    divide the expert count, and a dense model has nothing to divide."""
     from helpers import load_checked, write_model_dir
 
     from shardlm import ConfigError
@@ -367,7 +367,6 @@ def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
         (dirs["qwen3_moe"], {"fsdp": 2, "ep": 4}, None, r"parallel.ep=4 must divide parallel.fsdp=2 or be a multiple"),
         (dirs["qwen3_moe"], {"fsdp": 3, "dp_replicate": 2, "ep": 2}, None, r"ep=2 must divide parallel.fsdp=3"),
         (dirs["qwen3_moe"], {"fsdp": 2, "dp_replicate": 3, "ep": 4}, None, r"dividing dp_replicate\*fsdp=6"),
-        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 2}, {"r": 4}, r"parallel.ep > 1 with lora is not supported"),
         (dirs["qwen3_moe"], {"fsdp": 3, "ep": 3}, None, r"parallel.ep=3 must divide the 4 experts of model.layers.0"),
         (dense, {"fsdp": 2, "ep": 2}, None, r"parallel.ep=2: LlamaForCausalLM has no fused mixture-of-experts"),
         (dirs["qwen3_moe"], {"ep": 0}, None, r"parallel.ep must be >= 1"),

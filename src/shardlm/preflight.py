@@ -17,7 +17,7 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
-from shardlm.parallel.ep import check_ep
+from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
@@ -42,4 +42,6 @@ def check_run(cfg: Config) -> None:
         plan = infer_plan(model, p.tp)
         if cfg.lora is not None:
             check_lora(cfg.lora, model, plan)
+            if p.ep > 1:
+                check_ep_lora(model)
     precheck_resume(cfg)

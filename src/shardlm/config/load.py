@@ -142,8 +142,6 @@ def _validate_ep(cfg: Config) -> None:
             f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
             f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
         )
-    if p.ep > 1 and cfg.lora is not None:
-        raise ConfigError("parallel.ep > 1 with lora is not supported yet; train LoRA with parallel.ep=1")
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

@@ -65,6 +65,21 @@ def check_ep(model: nn.Module, ep: int) -> None:
             )
 
 
+def check_ep_lora(model: nn.Module) -> None:
+    """Under ``parallel.ep``, refuse a LoRA ``modules_to_save`` copy of an experts module (``model``:
+    the meta model peft adapted): the copy and its frozen original would each need the expert
+    dispatch. Adapters on the experts themselves are refused by peft's targeting (fused 3-D
+    parameters are not linear layers) or by ``lora.check_lora``; adapters on attention and on
+    dense or shared-expert projections train as without EP."""
+    for fqn in experts_modules(model):
+        if ".modules_to_save." in fqn or ".original_module." in fqn:
+            wrapper = fqn.split(".modules_to_save.")[0].split(".original_module.")[0]
+            raise ConfigError(
+                f"lora.modules_to_save: '{wrapper}' holds routed experts ({fqn}), which shardlm cannot train as a "
+                "separate copy under parallel.ep > 1; remove it from modules_to_save or set parallel.ep to 1"
+            )
+
+
 def describe_ep(model: nn.Module, plan: Plan, tp: int, ep: int) -> list[str]:
     """``shardlm plan --ep``: per experts module, the experts each rank holds, its local shapes
     (TP's split of each expert, then ``Shard(0)`` over ep) and fp32 bytes per rank."""
