@@ -4,7 +4,11 @@ and their collectives: ``test_moe.py``).
 
 One 2-rank job (fsdp=2 x ep=2) and one 4-rank job (tp=2 x fsdp=2 x ep=2) on the pooled processes.
 LoRA: Qwen2-MoE (attention and the shared expert's projections adapted, the routed experts frozen
-and divided over ep) against one-process peft, loss 1e-5 and grad_norm 1e-4 relative over 5 steps.
+and divided over ep) against one-process peft. Router loss: Mixtral and Qwen3-MoE with
+``output_router_logits`` on, against one process's ``loss + coef * aux_loss`` on the global batch.
+Both: loss 1e-5 and grad_norm 1e-4 relative over 5 steps, as ``test_moe.py``. bf16: within the 5%
+per step ``test_trainer.py`` allows bf16 against fp32; activation checkpointing: the same numbers
+as without (1e-6), the MoE block run twice per step (forward, recompute).
 """
 
 from __future__ import annotations
@@ -25,6 +29,51 @@ from tiny import tiny_config  # noqa: E402
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EP2 = {"fsdp": 2, "ep": 2}
 TP2_EP2 = {"tp": 2, "fsdp": 2, "ep": 2}
+ROUTER = ["mixtral", "qwen3_moe"]  # output_router_logits on, the family's own router_aux_loss_coef
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """``{name: model dir}``: Qwen3-MoE, and each ``ROUTER`` family with its router loss on (``+router``)."""
+    root, out = tmp_path_factory.mktemp("ep_models"), {}
+    tiny_config("qwen3_moe").save_pretrained(root / "qwen3_moe")
+    out["qwen3_moe"] = str(root / "qwen3_moe")
+    for model_type in ROUTER:
+        config = tiny_config(model_type)
+        config.output_router_logits = True
+        config.save_pretrained(root / f"{model_type}+router")
+        out[f"{model_type}+router"] = str(root / f"{model_type}+router")
+    return out
+
+
+def _run(path: str, layout: dict, steps: int = 5, **train) -> list[tuple]:
+    """Rank body part: ``steps`` steps of shardlm at ``layout`` (global batch 4): (loss, grad_norm,
+    router term or None) per step; ``train.bf16`` through FSDP's policy as ``shardlm train`` does."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.train.trainer import mixed_precision_policy
+
+    init_distributed()
+    cfg = train_config(path, layout, 2, 1, steps, **train)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh, seed=cfg.train.seed, mp_policy=mixed_precision_policy(cfg.train))
+    trainer = Trainer(model, cfg, token_dataset(), mesh)
+    calls = []
+    # the first MoE block's runs: forward, and its recompute in the backward under checkpointing
+    trainer.module.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    history = trainer.train()
+    return [(h["loss"], h["grad_norm"], h.get("router_loss")) for h in history], len(calls)
+
+
+def _runs(models: dict[str, str], layout: dict) -> dict:
+    """Rank body part: the router-loss models, then Qwen3-MoE in fp32, bf16 and with activation
+    checkpointing, at ``layout``."""
+    out = {name: _run(models[f"{name}+router"], layout) for name in ROUTER}
+    path = models["qwen3_moe"]
+    out["fp32"], out["bf16"] = _run(path, layout), _run(path, layout, bf16=True)
+    out["checkpointing"] = _run(path, layout, gradient_checkpointing=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +84,19 @@ def lora_run(tmp_path_factory) -> tuple[str, str]:
     return path, make_adapter(path, str(root / "adapter"), LORA_TARGETS)
 
 
-def two_ranks_body(lora: tuple[str, str]) -> dict:
-    """Rank body (2 ranks): LoRA at fsdp=2 x ep=2."""
-    return {"lora": lora_rank([lora], EP2, 2)[lora[0]]}
-
-
-def four_ranks_body(lora: tuple[str, str]) -> dict:
-    """Rank body (4 ranks): LoRA at tp=2 x fsdp=2 x ep=2."""
-    return {"lora": lora_rank([lora], TP2_EP2, 2)[lora[0]]}
+def ranks_body(lora: tuple[str, str], models: dict[str, str], layout: dict) -> dict:
+    """Rank body: LoRA, the router loss, bf16 and activation checkpointing at ``layout``."""
+    return {"lora": lora_rank([lora], layout, 2)[lora[0]], **_runs(models, layout)}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(lora_run) -> dict:
-    return run_ranks(two_ranks_body, 2, lora_run)
+def two_ranks(lora_run, models) -> dict:
+    return run_ranks(ranks_body, 2, lora_run, models, EP2)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(lora_run) -> dict:
-    return run_ranks(four_ranks_body, 4, lora_run)
+def four_ranks(lora_run, models) -> dict:
+    return run_ranks(ranks_body, 4, lora_run, models, TP2_EP2)
 
 
 def _report(label: str, got: list, ref: list) -> None:
@@ -72,6 +116,48 @@ def test_lora_under_ep_matches_one_process_peft(lora_run, spawn, request):
     assert_parity(got["steps"], ref, label=label)
     _report(label, got["steps"], ref)
     assert got["tp_same"], label
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("spawn", ["two_ranks", "four_ranks"])
+def test_router_loss_under_ep_matches_one_process(models, spawn, request):
+    """The load-balancing loss over the global batch with the experts divided over ep: the router
+    is whole on every rank and sees its rank's tokens before any dispatch, so its statistics are
+    summed over the data-parallel ranks as without EP; the term alone to 1e-5 of itself."""
+    from helpers import plain_reference
+
+    got = request.getfixturevalue(spawn)
+    layout = EP2 if spawn == "two_ranks" else TP2_EP2
+    for model_type in ROUTER:
+        run, _ = got[model_type]
+        router_ref = []
+        ref = plain_reference(models[f"{model_type}+router"], 4, router_losses=router_ref)
+        label = f"{model_type} {layout} +router loss"
+        assert_parity([(loss, norm) for loss, norm, _ in run], ref, label=label)
+        _report(label, [(loss, norm) for loss, norm, _ in run], ref)
+        router = max(abs(r - want) / abs(want) for (_, _, r), want in zip(run, router_ref))
+        print(f"{label}: router term {router:.1e} relative")
+        assert router <= 1e-5, (label, [r for _, _, r in run], router_ref)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("spawn", ["two_ranks", "four_ranks"])
+def test_bf16_and_activation_checkpointing_under_ep(models, spawn, request):
+    """bf16 (FSDP's policy casts the dense weights, the dispatch casts each rank's experts) tracks
+    the fp32 run within 5% per step; activation checkpointing reruns the MoE block's dispatch in the
+    backward and gives the fp32 run's numbers (1e-6)."""
+    from helpers import plain_reference
+
+    got = request.getfixturevalue(spawn)
+    (fp32, _), (bf16, _), (ac, ac_calls) = got["fp32"], got["bf16"], got["checkpointing"]
+    assert_parity([(loss, norm) for loss, norm, _ in fp32], plain_reference(models["qwen3_moe"], 4), label=spawn)
+    for step, ((b, _, _), (f, _, _)) in enumerate(zip(bf16, fp32, strict=True), start=1):
+        assert abs(b - f) <= 0.05 * abs(f), f"{spawn} step {step}: bf16 loss {b} vs fp32 {f}"
+    assert [b for b, _, _ in bf16] != [f for f, _, _ in fp32]  # bf16 really computed something else
+    print(f"{spawn} bf16: loss {max(abs(b[0] - f[0]) / f[0] for b, f in zip(bf16, fp32)):.1e} relative to fp32")
+    for step, (a, f) in enumerate(zip(ac, fp32, strict=True), start=1):
+        assert abs(a[0] - f[0]) <= 1e-6 * f[0] and abs(a[1] - f[1]) <= 1e-6 * f[1], (spawn, step, a, f)
+    assert ac_calls == 10 and got["fp32"][1] == 5, (ac_calls, got["fp32"][1])  # 5 steps x (forward + recompute)
 
 
 def test_lora_on_the_routed_experts_is_refused_by_name(lora_run, tmp_path):

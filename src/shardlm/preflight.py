@@ -35,7 +35,7 @@ def check_run(cfg: Config) -> None:
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
-        router_loss.check(model, cfg.train.gradient_accumulation_steps, p.ep)
+        router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)
