@@ -2,7 +2,8 @@
 activation checkpointing, each against one process (``parallel/ep.py``; the EP layouts themselves
 and their collectives: ``test_moe.py``).
 
-One 2-rank job (fsdp=2 x ep=2) and one 4-rank job (tp=2 x fsdp=2 x ep=2) on the pooled processes.
+One 2-rank job (fsdp=2 x ep=2) and one shorter 4-rank job (tp=2 x fsdp=2 x ep=2) on the pooled
+processes.
 LoRA: Qwen2-MoE (attention and the shared expert's projections adapted, the routed experts frozen
 and divided over ep) against one-process peft. Router loss: Mixtral and Qwen3-MoE with
 ``output_router_logits`` on, against one process's ``loss + coef * aux_loss`` on the global batch.
@@ -66,16 +67,6 @@ def _run(path: str, layout: dict, steps: int = 5, **train) -> list[tuple]:
     return [(h["loss"], h["grad_norm"], h.get("router_loss")) for h in history], len(calls)
 
 
-def _runs(models: dict[str, str], layout: dict) -> dict:
-    """Rank body part: the router-loss models, then Qwen3-MoE in fp32, bf16 and with activation
-    checkpointing, at ``layout``."""
-    out = {name: _run(models[f"{name}+router"], layout) for name in ROUTER}
-    path = models["qwen3_moe"]
-    out["fp32"], out["bf16"] = _run(path, layout), _run(path, layout, bf16=True)
-    out["checkpointing"] = _run(path, layout, gradient_checkpointing=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("ep_lora")
@@ -84,19 +75,28 @@ def lora_run(tmp_path_factory) -> tuple[str, str]:
     return path, make_adapter(path, str(root / "adapter"), LORA_TARGETS)
 
 
-def ranks_body(lora: tuple[str, str], models: dict[str, str], layout: dict) -> dict:
-    """Rank body: LoRA, the router loss, bf16 and activation checkpointing at ``layout``."""
-    return {"lora": lora_rank([lora], layout, 2)[lora[0]], **_runs(models, layout)}
+def ranks_body(lora: tuple[str, str], models: dict[str, str], layout: dict, full: bool) -> dict:
+    """Rank body: LoRA, the router loss, bf16 at ``layout``; with ``full`` (the 2-rank job) also
+    Mixtral's router loss, and Qwen3-MoE in fp32 and with activation checkpointing (the 4-rank job
+    keeps to what TP adds: its bf16 run is compared with one process directly)."""
+    out = {"lora": lora_rank([lora], layout, 2)[lora[0]]}
+    for name in ROUTER if full else ROUTER[1:]:
+        out[name] = _run(models[f"{name}+router"], layout)
+    out["bf16"] = _run(models["qwen3_moe"], layout, bf16=True)
+    if full:
+        out["fp32"] = _run(models["qwen3_moe"], layout)
+        out["checkpointing"] = _run(models["qwen3_moe"], layout, gradient_checkpointing=True)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks(lora_run, models) -> dict:
-    return run_ranks(ranks_body, 2, lora_run, models, EP2)
+    return run_ranks(ranks_body, 2, lora_run, models, EP2, True)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(lora_run, models) -> dict:
-    return run_ranks(ranks_body, 4, lora_run, models, TP2_EP2)
+    return run_ranks(ranks_body, 4, lora_run, models, TP2_EP2, False)
 
 
 def _report(label: str, got: list, ref: list) -> None:
@@ -128,7 +128,7 @@ def test_router_loss_under_ep_matches_one_process(models, spawn, request):
 
     got = request.getfixturevalue(spawn)
     layout = EP2 if spawn == "two_ranks" else TP2_EP2
-    for model_type in ROUTER:
+    for model_type in [t for t in ROUTER if t in got]:
         run, _ = got[model_type]
         router_ref = []
         ref = plain_reference(models[f"{model_type}+router"], 4, router_losses=router_ref)
@@ -142,22 +142,32 @@ def test_router_loss_under_ep_matches_one_process(models, spawn, request):
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("spawn", ["two_ranks", "four_ranks"])
-def test_bf16_and_activation_checkpointing_under_ep(models, spawn, request):
-    """bf16 (FSDP's policy casts the dense weights, the dispatch casts each rank's experts) tracks
-    the fp32 run within 5% per step; activation checkpointing reruns the MoE block's dispatch in the
-    backward and gives the fp32 run's numbers (1e-6)."""
+def test_bf16_under_ep_tracks_fp32(models, spawn, request):
+    """bf16 (FSDP's policy casts the dense weights, the dispatch casts each rank's experts) within
+    5% per step of fp32: the fp32 run of the same layout (2 ranks), one process in fp32 (4 ranks)."""
     from helpers import plain_reference
 
     got = request.getfixturevalue(spawn)
-    (fp32, _), (bf16, _), (ac, ac_calls) = got["fp32"], got["bf16"], got["checkpointing"]
-    assert_parity([(loss, norm) for loss, norm, _ in fp32], plain_reference(models["qwen3_moe"], 4), label=spawn)
-    for step, ((b, _, _), (f, _, _)) in enumerate(zip(bf16, fp32, strict=True), start=1):
+    bf16 = [loss for loss, _, _ in got["bf16"][0]]
+    if "fp32" in got:
+        fp32 = [loss for loss, _, _ in got["fp32"][0]]
+        assert_parity([(loss, norm) for loss, norm, _ in got["fp32"][0]], plain_reference(models["qwen3_moe"], 4))
+    else:
+        fp32 = [loss for loss, _ in plain_reference(models["qwen3_moe"], 4)]
+    for step, (b, f) in enumerate(zip(bf16, fp32, strict=True), start=1):
         assert abs(b - f) <= 0.05 * abs(f), f"{spawn} step {step}: bf16 loss {b} vs fp32 {f}"
-    assert [b for b, _, _ in bf16] != [f for f, _, _ in fp32]  # bf16 really computed something else
-    print(f"{spawn} bf16: loss {max(abs(b[0] - f[0]) / f[0] for b, f in zip(bf16, fp32)):.1e} relative to fp32")
+    assert bf16 != fp32  # bf16 really computed something else
+    print(f"{spawn} bf16: loss {max(abs(b - f) / f for b, f in zip(bf16, fp32)):.1e} relative to fp32")
+
+
+@pytest.mark.ranks
+def test_activation_checkpointing_under_ep_changes_nothing(two_ranks):
+    """Activation checkpointing reruns the MoE block's dispatch (its all-to-alls) in the backward
+    and gives the numbers of the run without it (1e-6)."""
+    (fp32, calls), (ac, ac_calls) = two_ranks["fp32"], two_ranks["checkpointing"]
     for step, (a, f) in enumerate(zip(ac, fp32, strict=True), start=1):
-        assert abs(a[0] - f[0]) <= 1e-6 * f[0] and abs(a[1] - f[1]) <= 1e-6 * f[1], (spawn, step, a, f)
-    assert ac_calls == 10 and got["fp32"][1] == 5, (ac_calls, got["fp32"][1])  # 5 steps x (forward + recompute)
+        assert abs(a[0] - f[0]) <= 1e-6 * f[0] and abs(a[1] - f[1]) <= 1e-6 * f[1], (step, a, f)
+    assert ac_calls == 10 and calls == 5, (ac_calls, calls)  # 5 steps x (forward + recompute)
 
 
 def test_lora_on_the_routed_experts_is_refused_by_name(lora_run, tmp_path):
