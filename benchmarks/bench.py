@@ -505,9 +505,11 @@ def _row(name: str, key: str, r: dict, ratio: str) -> str:
 def markdown(results: dict) -> str:
     moe = MODELS["qwen3_moe"][1]
     models = {r["model"]: r["params"] for r in results["layouts"].values()}
-    sizes = [
-        f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {models.get('llama', 0):,} params"
-    ]
+    sizes = []
+    if "llama" in models:
+        sizes.append(
+            f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {models['llama']:,} params"
+        )
     if "qwen3_moe" in models:
         sizes.append(
             f"moe_*: Qwen3-MoE of the same width and depth, {moe['num_experts']} experts of "
