@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_parity, make_adapter, run_ranks
-from test_lora import lora_rank, peft_reference
+from test_lora import assert_same_grads, lora_rank, peft_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -111,9 +111,10 @@ def test_lora_under_ep_matches_one_process_peft(lora_run, spawn, request):
     """Adapters on attention and on the shared expert train as one-process peft trains them, the
     frozen routed experts divided over ep; replicated adapters stay identical on TP ranks."""
     got = request.getfixturevalue(spawn)["lora"]
-    ref, _ = peft_reference(*lora_run)
+    ref, _, ref_grads = peft_reference(*lora_run)
     label = f"qwen2_moe LoRA {EP2 if spawn == 'two_ranks' else TP2_EP2}"
     assert_parity(got["steps"], ref, label=label)
+    assert_same_grads(got["grads"], ref_grads, label)
     _report(label, got["steps"], ref)
     assert got["tp_same"], label
 

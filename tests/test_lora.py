@@ -141,6 +141,16 @@ def keep_first_grads(trainer) -> dict:
     return grads
 
 
+def assert_same_grads(grads: dict, ref_grads: dict, label: str) -> None:
+    """Every trainable tensor's step-1 gradient (``keep_first_grads``) against one process's, within
+    grad_norm's 1e-4 of its largest element: Qwen3.5's one-process fp32 gradients are themselves
+    up to 1.8e-5 off fp64; a missing or doubled TP sum is O(1) off."""
+    assert grads.keys() == ref_grads.keys(), (label, set(grads) ^ set(ref_grads))
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max() / ref.abs().max()
+        assert err <= 1e-4, (label, name, float(err))
+
+
 def count_collectives(model, mesh) -> tuple[int, ...]:
     """All-reduces in the forward, the loss, the backward of one micro-batch and the sum of the
     replicated adapters' gradients (tp=2)."""
@@ -181,14 +191,7 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
         steps, decided = got[path]["steps"], NOISY_NORM_STEPS.get(family)
         assert_parity(steps[:decided], ref_steps[:decided], label=label)
         assert_parity([(loss, 1.0) for loss, _ in steps], [(loss, 1.0) for loss, _ in ref_steps], label=label)
-        grads = got[path]["grads"]
-        assert grads.keys() == ref_grads.keys(), (family, set(grads) ^ set(ref_grads))
-        # every adapter's step-1 gradient, not only their norm, within grad_norm's 1e-4 of its
-        # largest element (Qwen3.5's one-process fp32 gradients are themselves up to 1.8e-5 off
-        # fp64; a missing or doubled TP sum is O(1) off)
-        for name, ref in ref_grads.items():
-            err = (grads[name] - ref).abs().max() / ref.abs().max()
-            assert err <= 1e-4, (family, name, float(err))
+        assert_same_grads(got[path]["grads"], ref_grads, label)
         assert got[path]["tp_same"], f"{family}: replicated adapter tensors differ across TP ranks"
         if layout == {"tp": 2}:
             # the exported adapter is what one-process peft trained, fused projections included

@@ -32,8 +32,9 @@ the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one 
 recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
 everywhere) runs without the mode after the first step.
 
-Evaluation (``eval``, ``train/evaluation.py``): token-weighted loss over the eval set in file order, sharded over dp like
-training, under ``torch.no_grad`` and ``model.eval()``; logged as ``eval_loss`` and ``eval_ppl``.
+Evaluation (``eval``, ``train/evaluation.py``): token-weighted loss over the eval set in file
+order, sharded over dp like training, under ``torch.no_grad`` and ``model.eval()``; logged as
+``eval_loss`` and ``eval_ppl``.
 """
 
 from __future__ import annotations
