@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardlm-installed
 PYTHON ?= python3
 
-.PHONY: setup test test-fast demo bench bench-scale lint clean matrix published-weights
+.PHONY: setup test test-fast demo bench bench-scale lint clean matrix published-weights moe-grid
 
 setup: $(STAMP)
 
@@ -53,3 +53,8 @@ matrix: setup
 published-weights: setup
 	$(PY) scripts/published_sweep.py
 	$(PY) scripts/matrix.py --docs-only
+
+# The MoE grid of issue 12: six families x tp2/ep2/fsdp2xep2/tp2xep2, resumes across layouts,
+# consolidate + reload (docs/moe_grid.md)
+moe-grid: setup
+	$(PY) scripts/moe_grid.py
