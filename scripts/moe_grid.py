@@ -68,14 +68,13 @@ def _first_line(exc: BaseException) -> str:
 
 def _expert_bytes(model) -> tuple[int, int]:
     """(bytes of the experts' 3-D parameters on this rank, in the whole model), fp32: as
-    ``tests/test_moe.py``'s helper, over the experts modules of the plan."""
-    local = whole = 0
-    for fqn in model.plan.experts:
-        for p in model.module.get_submodule(fqn).parameters(recurse=False):
-            if p.dim() == 3:
-                local += 4 * (p.to_local().numel() if hasattr(p, "to_local") else p.numel())
-                whole += 4 * p.numel()
-    return local, whole
+    ``tests/test_moe.py``'s helpers, over the EP experts (``expert_grads``) or else the TP plan's."""
+    names = model.expert_grads or [
+        f"{fqn}.{name}" for fqn in model.plan.experts for name, _ in model.module.get_submodule(fqn).named_parameters()
+    ]
+    params = [p for p in map(model.module.get_parameter, names) if p.dim() == 3]
+    local = sum(4 * (p.to_local().numel() if hasattr(p, "to_local") else p.numel()) for p in params)
+    return local, sum(4 * p.numel() for p in params)
 
 
 def _train(path: str, layout: dict, out: str, steps: int, **train) -> list[tuple[float, float]]:
