@@ -135,7 +135,8 @@ def refusal(path: str, layout: dict, data: str) -> str | None:
 
 def reload_check(step_dir: str, out: str) -> dict:
     """``shardlm consolidate`` of ``step_dir`` into ``out``, read back by ``from_pretrained``:
-    missing/unexpected keys, and every parameter compared with the DCP checkpoint's tensor."""
+    missing/unexpected keys, and every tensor of the DCP checkpoint's model compared with the
+    loaded model's (parameters and persistent buffers), bit for bit."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -147,9 +148,9 @@ def reload_check(step_dir: str, out: str) -> dict:
     meta = read_metadata(step_dir).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
     load_dcp(state, step_dir, no_dist=True)
-    params = dict(model.named_parameters())
+    params = model.state_dict()  # parameters and persistent buffers (DeepSeek-V3's e_score_correction_bias)
     compared = [k[len("model.") :] for k in state if k[len("model.") :] in params]
-    differ = [k for k in compared if not torch.equal(params[k].detach(), state[f"model.{k}"])]
+    differ = [k for k in compared if not torch.equal(params[k], state[f"model.{k}"])]
     absent = sorted(k[len("model.") :] for k in state if k[len("model.") :] not in params)
     return {
         "missing": sorted(info["missing_keys"]),
@@ -289,8 +290,8 @@ def render(rows: dict, seconds: float, versions: dict) -> str:
         "",
         "Resumes: the resumed run's losses (steps 3-5, checkpoint of step 2) against the uninterrupted "
         f"run's, max relative difference (bar {TOL['resume']:g}). Reload: `shardlm consolidate` of the "
-        "fsdp=2 x ep=2 run's last checkpoint read by `from_pretrained`, every parameter equal to the "
-        "DCP checkpoint's.",
+        "fsdp=2 x ep=2 run's last checkpoint read by `from_pretrained`, every tensor of the checkpoint "
+        "equal to the loaded model's (parameters and persistent buffers), bit for bit.",
         "",
         "| family | "
         + " | ".join(_label(LAYOUTS[n][0]) for n in names)
