@@ -182,6 +182,8 @@ class ShardTracker(TorchFunctionMode):
                 and id(t) in self.param_owner
                 and id(t) not in self.tied | self.returned
                 and self.running
+                # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
+                and not (name == "__get__" and not isinstance(out, torch.Tensor))
             ):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
