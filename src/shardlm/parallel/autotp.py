@@ -34,8 +34,9 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
-  parameter not aligned with one projection's channels, a learned activation), or a per-head
+  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba's [x, B, C] cut
+  only after the conv, a state-space parameter not aligned with split channels, a learned
+  activation), or a per-head
   tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
   found as a non-parameter tensor sharing the head-count dim of a split one, the trace using
   batch 1 and a prime sequence length so the sizes cannot be confused), is a *violation*: its

@@ -4,23 +4,28 @@ Linear-attention and state-space mixers keep state per head between an in-projec
 out-projection: Qwen3.5's Gated DeltaNet convolves the output of its fused q/k/v projection with
 a depthwise ``conv1d`` (one filter per channel) before cutting it into heads, and scales its
 per-head decay by ``A_log`` and ``dt_bias``. The trace (``ShardTracker._follows``) finds such a
-parameter from the dataflow: its first dim is the output width of one column-parallel linear
-and meets the channel dim of that linear's split activations (a depthwise convolution over them,
-or an elementwise op broadcasting it along them). Each rank then holds the channels of its own
-heads, exactly the rows of the projection it holds:
+parameter from the dataflow: its first dim meets the split dim of split activations at its full
+size (a depthwise convolution over them, or an elementwise op broadcasting it along them). Each
+rank then holds the channels of its own heads, exactly the rows of the activations it holds:
 
-* after a ``colwise`` projection, ``Shard(0)``; after a ``packed_colwise`` one of P equal parts,
-  ``_StridedShard(0, P)`` (its chunk of every part), so checkpoints keep the HF layout;
-* after a packed projection of unequal parts (``Plan.sliced``: DeltaNet's [key, key, value]),
-  which ``_StridedShard`` cannot express, stored whole on every rank like the projection, each
-  rank using its rows; the gradients are summed over TP (each rank's covers its rows only).
+* where they are one projection's whole output: after a ``colwise`` projection, ``Shard(0)``;
+  after a ``packed_colwise`` one of P equal parts, ``_StridedShard(0, P)`` (its chunk of every
+  part), so checkpoints keep the HF layout; after a packed projection of unequal parts
+  (``Plan.sliced``: DeltaNet's [key, key, value]), which ``_StridedShard`` cannot express, stored
+  whole on every rank like the projection, each rank using its rows; the gradients are summed
+  over TP (each rank's covers its rows only);
+* where they were reshaped, cut or concatenated on the way (``layouts.py``: LFM's conv over the x
+  third of ``in_proj``, Qwen3-Next's over q|k|v cut per key head out of ``in_proj_qkvz``,
+  OLMo-hybrid's over cat(q_proj, k_proj, v_proj)), the same by the parts of their channel layout
+  (``Plan.channel_parts``; unequal ones: ``Plan.channel_rows``).
 
 The ``per_channel`` style goes to every module owning such parameters and to a module that uses
 them directly (the mixer calling ``causal_conv1d_fn(x, self.conv1d.weight)``: the conv module's
 own forward never runs). While it runs, it and the modules under it see local views of these
 parameters (their rows), whatever kernel the mixer calls (torch's fallback or a fused one): the
 trace and the plan do not depend on it. The sizes the mixer's forward reads off itself
-(``self.key_dim`` in its ``split``) are set to their local values (``local_sizes``).
+(``self.key_dim`` in its ``split``, Qwen3-Next's ``num_k_heads`` in its ``view``) are set to
+their local values (``local_sizes``).
 """
 
 from __future__ import annotations
