@@ -148,6 +148,11 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     assert plan.channels[f"{mixer}.conv1d"] == {"weight": " + ".join(f"{mixer}.{p}_proj" for p in "kqv")}
     assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
     assert not plan.replicated
+    from shardlm.parallel.autotp import describe_plan
+    from shardlm.parallel.build import build_meta_model
+
+    rows = {r["module"]: r["source"] for r in describe_plan(build_meta_model(mixers["olmo_hybrid"]), plan, 2)}
+    assert "weight split with the output channels of k_proj + q_proj + v_proj (stored whole" in rows[f"{mixer}.conv1d"]
     # LFM3: in_proj packed [B, C, x]; the conv over B * x follows x's part, Shard(0)
     mixer = "model.layers.0.conv"
     plan, styles, local = mixer_plan(mixers["lfm3"], mixer)

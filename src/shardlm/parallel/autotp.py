@@ -569,7 +569,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source += f"; {describe_experts(plan.experts[fqn])}"
         for pname, linear in plan.channels.get(fqn, {}).items():
             whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
-            source += f"; {pname} split with the output channels of {linear.rpartition('.')[2]}{whole}"
+            linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
+            source += f"; {pname} split with the output channels of {linears}{whole}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
