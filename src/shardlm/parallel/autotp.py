@@ -34,8 +34,9 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
-  parameter not aligned with one projection's channels, a learned activation), or a per-head
+  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba's [x, B, C] cut
+  only after the conv, a state-space parameter not aligned with split channels, a learned
+  activation), or a per-head
   tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
   found as a non-parameter tensor sharing the head-count dim of a split one, the trace using
   batch 1 and a prime sequence length so the sizes cannot be confused), is a *violation*: its
@@ -87,7 +88,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.channels import channel_placements, local_sizes, param_rows, place_channels
 from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
@@ -292,7 +293,7 @@ def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
-    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, tp)
+    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
     return plan
 
 
@@ -423,9 +424,10 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str
         elif style == "sharded_norm":
             module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
         elif style == "per_channel":
-            for pname, source in plan.channels.get(fqn, {}).items():
+            for pname in plan.channels.get(fqn, {}):
                 shape = list(getattr(module, pname).shape)
-                shape[0] = sum(b - a for a, b in plan.sliced[source][0]) if source in plan.sliced else shape[0] // tp
+                rows = param_rows(plan, fqn, pname)
+                shape[0] = sum(b - a for a, b in rows[0]) if rows is not None else shape[0] // tp
                 setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     stack: list[str] = []
     outputs: dict[str, torch.Tensor] = {}
@@ -566,8 +568,9 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         if fqn in plan.experts and style == "experts":  # MoE
             source += f"; {describe_experts(plan.experts[fqn])}"
         for pname, linear in plan.channels.get(fqn, {}).items():
-            whole = " (stored whole, each rank uses its rows)" if linear in plan.sliced else ""
-            source += f"; {pname} split with the output channels of {linear.rpartition('.')[2]}{whole}"
+            whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
+            linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
+            source += f"; {pname} split with the output channels of {linears}{whole}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])

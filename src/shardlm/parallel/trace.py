@@ -47,6 +47,7 @@ from shardlm.parallel.hf import (
     out_features,
     rms_norm_eps,
 )
+from shardlm.parallel.layouts import Layout, propagate
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -116,9 +117,13 @@ class ShardTracker(TorchFunctionMode):
         # meeting them (each rank would compute its gradient from its own heads only)
         self.from_params: dict[int, frozenset[str]] = {}
         self.from_param_ids: dict[int, frozenset[int]] = {}  # the same tensors -> ids of those parameters
-        # a parameter acting per channel (or per head) on the split activations of one column-parallel
-        # linear (a depthwise conv's weight, Mamba's/DeltaNet's A_log, dt_bias): id(param) -> that linear
-        self.follows: dict[int, str] = {}
+        # a parameter acting per channel (or per head) on split activations (a depthwise conv's weight,
+        # Mamba's/DeltaNet's A_log, dt_bias): id(param) -> (the column-parallel linears they came from,
+        # the parts of their channel layout, or None: the one linear's whole output)
+        self.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
+        self.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
+        # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
+        self.split_sizes: dict[str, set[int]] = {}
         # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
         # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
         self.later_parts: dict[str, list[int]] = {}
@@ -177,6 +182,8 @@ class ShardTracker(TorchFunctionMode):
                 and id(t) in self.param_owner
                 and id(t) not in self.tied | self.returned
                 and self.running
+                # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
+                and not (name == "__get__" and not isinstance(out, torch.Tensor))
             ):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
@@ -194,10 +201,14 @@ class ShardTracker(TorchFunctionMode):
                     self.from_params[id(t)] = owners
                     self.from_param_ids[id(t)] = ids
         if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
-            self._record_later_split(next(iter(sources)), args, kwargs)
+            self._record_later_split(name, next(iter(sources)), args, kwargs)
         if sources:
+            propagate(name, args, kwargs, out, self.layouts)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and id(t) in self.layouts and self.running:
+                    self.split_sizes.setdefault(self.running[-1], set()).add(t.shape[self.layouts[id(t)][0]])
             if not self.inside:
-                self._check(name, inputs, sources, args, kwargs)
+                self._check(name, inputs, sources, args, kwargs, out)
                 self._check_reduction(name, args, kwargs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
@@ -213,55 +224,80 @@ class ShardTracker(TorchFunctionMode):
     def _param_ids(self, t: torch.Tensor) -> frozenset[int]:
         return frozenset({id(t)}) if isinstance(t, nn.Parameter) else self.from_param_ids.get(id(t), frozenset())
 
-    def _record_later_split(self, source: str, args: tuple, kwargs: dict) -> None:
+    def _record_later_split(self, name: str, source: str, args: tuple, kwargs: dict) -> None:
         """A split of a tensor computed from ``source``'s output alone, along a dim of its full width."""
         t, width = args[0], self.widths.get(source)
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
         if not isinstance(dim, int) or not t.dim() or t.shape[dim] != width or source in self.later_parts:
             return
         sizes = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("sections"))
+        if name == "chunk" and isinstance(sizes, int) and sizes > 1 and width % sizes == 0:
+            sizes = width // sizes  # chunk's argument is the number of parts
         if isinstance(sizes, (list, tuple)) and sum(sizes) == width and len(sizes) > 1:
             self.later_parts[source] = list(sizes)
         elif isinstance(sizes, int) and 0 < sizes < width and width % sizes == 0:
             self.later_parts[source] = [sizes] * (width // sizes)
 
-    def _follows(self, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
-        """Whether ``t`` (a parameter, or computed from one alone) acts per channel on the split
-        activations of one column-parallel linear, so that it can be split with them: its first dim
-        is that linear's width and meets the activations' channel dim (a depthwise convolution over
-        those channels, or an elementwise op broadcasting it along them)."""
+    def _follows(
+        self, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, out=None
+    ) -> bool:
+        """Whether ``t`` (a parameter, or computed from one alone) acts per channel on split
+        activations, so that it can be split with them: its first dim meets their split dim at its
+        full size (a depthwise convolution over those channels, or an elementwise op broadcasting
+        it along them). Their channel layout (``layouts.py``) says how each rank's channels lie;
+        without one, the first dim must be the whole width of the one linear they came from."""
         ids = self._param_ids(t)
         sources = frozenset().union(*(self.sharded[id(s)] for s in sharded))
-        if len(ids) != 1 or len(sources) != 1:
+        if len(ids) != 1:
             return False
-        (pid,), (source,) = ids, sources
+        (pid,) = ids
         param = self.params.get(pid)
-        width = self.widths.get(source)
-        if param is None or not param.dim() or param.shape[0] != width or self.follows.get(pid, source) != source:
-            return False
+        if param is None or not param.dim() or not t.dim() or self.param_owner.get(pid) in self.legit:
+            return False  # a split linear's (or norm's) own parameters: its style places them
         if name in ("conv1d", "conv2d", "convolution"):
             groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
             x = args[0] if args else kwargs.get("input")
-            ok = x is not t and groups == width and t.shape[0] == width and x.dim() > 1 and x.shape[1] == width
+            if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
+                return False
+            met, dim = [x], 1 - x.dim()
         else:
-            # broadcast: t's dims align with the trailing dims of every split input; its channel dim too
-            ok = all(
+            # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
+            # their split dim, and the result has their shape (not a product or reduction over the channels)
+            if not isinstance(out, torch.Tensor) or not all(
                 t.dim() <= s.dim()
+                and out.shape == s.shape
                 and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
-                and any(a == width for a in t.shape)
                 for s in sharded
-            )
-        if ok:
-            self.follows[pid] = source
-        return ok
+            ):
+                return False
+            met, dim = sharded, -t.dim()
+        found = {self.layouts.get(id(s)) for s in met}
+        layout = found.pop() if len(found) == 1 else None
+        if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[0] == param.shape[0]:
+            whole = len(sources) == 1 and layout[1] == (self.widths.get(next(iter(sources))),)
+            follow = (sources, None if whole else layout[1])
+        elif (
+            len(sources) == 1
+            and param.shape[0] == self.widths.get(next(iter(sources)))
+            and (name in ("conv1d", "conv2d", "convolution") or any(a == param.shape[0] for a in t.shape))
+        ):
+            follow = (sources, None)  # no layout known: the source's whole width
+        else:
+            return False
+        if self.follows.get(pid, follow) != follow:
+            return False
+        self.follows[pid] = follow
+        return True
 
-    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None) -> None:
+    def _check(
+        self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None, out=None
+    ) -> None:
         """Record what cannot act on this op's sharded input(s) as they stand."""
         sharded = [t for t in inputs if id(t) in self.sharded]
         for t in inputs:
             if id(t) in self.sharded:
                 continue
-            if self._follows(name, t, sharded, args, kwargs or {}):
+            if self._follows(name, t, sharded, args, kwargs or {}, out):
                 continue
             if isinstance(t, nn.Parameter):
                 owner = self.param_owner.get(id(t), "?")
@@ -379,8 +415,10 @@ class Traced:
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
     foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
     dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
-    follows: dict[str, str]  # parameter fqn -> the column-parallel linear whose channels it acts on
+    # parameter fqn -> (the column-parallel linears whose channels it acts on, their layout's parts or None)
+    follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
+    split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
 
 
 def trace_model(
@@ -462,6 +500,8 @@ def trace_model(
             tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
+                if styles[name] == "colwise":
+                    tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                 outputs[name] = out
 
         return hook
@@ -512,6 +552,7 @@ def trace_model(
         tracker.dropout_sites,
         follows,
         {name: names for name, names in int_reads.items() if names},
+        tracker.split_sizes,
     )
 
 
