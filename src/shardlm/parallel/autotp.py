@@ -196,6 +196,17 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
             forced = forced | narrow
             continue
+        # MLA: a low-rank latent read by a per-head up-projection is kept whole, so the heads split
+        latent = set(traced.latents) - forced
+        if latent:
+            for f in latent:
+                reader = traced.latents[f]
+                reasons[f] = (
+                    f"{any_block(f)} makes a low-rank latent that {any_block(reader)} expands into heads: "
+                    "kept whole, the heads split after it"
+                )
+            forced = forced | latent
+            continue
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:

@@ -32,6 +32,7 @@ cannot be confused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ from shardlm.parallel.hf import (
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 _VIEW_OPS = {"view", "reshape", "unflatten"}
+_BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
 # answers for data-dependent questions a modeling file asks of a meta tensor during the trace
 # ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
 _DATA_DEPENDENT = {
@@ -166,6 +168,8 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
+        elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
+            self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
         # freed tensor's id can be reused (that made packed detection nondeterministic)
         self.keep.extend(inputs)
@@ -323,6 +327,19 @@ class ShardTracker(TorchFunctionMode):
                     bounds.add(b)
 
 
+def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool:
+    """Whether ``out`` broadcasts ``t`` (unsplit) along a dim of size 1 to a head count read off a
+    split tensor's shape: MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
+    shared by every head, made at each rank's own head count (like an MQA key repeated)."""
+    if not isinstance(t, torch.Tensor) or tracker.is_sharded(t) or id(t) in tracker.from_params:
+        return False
+    counts = tracker.shape_heads & set(_ints(flat[1:]))
+    lead = out.dim() - t.dim()
+    return any(
+        n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape)
+    )
+
+
 def _ints(values) -> list[int]:
     """The ints among ``values`` and inside the tuples (sizes) among them."""
     out = []
@@ -381,6 +398,9 @@ class Traced:
     dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
     follows: dict[str, str]  # parameter fqn -> the column-parallel linear whose channels it acts on
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
+    # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
+    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_readers``)
+    latents: dict[str, str]
 
 
 def trace_model(
@@ -512,7 +532,38 @@ def trace_model(
         tracker.dropout_sites,
         follows,
         {name: names for name, names in int_reads.items() if names},
+        latent_readers(tracker, styles, outputs, closer_inputs),
     )
+
+
+def latent_readers(
+    tracker: ShardTracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict
+) -> dict[str, str]:
+    """Column-parallel linears whose split output a row-parallel linear reads and expands into
+    heads: its output, whole, is viewed at once as ``[..., heads, head_dim]``.
+
+    That is a low-rank factorization of a per-head projection (MLA: ``q_a_proj`` -> norm ->
+    ``q_b_proj``, ``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``). The trace pairs the latent
+    projection (column) with the up-projection (row), which is exact but leaves the heads whole
+    on every rank and the output projection with nothing split to read; kept whole instead, the
+    latent (small: it is the rank of the factorization) feeds a column-parallel up-projection
+    split by heads, and the output projection closes the pair as in any attention."""
+    out: dict[str, str] = {}
+    for name, style in styles.items():
+        y = outputs.get(name)
+        if style != "rowwise" or y is None or not y.dim():
+            continue
+        view = tracker.first_view.get(id(y), ())
+        # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])
+        if (
+            len(view) >= 3
+            and view[-2] in tracker.heads
+            and view[-2] * view[-1] == y.shape[-1]
+            and math.prod(view[:-2]) == math.prod(y.shape[:-1])
+        ):
+            for source in closer_inputs.get(name, ()):
+                out.setdefault(source, name)
+    return out
 
 
 def _holds_linear(module: nn.Module) -> bool:
