@@ -97,6 +97,7 @@ from shardlm.parallel.hf import (
     is_linear,
     out_features,
 )
+from shardlm.parallel.latent import place_latents
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.tp import localize_geometry
@@ -184,10 +185,11 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
+    latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     reasons: dict[str, str] = {}
     meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
-        traced = trace_model(model, forced, meta)
+        traced = trace_model(model, forced, meta, latents=latents)
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -196,16 +198,17 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
             forced = forced | narrow
             continue
-        # MLA: a low-rank latent read by a per-head up-projection is kept whole, so the heads split
+        # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
+        # heads split after it; one whose partial gradients would leak is kept replicated the usual way
+        leaked = latents & set(traced.latent_leaks)
+        if leaked:
+            for f in leaked:
+                reasons[f] = f"{any_block(f)}, a low-rank latent: {any_block(traced.latent_leaks[f])}"
+            latents = latents - leaked
+            continue
         latent = set(traced.latents) - forced
         if latent:
-            for f in latent:
-                reader = traced.latents[f]
-                reasons[f] = (
-                    f"{any_block(f)} makes a low-rank latent that {any_block(reader)} expands into heads: "
-                    "kept whole, the heads split after it"
-                )
-            forced = forced | latent
+            forced, latents = forced | latent, latents | latent
             continue
         region: set[str] = set()
         for sources, why in traced.violations:
@@ -213,7 +216,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons.setdefault(fqn, any_block(why))
                 region.add(fqn)
         if not region and not traced.violations:
-            plan = _assemble(model, tp, traced)
+            plan = _assemble(model, tp, traced, latents)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
@@ -221,7 +224,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
-                return _finish(model, plan, forced, reasons)
+                return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
             # its own split linears, else every split linear under it (BigBird: attention.self, .output)
@@ -279,7 +282,7 @@ def _closure(traced: Traced, bad: set[str]) -> set[str]:
     return bad
 
 
-def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
+def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str] = frozenset()) -> Plan:
     plan = Plan(parts=dict(traced.parts))
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
@@ -295,6 +298,7 @@ def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
             # learned positions make their own position tensors (MVP, XLM): local copies
             styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
+    place_latents(model, plan, traced.latent_readers, latents, tp)  # MLA
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
         plan.agrees_with_hf[fqn] = ours == direction

@@ -127,6 +127,12 @@ class ShardTracker(TorchFunctionMode):
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
+        # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
+        # still whole on every rank; the modules with parameters reading such tensors; why a latent's
+        # partial gradients would reach something computed whole on every rank (then it is not one)
+        self.latent: dict[int, frozenset[str]] = {}
+        self.latent_readers: dict[str, frozenset[str]] = {}
+        self.latent_leaks: dict[str, str] = {}
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -199,6 +205,13 @@ class ShardTracker(TorchFunctionMode):
                     self.from_param_ids[id(t)] = ids
         if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
             self._record_later_split(next(iter(sources)), args, kwargs)
+        latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs))
+        if latent:
+            self._check_latent(name, inputs, latent)
+            if not sources:  # still whole on every rank: its gradient is still a partial one
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.latent[id(t)] = latent
         if sources:
             if not self.inside:
                 self._check(name, inputs, sources, args, kwargs)
@@ -207,6 +220,21 @@ class ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
         return out
+
+    def _check_latent(self, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
+        """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
+        TP once, at the latent's input): meeting a tensor that needs a whole gradient (one computed
+        whole on every rank, a parameter of a module that does not read the latent) would give it
+        a partial one."""
+        readers = tuple(f"{r} (" for r in self.latent_readers)
+        for t in inputs:
+            if id(t) in self.sharded or id(t) in self.latent or not t.requires_grad:
+                continue
+            owners = self._owners(t)
+            if owners and all(o.startswith(readers) for o in owners):
+                continue  # a parameter of a module reading the latent (its norm): summed over TP too
+            for fqn in latent:
+                self.latent_leaks.setdefault(fqn, f"{name} mixes it with a tensor computed whole on every rank")
 
     def _owners(self, t: torch.Tensor) -> frozenset[str]:
         """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
@@ -331,13 +359,13 @@ def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool
     """Whether ``out`` broadcasts ``t`` (unsplit) along a dim of size 1 to a head count read off a
     split tensor's shape: MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
     shared by every head, made at each rank's own head count (like an MQA key repeated)."""
-    if not isinstance(t, torch.Tensor) or tracker.is_sharded(t) or id(t) in tracker.from_params:
+    if not isinstance(t, torch.Tensor) or tracker.is_sharded(t):
         return False
+    if t.requires_grad and id(t) not in tracker.latent:
+        return False  # its gradient, from this rank's heads only, would not be summed over TP
     counts = tracker.shape_heads & set(_ints(flat[1:]))
     lead = out.dim() - t.dim()
-    return any(
-        n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape)
-    )
+    return any(n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape))
 
 
 def _ints(values) -> list[int]:
@@ -399,8 +427,12 @@ class Traced:
     follows: dict[str, str]  # parameter fqn -> the column-parallel linear whose channels it acts on
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
     # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
-    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_readers``)
+    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
     latents: dict[str, str]
+    # with ``trace_model(latents=...)``: module reading a latent's tensors -> those latents, and
+    # latent -> why its gradient cannot stay partial (``ShardTracker.latent_leaks``)
+    latent_readers: dict[str, set[str]]
+    latent_leaks: dict[str, str]
 
 
 def trace_model(
@@ -408,11 +440,13 @@ def trace_model(
     forced: frozenset[str] = frozenset(),
     meta: nn.Module | None = None,
     shape: tuple[int, int] = (1, TRACE_SEQ),
+    latents: frozenset[str] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
     outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
-    given; the trace leaves it as is)."""
+    given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
+    latents read per head (``latent.py``): the modules reading them and what they meet are recorded."""
     meta = meta if meta is not None else build_meta(model)
     styles: dict[str, str] = {}
     registrations: dict[int, int] = {}
@@ -444,6 +478,8 @@ def trace_model(
             tracker.shape_heads.clear()
             if not args or not isinstance(args[0], torch.Tensor):
                 return
+            if id(args[0]) in tracker.latent and any(True for _ in module.parameters(recurse=False)):
+                tracker.latent_readers[name] = tracker.latent[id(args[0])]
             sources = tracker.sources(args[0])
             owner = label.format(type(module).__name__)
             if is_linear(module) and name in forced:
@@ -483,6 +519,12 @@ def trace_model(
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 outputs[name] = out
+            if name in latents and isinstance(out, torch.Tensor):
+                tracker.latent[id(out)] = frozenset({name})
+            for t in tree_flatten(out)[0]:
+                for fqn in tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
+                    if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
+                        tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
 
         return hook
 
@@ -532,11 +574,13 @@ def trace_model(
         tracker.dropout_sites,
         follows,
         {name: names for name, names in int_reads.items() if names},
-        latent_readers(tracker, styles, outputs, closer_inputs),
+        latent_candidates(tracker, styles, outputs, closer_inputs),
+        {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
+        dict(tracker.latent_leaks),
     )
 
 
-def latent_readers(
+def latent_candidates(
     tracker: ShardTracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict
 ) -> dict[str, str]:
     """Column-parallel linears whose split output a row-parallel linear reads and expands into
