@@ -61,6 +61,11 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
+* multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): a column-parallel linear read by a
+  row-parallel one whose output is viewed into heads at once is a low-rank latent
+  (``trace.latent_candidates``): kept whole and traced again, so the heads split after it; its
+  region carries partial gradients summed over TP at its input (``parallel/latent.py``), or, where
+  they would leak, it is kept replicated with its sub-block.
 * data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``.item()``) are
   answered on meta without data (``parallel/trace.py``).
 
@@ -565,6 +570,7 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
     """One row per styled module: style, global and local parameter shapes, fp32 bytes per
     rank, and where the decision came from (cross-checked against the model's own plan or not)."""
     rows, seen = [], {}
+    latents = set(plan.latent_readers.values())
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
@@ -586,7 +592,12 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
-            source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
+            if fqn in latents:
+                source += "; a low-rank latent (MLA): stored replicated, computed whole, grads summed over TP"
+            else:
+                source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
+        if fqn in plan.latent_readers:
+            source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
         rows.append(
             {
                 "module": fqn,

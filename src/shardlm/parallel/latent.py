@@ -29,6 +29,9 @@ whole on every rank (and needing a gradient), or leave the module holding the la
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
@@ -56,3 +59,34 @@ def place_latents(model: nn.Module, plan: Plan, readers: dict[str, set[str]], la
                 f"parallel.tp: {fqn} ({type(model.get_submodule(fqn)).__name__}) reads the low-rank latent of "
                 f"{min(sources)} as a {style} layer, which shardlm cannot split yet; parallel.fsdp trains it"
             )
+
+
+def latent_candidates(
+    tracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict
+) -> dict[str, str]:
+    """Column-parallel linears whose split output a row-parallel linear reads and expands into
+    heads: its output, whole, is viewed at once as ``[..., heads, head_dim]``.
+
+    That is a low-rank factorization of a per-head projection (MLA: ``q_a_proj`` -> norm ->
+    ``q_b_proj``, ``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``). The trace pairs the latent
+    projection (column) with the up-projection (row), which is exact but leaves the heads whole
+    on every rank and the output projection with nothing split to read; kept whole instead, the
+    latent (small: it is the rank of the factorization) feeds a column-parallel up-projection
+    split by heads, and the output projection closes the pair as in any attention. ``tracker``:
+    the trace's ``ShardTracker`` (its first views and head counts)."""
+    out: dict[str, str] = {}
+    for name, style in styles.items():
+        y = outputs.get(name)
+        if style != "rowwise" or y is None or not y.dim():
+            continue
+        view = tracker.first_view.get(id(y), ())
+        # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])
+        if (
+            len(view) >= 3
+            and view[-2] in tracker.heads
+            and view[-2] * view[-1] == y.shape[-1]
+            and math.prod(view[:-2]) == math.prod(y.shape[:-1])
+        ):
+            for source in closer_inputs.get(name, ()):
+                out.setdefault(source, name)
+    return out

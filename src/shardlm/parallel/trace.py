@@ -21,7 +21,9 @@ same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused pro
 output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
 first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
-rank's own head count, unlike ALiBi slopes made from the config's. The model's own
+rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
+such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
+(``latent.py``: its gradient is summed over TP at the latent's input). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -32,7 +34,6 @@ cannot be confused.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ from shardlm.parallel.hf import (
     out_features,
     rms_norm_eps,
 )
+from shardlm.parallel.latent import latent_candidates
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -578,36 +580,6 @@ def trace_model(
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
     )
-
-
-def latent_candidates(
-    tracker: ShardTracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict
-) -> dict[str, str]:
-    """Column-parallel linears whose split output a row-parallel linear reads and expands into
-    heads: its output, whole, is viewed at once as ``[..., heads, head_dim]``.
-
-    That is a low-rank factorization of a per-head projection (MLA: ``q_a_proj`` -> norm ->
-    ``q_b_proj``, ``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``). The trace pairs the latent
-    projection (column) with the up-projection (row), which is exact but leaves the heads whole
-    on every rank and the output projection with nothing split to read; kept whole instead, the
-    latent (small: it is the rank of the factorization) feeds a column-parallel up-projection
-    split by heads, and the output projection closes the pair as in any attention."""
-    out: dict[str, str] = {}
-    for name, style in styles.items():
-        y = outputs.get(name)
-        if style != "rowwise" or y is None or not y.dim():
-            continue
-        view = tracker.first_view.get(id(y), ())
-        # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])
-        if (
-            len(view) >= 3
-            and view[-2] in tracker.heads
-            and view[-2] * view[-1] == y.shape[-1]
-            and math.prod(view[:-2]) == math.prod(y.shape[:-1])
-        ):
-            for source in closer_inputs.get(name, ()):
-                out.setdefault(source, name)
-    return out
 
 
 def _holds_linear(module: nn.Module) -> bool:
