@@ -693,7 +693,7 @@ def test_mla_at_tp2_and_ep2_matches_one_process(mla_dirs, two_ranks, tmp_path):
         print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts}")
         print(f"{model_type} first block's MLA weights, bytes per rank / whole: {sizes}")
         fwd, loss, bwd, grads = (sum(c.values()) for c in counts)
-        assert {str(k) for c in counts for k in c} == {"all_reduce"}, counts
+        assert {str(k) for c in counts[:3] for k in c} == {"all_reduce"}, counts
         # embedding/LM head 1 + per block: attention 1, MLP 1 (DeepSeek-V3's MoE layer: experts 1 +
         # shared experts 1); the latents' and norms' partial gradients summed once per step
         expected = (6, 3, 6) if model_type == "deepseek_v3" else (5, 3, 5)
