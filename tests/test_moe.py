@@ -721,3 +721,22 @@ def check_mla_tp2_ep2(got: dict) -> None:
         ref = plain_reference(path, 4)
         assert_parity(losses, ref, label="deepseek_v3 tp=2 x fsdp=2 x ep=2")
         _report("deepseek_v3 tp=2 x fsdp=2 x ep=2", losses, ref)
+
+
+def test_lora_on_a_latent_reader_is_refused_by_name(mla_dirs, tmp_path):
+    """LoRA on a per-head up-projection that reads a latent (its input gradient left partial) is
+    refused before spawning, in one line naming it."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {
+        "model": mla_dirs["minicpm3"],
+        "data": {"path": str(tmp_path / "data.txt")},
+        "parallel": {"tp": 2},
+        "lora": {"target_modules": ["q_b_proj"]},
+    }
+    with pytest.raises(ConfigError, match=r"lora.target_modules: '.*q_b_proj' reads the low-rank latent") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
