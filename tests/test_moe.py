@@ -9,7 +9,8 @@ grad_norm 1e-4 relative.
 
 Expert parallelism (``parallel.ep``, ``parallel/ep.py``): Qwen3-MoE, Mixtral and gpt-oss at
 fsdp=2 x ep=2 in the module's one 2-rank spawn (with DCP resumes across ep=2 <-> ep=1 and
-consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn.
+consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn; Qwen3-MoE
+and Mixtral at ep=2 alone (dp_replicate=2) and tp=2 x ep=2 (tp=2 x dp_replicate=2) in the same spawns.
 
 Multi-head latent attention (``parallel/latent.py``): DeepSeek-V3 (MLA, a shared expert, grouped
 routing) and MiniCPM3 at tp=2, DeepSeek-V3 at fsdp=2 x ep=2 (with a DCP resume from tp=2 and
@@ -269,13 +270,15 @@ def test_moe_at_tp2_fsdp2_matches_one_process(dirs, router_dirs, mla_dirs):
     """The models above, and Mixtral and Qwen3-MoE with the router's load-balancing loss on
     (``ROUTER``), at tp=2 x fsdp=2; then the expert-parallel layouts (``four_ranks_body``)."""
     paths = [dirs[t] for t in TRAINED] + [router_dirs[t] for t in ROUTER]
-    ep_paths = [dirs[t] for t in TP2_EP2_TRAINED]
-    got, ep_got, mla_got = run_ranks(four_ranks_body, 4, paths, ep_paths, [mla_dirs["deepseek_v3"]])
+    ep_paths, rep_paths = [dirs[t] for t in TP2_EP2_TRAINED], [dirs[t] for t in REP_EP_TRAINED]
+    mla_paths = [mla_dirs["deepseek_v3"]]
+    got, ep_got, rep_got, mla_got = run_ranks(four_ranks_body, 4, paths, ep_paths, rep_paths, mla_paths)
     for model_type, path in zip(TRAINED + [f"{t} +router loss" for t in ROUTER], paths):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
     check_tp2_ep2(ep_got)
+    check_ep_layout(rep_got, TP2_REP_EP_LAYOUT)
     check_mla_tp2_ep2(mla_got)
 
 
@@ -348,12 +351,17 @@ def test_router_loss_over_the_global_batch_matches_one_process(router_dirs, two_
 # [E, H, 2I] with expert biases
 EP_TRAINED = ["qwen3_moe", "mixtral", "gpt_oss"]
 EP_LAYOUT = {"fsdp": 2, "ep": 2}  # 2 ranks: each holds 2 of the 4 experts; ep carved out of fsdp
+# ep=2 alone: carved out of dp_replicate=2 (dense parameters replicated, experts halved); in the same
+# 2-rank spawn, and tp=2 x ep=2 (tp=2 x dp_replicate=2) in the 4-rank one
+REP_EP_TRAINED = ["qwen3_moe", "mixtral"]
+REP_EP_LAYOUT = {"dp_replicate": 2, "ep": 2}
+TP2_REP_EP_LAYOUT = {"tp": 2, "dp_replicate": 2, "ep": 2}
 
 
 def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
-    """One line each, naming the key: ep must divide fsdp (EP ranks are fsdp ranks), LoRA is not
-    combined with EP yet; with the model: ep must divide the expert count, and a dense model has
-    nothing to divide."""
+    """One line each, naming the key: ep must divide fsdp or be a multiple of it dividing
+    dp_replicate x fsdp (EP ranks are data-parallel ranks, fsdp first); with the model: ep must
+    divide the expert count, and a dense model has nothing to divide."""
     from helpers import load_checked, write_model_dir
 
     from shardlm import ConfigError
@@ -362,8 +370,9 @@ def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
     data = {"path": str(tmp_path / "data.txt")}
     dense = write_model_dir(str(tmp_path / "llama"))
     cases = [
-        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 4}, None, r"parallel.ep=4 must divide parallel.fsdp=2"),
-        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 2}, {"r": 4}, r"parallel.ep > 1 with lora is not supported"),
+        (dirs["qwen3_moe"], {"fsdp": 2, "ep": 4}, None, r"parallel.ep=4 must divide parallel.fsdp=2 or be a multiple"),
+        (dirs["qwen3_moe"], {"fsdp": 3, "dp_replicate": 2, "ep": 2}, None, r"ep=2 must divide parallel.fsdp=3"),
+        (dirs["qwen3_moe"], {"fsdp": 2, "dp_replicate": 3, "ep": 4}, None, r"dividing dp_replicate\*fsdp=6"),
         (dirs["qwen3_moe"], {"fsdp": 3, "ep": 3}, None, r"parallel.ep=3 must divide the 4 experts of model.layers.0"),
         (dense, {"fsdp": 2, "ep": 2}, None, r"parallel.ep=2: LlamaForCausalLM has no fused mixture-of-experts"),
         (dirs["qwen3_moe"], {"ep": 0}, None, r"parallel.ep must be >= 1"),
@@ -373,7 +382,9 @@ def test_ep_values_are_checked_before_spawning(dirs, tmp_path):
         with pytest.raises(ConfigError, match=match) as info:
             load_checked(raw=raw)
         assert "\n" not in str(info.value)
-    assert load_checked(raw={"model": dirs["qwen3_moe"], "data": data, "parallel": EP_LAYOUT}).parallel.ep == 2
+    for layout in (EP_LAYOUT, REP_EP_LAYOUT, TP2_REP_EP_LAYOUT, {"fsdp": 2, "dp_replicate": 2, "ep": 4}):
+        raw = {"model": dirs["qwen3_moe"], "data": data, "parallel": layout}
+        assert load_checked(raw=raw).parallel.ep == layout["ep"]
 
 
 def _ep_expert_bytes(model) -> tuple[int, int]:
@@ -397,20 +408,75 @@ def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list
 @pytest.fixture(scope="module")
 def two_ranks(dirs, router_dirs, mla_dirs, tmp_path_factory) -> dict:
     """The one 2-rank spawn of this module: the MoE models at tp=2 (``tp2_body``), then at
-    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``), then the
-    MLA models (``mla_body``, writing under ``root/mla``)."""
+    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``), at
+    dp_replicate=2 x ep=2 (``ep_layout_body``), then the MLA models (``mla_body``, writing under
+    ``root/mla``)."""
     root = tmp_path_factory.mktemp("ep")
     paths, ep_paths = [dirs[t] for t in TRAINED], [dirs[t] for t in EP_TRAINED]
-    router_paths = [router_dirs[t] for t in ROUTER]
+    router_paths, rep_paths = [router_dirs[t] for t in ROUTER], [dirs[t] for t in REP_EP_TRAINED]
     mla_paths = [mla_dirs[t] for t in MLA]
-    tp2, ep2, mla = run_ranks(two_ranks_body, 2, paths, router_paths, ep_paths, str(root), mla_paths)
-    return {"tp2": tp2, "ep2": ep2, "root": root, "mla": mla}
+    tp2, ep2, rep, mla = run_ranks(two_ranks_body, 2, paths, router_paths, ep_paths, str(root), rep_paths, mla_paths)
+    return {"tp2": tp2, "ep2": ep2, "root": root, "rep_ep2": rep, "mla": mla}
 
 
 def two_ranks_body(
-    paths: list[str], router_paths: list[str], ep_paths: list[str], root: str, mla_paths: list[str]
+    paths: list[str], router_paths: list[str], ep_paths: list[str], root: str, rep: list[str], mla_paths: list[str]
 ) -> tuple:
-    return tp2_body(paths, router_paths), ep2_body(ep_paths, root), mla_body(mla_paths, f"{root}/mla")
+    return (
+        tp2_body(paths, router_paths),
+        ep2_body(ep_paths, root),
+        ep_layout_body(rep, REP_EP_LAYOUT),
+        mla_body(mla_paths, f"{root}/mla"),
+    )
+
+
+def ep_layout_body(paths: list[str], layout: dict) -> dict:
+    """Rank body: 5 steps of each model at ``layout`` (global batch 4), the collectives of one
+    micro-batch and the experts' bytes per rank: ``{path: (losses, collectives, bytes)}``."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    parallel = ParallelConfig(**layout)
+    losses = shardlm_losses(paths, layout, 4 // parallel.dp_size, 1)
+    mesh, out = build_mesh(parallel), {}
+    for path in paths:
+        model = parallelize(path, mesh)
+        out[path] = (losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
+    return out
+
+
+def check_ep_layout(got: dict, layout: dict) -> None:
+    """Parity of ``ep_layout_body``'s runs; the experts divided over ep x tp; per MoE layer (2 blocks)
+    3 all-to-alls forward (counts, rows out, rows back), 2 backward (the rows' gradients); FSDP's
+    all-reduce of the replicated gradients per group; under TP
+    its all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block, each way), once more
+    for the TP-partial gradients of Qwen3's q/k norms."""
+    label = " x ".join(f"{k}={v}" for k, v in layout.items())
+    tp = layout.get("tp", 1)
+    for model_type, path in zip(REP_EP_TRAINED, got):
+        losses, counts, (local, whole) = got[path]
+        ref = plain_reference(path, 4)
+        assert_parity(losses, ref, label=f"{model_type} {label}")
+        _report(f"{model_type} {label}", losses, ref)
+        print(f"{model_type} {label} collectives per micro-batch (forward, loss, backward, grads): {counts}")
+        print(f"{model_type} {label} experts: {local} bytes per rank of {whole}")
+        assert layout["ep"] * tp * local == whole, (model_type, local, whole)
+        fwd, _, bwd, grads = counts
+        assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
+        assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
+        # dense parameters replicated over dp_replicate: FSDP's one gradient all-reduce per group
+        # (2 blocks and the root), nothing gathered or scattered
+        assert bwd["allreduce_"] == 3 and not {"all_gather_into_tensor", "reduce_scatter_tensor"} & {*fwd, *bwd}
+        if tp > 1:
+            assert fwd["all_reduce"] == bwd["all_reduce"] == 5, (model_type, counts)
+            assert sum(grads.values()) == (model_type == "qwen3_moe"), (model_type, grads)
+
+
+@pytest.mark.ranks
+def test_moe_at_ep2_alone_matches_one_process(two_ranks):
+    """ep=2 without fsdp: the 2 ranks are dp_replicate=2 (dense parameters replicated), the experts
+    halved between them."""
+    check_ep_layout(two_ranks["rep_ep2"], REP_EP_LAYOUT)
 
 
 def ep2_body(paths: list[str], root: str) -> tuple[dict, dict, dict, dict]:
@@ -482,11 +548,14 @@ TP2_EP2_LAYOUT = {"tp": 2, "fsdp": 2, "ep": 2}
 FSDP4_EP2_LAYOUT = {"fsdp": 4, "ep": 2}  # ep carved out of fsdp=4: efsdp=2 ranks hold the same experts
 
 
-def four_ranks_body(paths: list[str], ep_paths: list[str], mla_paths: list[str]) -> tuple[dict, dict, dict]:
+def four_ranks_body(
+    paths: list[str], ep_paths: list[str], rep_paths: list[str], mla_paths: list[str]
+) -> tuple[dict, dict, dict, dict]:
     """Rank body (4 ranks): ``paths`` at tp=2 x fsdp=2, then ``ep_paths`` at tp=2 x fsdp=2 x ep=2
     (with the collectives of one micro-batch and the experts' bytes per rank), then the first of
-    them at fsdp=4 x ep=2 (experts held by 2 ranks each: their gradients summed over those 2);
-    then the MLA models ``mla_paths`` at tp=2 x fsdp=2 x ep=2."""
+    them at fsdp=4 x ep=2 (experts held by 2 ranks each: their gradients summed over those 2), then
+    ``rep_paths`` at tp=2 x ep=2 (ep carved out of dp_replicate=2), then the MLA models
+    ``mla_paths`` at tp=2 x fsdp=2 x ep=2."""
     from shardlm import build_mesh, parallelize
     from shardlm.config import ParallelConfig
 
@@ -498,7 +567,8 @@ def four_ranks_body(paths: list[str], ep_paths: list[str], mla_paths: list[str])
         model = parallelize(path, mesh)
         out[path] = (ep_losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
     out["fsdp4_ep2"] = shardlm_losses(ep_paths[:1], FSDP4_EP2_LAYOUT, 1, 1)[ep_paths[0]]
-    return losses, out, shardlm_losses(mla_paths, TP2_EP2_LAYOUT, 2, 1)
+    rep = ep_layout_body(rep_paths, TP2_REP_EP_LAYOUT)
+    return losses, out, rep, shardlm_losses(mla_paths, TP2_EP2_LAYOUT, 2, 1)
 
 
 def check_tp2_ep2(got: dict) -> None:

@@ -105,7 +105,7 @@ def eval_run(path, layout, per_device, accum, out):
 def tp2_body(path, out):
     import torch.distributed as dist
 
-    from shardlm.train.trainer import check_tp_batches
+    from shardlm.train.tp_checks import check_tp_batches
 
     result = {
         "precision": precision_run(path, {"tp": 2}, 4, 1, out),

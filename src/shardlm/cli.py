@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--tp", type=int, default=1)
     est.add_argument("--fsdp", type=int, default=1)
     est.add_argument("--dp-replicate", type=int, default=1)
-    est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of --fsdp)")
+    est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of the data-parallel ranks)")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
     est.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")

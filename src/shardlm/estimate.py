@@ -28,6 +28,25 @@ flash/SDPA attention, so no T*seq score matrix)::
          + 4 f / t                gate, act(gate), up, act*up (down_proj input)
          + a / t)                 attention logsumexp
 
+A mixture-of-experts layer (``experts.moe_sizes``: E experts of width I, in-projection width
+``I_in`` = 2I for gate and up, top-k choices per token, shared-expert width ``s``) saves instead of
+the MLP's ``4f/t``, as transformers' grouped-matmul kernel runs it::
+
+    T * (E + 1                    router probabilities, top-k normalizer
+         + k (I_in + 2I) / t      per (token, choice) pair: in-projection output, act(gate), the
+                                  down projection's input (a non-gated expert: I_in + I)
+         + k (2h + 10)            the pair's gathered input row and its down output (weighted by the
+                                  router), sort permutations and indices (int64: 2 elements each)
+         + 4 s / t                a shared expert, as a dense MLP
+         + g (h + 2))             a 1-wide gate on its output (Qwen2-MoE): the output and the gate
+
+Under EP a rank runs the pairs routed to its experts (its share when routing is balanced) and saves
+a few more int64 indices per pair: measured on rank 0 of a 2-rank ep=2 run (experts dispatched,
+the rest as one process), +1.2% (Mixtral) and +0.4% (Qwen2-MoE) of these activations, left out;
+the all-to-all buffers (the rows sent, received and returned, ``3kh`` per token) live only during
+a layer's forward or backward. Routing that sends a rank more than its share of the pairs is not
+in it, nor per-head q/k norms (Qwen3, OLMoE).
+
 With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
 while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
 really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
@@ -59,12 +78,13 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
 from shardlm.parallel.ep import check_ep
-from shardlm.parallel.experts import experts_modules
-from shardlm.parallel.hf import config_size, is_conv1d
+from shardlm.parallel.experts import MoeSizes, experts_modules, moe_sizes
+from shardlm.parallel.hf import config_size, config_value, is_conv1d
 from shardlm.parallel.styles import local_shape, lora_dims, sharded_dim
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -203,15 +223,30 @@ def _dims(config) -> dict[str, int]:
     }
 
 
-def activation_elements(config, tokens: int, tp: int, checkpointing: bool, lora_r: int | None = None) -> int:
-    """Elements saved for backward by the decoder stack (see the module docstring)."""
+def moe_elements(config, sizes: MoeSizes, tokens: int, tp: int) -> int:
+    """Elements one mixture-of-experts layer saves for backward in place of a dense MLP's ``4f/t``
+    per token (see the module docstring), transformers' grouped-matmul experts kernel (its default)."""
+    top_k = config_value(config, "num_experts_per_tok") or 1
+    h, t = config_size(config, "hidden_size"), tp
+    gated = sizes.width if sizes.in_width == 2 * sizes.width else 0  # act(gate) * up: one more I
+    pair = (sizes.in_width + sizes.width + gated) // t + 2 * h + 10
+    return tokens * (sizes.experts + 1 + top_k * pair + 4 * sizes.shared // t + sizes.gates * (h + 2))
+
+
+def activation_elements(
+    config, tokens: int, tp: int, checkpointing: bool, lora_r: int | None = None, moe: list[MoeSizes] = ()
+) -> int:
+    """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
+    model's mixture-of-experts layers (``experts.moe_sizes``), the other layers dense."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
-    per_layer = tokens * (6 * h + 2 + a * d // t + 2 * local_kv * d + a * d // t + 4 * f // t + a // t)
+    attention = tokens * (6 * h + 2 + a * d // t + 2 * local_kv * d + a * d // t + a // t)
     if lora_r:
-        per_layer += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
-    stack = g["L"] * tokens * h + per_layer if checkpointing else g["L"] * per_layer
+        attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
+    layers = [attention + tokens * (4 * f // t)] * (g["L"] - len(moe))
+    layers += [attention + moe_elements(config, sizes, tokens, tp) for sizes in moe]
+    stack = g["L"] * tokens * h + max(layers) if checkpointing else sum(layers)
     return stack + tokens * (3 * h + 1)
 
 
@@ -282,7 +317,7 @@ def estimate(
     ep: int = 1,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
-    ``ep``: expert parallelism, carved out of ``fsdp``)."""
+    ``ep``: expert parallelism, carved out of the data-parallel ranks)."""
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),
@@ -293,9 +328,10 @@ def estimate(
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if fsdp % ep:
+    if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
         raise ConfigError(
-            f"--ep {ep} must divide --fsdp {fsdp}: expert-parallel ranks are carved out of the fsdp ranks"
+            f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
+            "expert-parallel ranks are carved out of the data-parallel ranks"
         )
     if lora_r is not None and lora_r < 1:
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
@@ -329,7 +365,8 @@ def estimate(
         "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
         "gradients": 4 * grads,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
-        "activations": act_bytes * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r),
+        "activations": act_bytes
+        * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model)),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
         "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (

@@ -17,7 +17,7 @@ from shardlm.config import Config
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.dropout import check_layerdrop
-from shardlm.parallel.ep import check_ep
+from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
@@ -35,11 +35,13 @@ def check_run(cfg: Config) -> None:
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
-        router_loss.check(model, cfg.train.gradient_accumulation_steps, p.ep)
+        router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)
         plan = infer_plan(model, p.tp)
         if cfg.lora is not None:
             check_lora(cfg.lora, model, plan)
+            if p.ep > 1:
+                check_ep_lora(model)
     precheck_resume(cfg)

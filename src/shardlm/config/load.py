@@ -132,16 +132,16 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_ep(cfg: Config) -> None:
-    """Expert-parallel ranks are carved out of the fsdp ranks (``parallel/ep.py``); what the
-    model decides (its expert count) is checked by ``shardlm.preflight``."""
+    """Expert-parallel ranks are carved out of the data-parallel ranks, fsdp first
+    (``distributed/mesh.py``): ``ep`` must divide ``fsdp``, or be a multiple of it dividing
+    ``dp_replicate x fsdp``; what the model decides (its expert count) is checked by ``shardlm.preflight``."""
     p = cfg.parallel
-    if p.ep > 1 and p.fsdp % p.ep:
+    if not p.ep_fits:
         raise ConfigError(
-            f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp}: expert-parallel ranks are carved out of the "
-            f"fsdp ranks; set parallel.fsdp to a multiple of {p.ep}"
+            f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp} or be a multiple of it dividing "
+            f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
+            f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
         )
-    if p.ep > 1 and cfg.lora is not None:
-        raise ConfigError("parallel.ep > 1 with lora is not supported yet; train LoRA with parallel.ep=1")
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

@@ -57,8 +57,8 @@ class ParallelConfig:
     """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first).
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
-    ranks carved out of the ``fsdp`` ranks (as torchtitan does): those ranks see different data
-    and exchange tokens with all-to-all (``parallel/ep.py``); it adds no processes.
+    ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
+    different data and exchange tokens with all-to-all (``parallel/ep.py``); it adds no processes.
     """
 
     tp: int = 1
@@ -74,6 +74,13 @@ class ParallelConfig:
     def dp_size(self) -> int:
         """Data-parallel degree: how many different micro-batches are processed at once."""
         return self.fsdp * self.dp_replicate
+
+    @property
+    def ep_fits(self) -> bool:
+        """``ep`` ranks can be carved out of the data-parallel ranks, fsdp (inner) first: ``ep``
+        divides ``fsdp``, or is a multiple of it that divides ``dp_replicate x fsdp``
+        (``distributed/mesh.py``)."""
+        return self.fsdp % self.ep == 0 or (self.ep % self.fsdp == 0 and self.dp_size % self.ep == 0)
 
 
 @dataclass

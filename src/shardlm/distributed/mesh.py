@@ -5,10 +5,14 @@ collectives stay between neighbouring ranks (the same GPU node), data parallelis
 gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1) mesh so every code path
 is the same.
 
-Expert parallelism (``parallel.ep``) adds no processes: the ``fsdp`` dim is unflattened into
-``(efsdp, ep)``, ``ep`` inner (neighbouring fsdp ranks exchange tokens), on the same root mesh,
-so the experts' parameters live on ``(ep, tp)`` and their gradients are summed over the
-data-parallel ranks left, ``(dp_replicate, efsdp)``, which hold the same experts.
+Expert parallelism (``parallel.ep``) adds no processes: the data-parallel ranks, ``(dp_replicate,
+fsdp)`` flattened (fsdp inner), are unflattened into ``(edp, ep)``, ``ep`` inner (neighbouring
+ranks exchange tokens), on the same root mesh. ``ep`` dividing ``fsdp`` carves it out of the fsdp
+ranks; ``ep`` a multiple of ``fsdp`` also takes ``ep / fsdp`` of the ``dp_replicate`` ranks (``ep=2``
+alone is ``dp_replicate=2``: dense parameters replicated, experts halved). Either way the EP ranks
+are data-parallel ranks, reading different micro-batches; the experts' parameters live on
+``(ep, tp)`` and their gradients are summed over the data-parallel ranks left, ``edp``, which
+hold the same experts.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Mesh:
 
     world: DeviceMesh
     parallel: ParallelConfig
-    ep_world: DeviceMesh | None = None  # (dp_replicate, efsdp, ep, tp) when parallel.ep > 1
+    ep_world: DeviceMesh | None = None  # (edp, ep, tp) when parallel.ep > 1
 
     @property
     def experts(self) -> DeviceMesh:
@@ -49,10 +53,9 @@ class Mesh:
     def expert_dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel ranks holding the same experts, over which their gradients are summed
         (None: there are none besides this rank)."""
-        p = self.parallel
-        if self.ep_world is None or p.dp_replicate * (p.fsdp // p.ep) == 1:
+        if self.ep_world is None or self.parallel.dp_size == self.parallel.ep:
             return None
-        return self.ep_world["dp_replicate", "efsdp"]._flatten("edp").get_group()
+        return self.ep_world["edp"].get_group()
 
     @property
     def tp(self) -> DeviceMesh:
@@ -149,5 +152,7 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
     world = init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
     ep_world = None
     if parallel.ep > 1:
-        ep_world = world._unflatten("fsdp", (parallel.fsdp // parallel.ep, parallel.ep), ("efsdp", "ep"))
+        dp = world["dp_replicate", "fsdp"]._flatten("dp")
+        flat = DeviceMesh._concatenate([dp, world["tp"]])  # (dp, tp), the world's ranks
+        ep_world = flat._unflatten("dp", (parallel.dp_size // parallel.ep, parallel.ep), ("edp", "ep"))
     return Mesh(world, parallel, ep_world)

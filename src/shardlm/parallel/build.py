@@ -96,14 +96,9 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
     shared = _shared_parameters(model)
-    if with_lora:
-        styles = lora.lora_styles(model, plan)
-    else:
-        styles = {
-            fqn: style
-            for fqn, style in plan_styles(plan).items()
-            if not (mesh.parallel.ep > 1 and fqn in plan.experts)  # placed with EP (``apply_ep``)
-        }
+    styles = lora.lora_styles(model, plan) if with_lora else plan_styles(plan)
+    if mesh.parallel.ep > 1:  # the experts are placed with EP (``apply_ep``)
+        styles = {fqn: style for fqn, style in styles.items() if fqn not in plan.experts}
     parallelize_module(model, mesh.tp, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     # a parameter registered in several modules stays one: the registration a style placed (BERT's

@@ -2,9 +2,10 @@
 mixture-of-experts layer's experts, and tokens travel to the rank owning their chosen expert and
 back by all-to-all (torchtitan's design; DeepSpeed's AutoEP likewise).
 
-Ranks: the ``ep`` ranks are carved out of the ``fsdp`` ranks (``distributed/mesh.py``: ``fsdp`` =
-``efsdp x ep``), so they read different micro-batches, as data-parallel ranks do; the global
-batch, the token-weighted loss and the data order are those of the same layout without EP.
+Ranks: the ``ep`` ranks are carved out of the data-parallel ranks, fsdp first
+(``distributed/mesh.py``: ``dp_replicate x fsdp`` = ``edp x ep``; ``ep=2`` alone is
+``dp_replicate=2``), so they read different micro-batches; the global batch, the token-weighted
+loss and the data order are those of the same layout without EP.
 
 Parameters: every parameter of an experts module (``experts.experts_modules``: fused 3-D
 ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, biases ``[E, X]``) becomes a DTensor on the
@@ -13,7 +14,7 @@ TP placement (``Plan.experts``, ``tp.expert_placements``) over ``tp``; DCP there
 reshards them across ep and tp sizes like any DTensor. FSDP leaves them out (``ignored_params``):
 an expert's gradient sums the contributions of every token routed to it from the whole EP group
 (the all-to-all's backward brings them), so it is complete on its rank; it is summed over the
-data-parallel ranks left, ``(dp_replicate, efsdp)``, which hold the same experts
+data-parallel ranks left, ``edp``, which hold the same experts
 (``Mesh.expert_dp_group``, ``sum_expert_grads``), never over ``ep``. The global gradient norm
 (``distributed/clip.py``) counts each expert once: the placements say which ranks hold copies.
 
@@ -61,6 +62,21 @@ def check_ep(model: nn.Module, ep: int) -> None:
         if count % ep:
             raise ConfigError(
                 f"parallel.ep={ep} must divide the {count} experts of {fqn}; set parallel.ep to a divisor of {count}"
+            )
+
+
+def check_ep_lora(model: nn.Module) -> None:
+    """Under ``parallel.ep``, refuse a LoRA ``modules_to_save`` copy of an experts module (``model``:
+    the meta model peft adapted): the copy and its frozen original would each need the expert
+    dispatch. Adapters on the experts themselves are refused by peft's targeting (fused 3-D
+    parameters are not linear layers) or by ``lora.check_lora``; adapters on attention and on
+    dense or shared-expert projections train as without EP."""
+    for fqn in experts_modules(model):
+        if ".modules_to_save." in fqn or ".original_module." in fqn:
+            wrapper = fqn.split(".modules_to_save.")[0].split(".original_module.")[0]
+            raise ConfigError(
+                f"lora.modules_to_save: '{wrapper}' holds routed experts ({fqn}), which shardlm cannot train as a "
+                "separate copy under parallel.ep > 1; remove it from modules_to_save or set parallel.ep to 1"
             )
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -77,6 +78,49 @@ def experts_modules(model: nn.Module) -> list[str]:
     """FQNs of the fused experts modules inside the decoder blocks (``is_experts_module``)."""
     blocks = _block_prefixes(model)
     return [name for name, m in model.named_modules() if name.startswith(blocks) and is_experts_module(m)]
+
+
+@dataclass(frozen=True)
+class MoeSizes:
+    """One mixture-of-experts layer's sizes for ``shardlm estimate``, read from its parameters:
+    ``experts`` E, ``in_width`` the in-projection's output per expert (``2I`` gate and up, or ``I``),
+    ``width`` I (the down projection's input), ``shared``: the summed widths of dense MLPs beside
+    the experts in the block (Qwen2-MoE's shared expert), 0 without; ``gates``: 1-wide linear
+    layers beside them (Qwen2-MoE's sigmoid gate on the shared expert's output)."""
+
+    experts: int
+    in_width: int
+    width: int
+    shared: int
+    gates: int = 0
+
+
+def moe_sizes(model: nn.Module) -> list[MoeSizes]:
+    """``MoeSizes`` of each experts module of ``model`` (``experts_modules``): each 3-D parameter's
+    dim other than the hidden width is its projection's width (the smaller one the down projection's
+    input); a linear layer beside the experts in their block that maps to the hidden width is the
+    down projection of a dense MLP of its input width."""
+    hidden = config_size(model.config, "hidden_size")
+    out = []
+    for fqn in experts_modules(model):
+        module = model.get_submodule(fqn)
+        widths = sorted(
+            next((d for d in p.shape[1:] if d != hidden), hidden)
+            for p in module.parameters(recurse=False)
+            if p.dim() == 3
+        )
+        block = model.get_submodule(fqn.rpartition(".")[0])
+        inside = set(module.modules())
+        beside = {  # per module holding linear layers beside the experts: their (in, out) widths
+            m: [(c.in_features, c.out_features) for c in m.children() if isinstance(c, nn.Linear)]
+            for m in block.modules()
+            if m not in inside
+        }
+        # a dense MLP's width: its down projection's input (one per module: gate/up map h -> h when I = h)
+        shared = sum(max((i for i, o in lin if o == hidden), default=0) for lin in beside.values())
+        gates = sum(o == 1 for lin in beside.values() for _, o in lin)
+        out.append(MoeSizes(next(module.parameters()).shape[0], widths[-1], widths[0], shared, gates))
+    return out
 
 
 def count_attrs(module: nn.Module) -> list[str]:

@@ -71,7 +71,8 @@ def _adapter_config(path: str):
     if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
         kind = raw.get("peft_type") if isinstance(raw, dict) else None
         raise ConfigError(f"lora.adapter: '{path}' holds a {kind} adapter; only LORA adapters train")
-    for flag in ("use_dora", "lora_bias", "use_qalora"):
+    # target_parameters: peft's LoRA on fused parameters (the routed experts' [E, out, in]), not placed
+    for flag in ("use_dora", "lora_bias", "use_qalora", "target_parameters"):
         if raw.get(flag):
             raise ConfigError(f"lora.adapter: '{path}' uses {flag}, which shardlm does not place; use a plain LoRA")
     if raw.get("bias", "none") != "none":
@@ -135,6 +136,13 @@ def inject(model: nn.Module, lcfg: LoraConfig):
             inject_adapter_in_model(cfg, model, adapter_name=ADAPTER)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         first = str(exc).strip().splitlines()[0]
+        if first.startswith("Target module ") and "(" in first:  # "Target module Cls(<repr>... is not supported"
+            kind = first.removeprefix("Target module ").split("(")[0]
+            fqn = next((n for n, m in model.named_modules() if type(m).__name__ == kind), kind)
+            first = (
+                f"'{fqn}' is a {kind}, which peft cannot adapt (it adapts linear, embedding and convolution "
+                "layers; a mixture-of-experts layer's routed experts are fused parameters); remove it"
+            )
         raise ConfigError(f"lora.target_modules: {first}") from None
     return cfg
 

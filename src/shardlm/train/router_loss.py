@@ -13,7 +13,9 @@ data-parallel ranks gives the global ``C``, ``S``, ``N``, and each rank backprop
 exactly the gradient of ``coef * E * (C . S) / N**2``, one process's term. Under TP every rank of
 a TP group holds the same tokens and a whole router (``replicate_local``): each computes the same
 term, and its gradient lands on replicated parameters and activations, which TP does not sum, so
-it counts once.
+it counts once. Under expert parallelism (``parallel/ep.py``) the EP ranks are data-parallel ranks
+with tokens of their own and the router stays whole on each, before any token is dispatched: the
+same sums over the same data-parallel group.
 
 The trainer passes no attention mask (every row is a token, as in one process given the same
 inputs), so rows are not masked. The global counts must be known before the first backward of a
@@ -105,7 +107,7 @@ def requested(model_path: str) -> bool:
     return any(getattr(c, "output_router_logits", False) and getattr(c, "router_aux_loss_coef", 0) for c in configs)
 
 
-def check(model: nn.Module, accumulation_steps: int, ep: int = 1) -> None:
+def check(model: nn.Module, accumulation_steps: int) -> None:
     """Before spawning, for a config that ``requested`` the loss: refuse what the global
     load-balancing loss cannot do yet (see the module docstring), and a model whose own
     attributes would not turn it on in the trainer (set on a text config the model does not
@@ -128,9 +130,4 @@ def check(model: nn.Module, accumulation_steps: int, ep: int = 1) -> None:
             f"train.gradient_accumulation_steps: {accumulation_steps} with the router's load-balancing loss "
             "(output_router_logits=true): its expert counts over the global batch are needed before the first "
             "backward; set it to 1 (raise train.per_device_train_batch_size instead)"
-        )
-    if ep > 1:
-        raise ConfigError(
-            f"parallel.ep: {ep} with the router's load-balancing loss (output_router_logits=true) is not tested "
-            "yet; set parallel.ep to 1 (tp and fsdp compute it exactly) or output_router_logits to false"
         )

@@ -32,7 +32,7 @@ the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one 
 recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
 everywhere) runs without the mode after the first step.
 
-Evaluation (``eval``): token-weighted loss over the eval set in file order, sharded over dp like
+Evaluation (``eval``, ``train/evaluation.py``): token-weighted loss over the eval set in file order, sharded over dp like
 training, under ``torch.no_grad`` and ``model.eval()``; logged as ``eval_loss`` and ``eval_ppl``.
 """
 
@@ -50,13 +50,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
 from shardlm.config import Config, TrainConfig
-from shardlm.data.dataset import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.data.dataset import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
 from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
@@ -67,6 +67,7 @@ from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, checkpoin
 from shardlm.parallel.ep import sum_expert_grads
 from shardlm.parallel.tp import sum_tp_partial_grads
 from shardlm.train import faults
+from shardlm.train.evaluation import eval_loss
 from shardlm.train.loss import loss_context, token_loss_sum
 from shardlm.train.metrics import (
     MetricsWriter,
@@ -79,6 +80,7 @@ from shardlm.train.metrics import (
 )
 from shardlm.train.optim import build_optimizer, build_scheduler
 from shardlm.train.router_loss import router_loss_of
+from shardlm.train.tp_checks import check_tp_batches, check_tp_replicas, tp_replicated_params
 
 log = logging.getLogger("shardlm")
 
@@ -114,79 +116,6 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def check_tp_batches(batches: list[Batch], tp_group: dist.ProcessGroup, step: int) -> None:
-    """Raise if the ranks of this TP group hold different batches (one all-reduce of a checksum)."""
-    parts = []
-    for b in batches:
-        parts += [b.input_ids.flatten(), b.labels.flatten()]
-    flat = torch.cat(parts).long()
-    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
-    mine = torch.stack([(flat * weights).sum(), flat.sum(), torch.tensor(flat.numel(), device=flat.device)])
-    both = torch.cat([mine, -mine])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
-    if torch.equal(both[:3], -both[3:]):
-        return
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(gathered, mine, group=tp_group)
-    ranks = dist.get_process_group_ranks(tp_group)
-    kinds: dict[tuple, list[int]] = {}
-    for rank, value in zip(ranks, gathered, strict=True):
-        kinds.setdefault(tuple(value.tolist()), []).append(rank)
-    groups = " vs ".join(str(r) for r in kinds.values())
-    raise RuntimeError(
-        f"tensor-parallel ranks {ranks} got different batches at step {step + 1} (ranks {groups}); every rank of "
-        "a TP group must read the same samples: give each rank the same dataset and seed"
-    )
-
-
-def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The parameters replicated across the TP ranks (Replicate on the mesh's ``tp`` dim): every
-    TP rank must hold the same values (under FSDP: the same shard)."""
-    out = []
-    for name, param in model.named_parameters():
-        names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
-        if "tp" in names and param.placements[names.index("tp")].is_replicate():
-            out.append((name, param))
-    return out
-
-
-@torch.no_grad()
-def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
-    """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
-    checksums per parameter): the TP group would be training different models without any error,
-    e.g. from random numbers drawn per rank that ``parallel/dropout.py`` does not replace."""
-    if not params:
-        return
-    sums = []
-    for _, param in params:
-        local = param.to_local().double()
-        sums += [local.sum(), local.pow(2).sum()]
-    mine = torch.nan_to_num(torch.stack(sums), nan=1e300)
-    both = torch.cat([mine, -mine])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
-    differ = (both[: mine.numel()] != -both[mine.numel() :]).view(-1, 2).any(1).nonzero().flatten().tolist()
-    if differ:
-        names = [params[i][0] for i in differ]
-        raise RuntimeError(
-            f"tensor-parallel ranks {dist.get_process_group_ranks(tp_group)} hold different values of replicated "
-            f"parameter {names[0]} ({len(names)} differ) after step {step}: they are training different models; "
-            "something in the model draws random numbers per rank (an attention kernel's own dropout?)"
-        )
-
-
-def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
-    """This dp rank's eval batches in file order; a rank past the end gets an all-ignored sample,
-    so every rank runs the same number of forwards (FSDP's collectives need them all)."""
-    count = math.ceil(len(ds) / (per_device * dp_size))
-    for b in range(min(count, max_batches) if max_batches else count):
-        start = (b * dp_size + dp_rank) * per_device
-        end = min(start + per_device, len(ds))
-        if start >= end:
-            yield Batch(ds.input_ids[:1], torch.full_like(ds.labels[:1], IGNORE_INDEX))
-        else:
-            yield Batch(ds.input_ids[start:end], ds.labels[start:end])
 
 
 @dataclass
@@ -315,35 +244,16 @@ class Trainer:
             record["router_loss"] = float(router_sum)
         return {**record, "skipped": True} if skipped else record
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Token-weighted loss and perplexity over the eval set (collective; the model is left in
-        the mode it was in)."""
+        """Collective: token-weighted loss and perplexity over the eval set (``train/evaluation.py``)."""
         if self.eval_dataset is None:
             raise ConfigError("eval.path is not set: there is no eval data set to evaluate on")
-        p, e = self.mesh.parallel, self.config.eval
-        was_training = self.module.training
-        self.module.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
-        try:
-            per_device = self.config.train.per_device_train_batch_size
-            for batch in eval_batches(self.eval_dataset, self.mesh.dp_rank, p.dp_size, per_device, e.max_batches):
-                batch = batch.to(self.mesh.device)
-                logits = self.forward(batch.input_ids)
-                with loss_context(isinstance(logits, DTensor)):
-                    totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
-                totals[1] += (batch.labels != IGNORE_INDEX).sum()
-        finally:
-            self.module.train(was_training)
-            # a forward without backward leaves the FSDP root unsharded (its reshard waits for the
-            # backward): put the sharded fp32 parameters back before anything reads or saves them
-            for module in self.module.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-        self._all_reduce_dp(totals)
-        loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        per_device = self.config.train.per_device_train_batch_size
+        loss, tokens = eval_loss(
+            self.module, self.forward, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
+        )
         ppl = math.exp(loss) if loss < 700 else float("inf")
-        return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": int(totals[1])}
+        return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}
 
     def _log_record(self, record: dict) -> None:
         """Add the whole-world numbers of a logging step: peak memory, and MFU on GPU."""

@@ -1,0 +1,71 @@
+"""Evaluation: the token-weighted loss over an eval set, sharded over the data-parallel ranks.
+
+The eval set is read in file order, each dp rank taking every dp_size-th micro-batch, under
+``torch.no_grad`` and ``model.eval()``; the loss is the sum of token losses over the count of
+labelled tokens of the whole set, as one process computes it (``train/loss.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from shardlm.data.dataset import Batch, TokenDataset
+from shardlm.data.rows import IGNORE_INDEX
+from shardlm.distributed.mesh import Mesh
+from shardlm.distributed.shards import as_local
+from shardlm.train.loss import loss_context, token_loss_sum
+
+
+def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
+    """This dp rank's eval batches in file order; a rank past the end gets an all-ignored sample,
+    so every rank runs the same number of forwards (FSDP's collectives need them all)."""
+    count = math.ceil(len(ds) / (per_device * dp_size))
+    for b in range(min(count, max_batches) if max_batches else count):
+        start = (b * dp_size + dp_rank) * per_device
+        end = min(start + per_device, len(ds))
+        if start >= end:
+            yield Batch(ds.input_ids[:1], torch.full_like(ds.labels[:1], IGNORE_INDEX))
+        else:
+            yield Batch(ds.input_ids[start:end], ds.labels[start:end])
+
+
+@torch.no_grad()
+def eval_loss(
+    module: nn.Module,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    ds: TokenDataset,
+    mesh: Mesh,
+    per_device: int,
+    max_batches: int | None,
+) -> tuple[float, int]:
+    """Collective: the token-weighted loss of ``logits_of`` over ``ds`` and its labelled token
+    count (the module is left in the mode it was in)."""
+    p = mesh.parallel
+    was_training = module.training
+    module.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    try:
+        for batch in eval_batches(ds, mesh.dp_rank, p.dp_size, per_device, max_batches):
+            batch = batch.to(mesh.device)
+            logits = logits_of(batch.input_ids)
+            with loss_context(isinstance(logits, DTensor)):
+                totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
+            totals[1] += (batch.labels != IGNORE_INDEX).sum()
+    finally:
+        module.train(was_training)
+        # a forward without backward leaves the FSDP root unsharded (its reshard waits for the
+        # backward): put the sharded fp32 parameters back before anything reads or saves them
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+    if p.dp_size > 1:
+        dist.all_reduce(totals, group=mesh.dp_group)
+    loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    return loss, int(totals[1])
