@@ -37,3 +37,6 @@ class Plan:
     channel_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     # module fqn -> {int attribute its forward reads: its value on one rank} (a mixer's ``key_dim``)
     local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # MLA (``latent.py``): module reading a low-rank latent kept whole (a column-parallel up-projection,
+    # a norm) -> that latent; their input gradients are partial, summed over TP at the latent's input
+    latent_readers: dict[str, str] = field(default_factory=dict)

@@ -21,7 +21,9 @@ same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused pro
 output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
 first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
-rank's own head count, unlike ALiBi slopes made from the config's. The model's own
+rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
+such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
+(``latent.py``: its gradient is summed over TP at the latent's input). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -47,11 +49,13 @@ from shardlm.parallel.hf import (
     out_features,
     rms_norm_eps,
 )
+from shardlm.parallel.latent import latent_candidates
 from shardlm.parallel.layouts import Layout, propagate
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 _VIEW_OPS = {"view", "reshape", "unflatten"}
+_BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
 # answers for data-dependent questions a modeling file asks of a meta tensor during the trace
 # ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
 _DATA_DEPENDENT = {
@@ -130,6 +134,12 @@ class ShardTracker(TorchFunctionMode):
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
+        # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
+        # still whole on every rank; the modules with parameters reading such tensors; why a latent's
+        # partial gradients would reach something computed whole on every rank (then it is not one)
+        self.latent: dict[int, frozenset[str]] = {}
+        self.latent_readers: dict[str, frozenset[str]] = {}
+        self.latent_leaks: dict[str, str] = {}
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -171,6 +181,8 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
+        elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
+            self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
         # freed tensor's id can be reused (that made packed detection nondeterministic)
         self.keep.extend(inputs)
@@ -202,6 +214,13 @@ class ShardTracker(TorchFunctionMode):
                     self.from_param_ids[id(t)] = ids
         if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
             self._record_later_split(name, next(iter(sources)), args, kwargs)
+        latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs))
+        if latent:
+            self._check_latent(name, inputs, latent)
+            if not sources:  # still whole on every rank: its gradient is still a partial one
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.latent[id(t)] = latent
         if sources:
             propagate(name, args, kwargs, out, self.layouts)
             for t in tree_flatten(out)[0]:
@@ -214,6 +233,21 @@ class ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
         return out
+
+    def _check_latent(self, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
+        """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
+        TP once, at the latent's input): meeting a tensor that needs a whole gradient (one computed
+        whole on every rank, a parameter of a module that does not read the latent) would give it
+        a partial one."""
+        readers = tuple(f"{r} (" for r in self.latent_readers)
+        for t in inputs:
+            if id(t) in self.sharded or id(t) in self.latent or not t.requires_grad:
+                continue
+            owners = self._owners(t)
+            if owners and all(o.startswith(readers) for o in owners):
+                continue  # a parameter of a module reading the latent (its norm): summed over TP too
+            for fqn in latent:
+                self.latent_leaks.setdefault(fqn, f"{name} mixes it with a tensor computed whole on every rank")
 
     def _owners(self, t: torch.Tensor) -> frozenset[str]:
         """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
@@ -359,6 +393,19 @@ class ShardTracker(TorchFunctionMode):
                     bounds.add(b)
 
 
+def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool:
+    """Whether ``out`` broadcasts ``t`` (unsplit) along a dim of size 1 to a head count read off a
+    split tensor's shape: MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
+    shared by every head, made at each rank's own head count (like an MQA key repeated)."""
+    if not isinstance(t, torch.Tensor) or tracker.is_sharded(t):
+        return False
+    if t.requires_grad and id(t) not in tracker.latent:
+        return False  # its gradient, from this rank's heads only, would not be summed over TP
+    counts = tracker.shape_heads & set(_ints(flat[1:]))
+    lead = out.dim() - t.dim()
+    return any(n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape))
+
+
 def _ints(values) -> list[int]:
     """The ints among ``values`` and inside the tuples (sizes) among them."""
     out = []
@@ -419,6 +466,13 @@ class Traced:
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
     split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
+    # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
+    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
+    latents: dict[str, str]
+    # with ``trace_model(latents=...)``: module reading a latent's tensors -> those latents, and
+    # latent -> why its gradient cannot stay partial (``ShardTracker.latent_leaks``)
+    latent_readers: dict[str, set[str]]
+    latent_leaks: dict[str, str]
 
 
 def trace_model(
@@ -426,11 +480,13 @@ def trace_model(
     forced: frozenset[str] = frozenset(),
     meta: nn.Module | None = None,
     shape: tuple[int, int] = (1, TRACE_SEQ),
+    latents: frozenset[str] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
     outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
-    given; the trace leaves it as is)."""
+    given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
+    latents read per head (``latent.py``): the modules reading them and what they meet are recorded."""
     meta = meta if meta is not None else build_meta(model)
     styles: dict[str, str] = {}
     registrations: dict[int, int] = {}
@@ -462,6 +518,8 @@ def trace_model(
             tracker.shape_heads.clear()
             if not args or not isinstance(args[0], torch.Tensor):
                 return
+            if id(args[0]) in tracker.latent and any(True for _ in module.parameters(recurse=False)):
+                tracker.latent_readers[name] = tracker.latent[id(args[0])]
             sources = tracker.sources(args[0])
             owner = label.format(type(module).__name__)
             if is_linear(module) and name in forced:
@@ -503,6 +561,12 @@ def trace_model(
                 if styles[name] == "colwise":
                     tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                 outputs[name] = out
+            if name in latents and isinstance(out, torch.Tensor):
+                tracker.latent[id(out)] = frozenset({name})
+            for t in tree_flatten(out)[0]:
+                for fqn in tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
+                    if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
+                        tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
 
         return hook
 
@@ -553,6 +617,9 @@ def trace_model(
         follows,
         {name: names for name, names in int_reads.items() if names},
         tracker.split_sizes,
+        latent_candidates(tracker, styles, outputs, closer_inputs),
+        {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
+        dict(tracker.latent_leaks),
     )
 
 
