@@ -112,6 +112,9 @@ OTHER = {
     "patch_size": 8,
 }
 SIZES = {**WIDTH, **FFN, **DEPTH, **HEADS, **HEAD_DIM, **OTHER}
+# how many leading layers are dense in a mixture-of-experts model (DeepSeek-V3's 3 of 61): a layer
+# index, scaled with the depth so that a model with both kinds keeps both (at least one MoE layer)
+FIRST_DENSE = ("first_k_dense_replace", "num_dense_layers")
 # 'max_position_embeddings' etc. must stay >= the sequences trained on; a sliding window above it is left alone
 
 
@@ -186,6 +189,11 @@ def shrink(d: dict) -> dict:
         for k in DEPTH:
             if isinstance(d.get(k), int):
                 d[k] = len(keep)
+    depth = next((d[k] for k in DEPTH if isinstance(d.get(k), int)), None)
+    for k in FIRST_DENSE:
+        first, layers = original.get(k), next((original[j] for j in DEPTH if isinstance(original.get(j), int)), None)
+        if isinstance(first, int) and isinstance(layers, int) and 0 < first < layers and first >= depth:
+            d[k] = max(1, depth - 1)
     heads = next((d[k] for k in HEADS if isinstance(d.get(k), int)), None)
     for k in KV_HEADS:
         if isinstance(d.get(k), int) and heads:

@@ -98,8 +98,15 @@ def family_config(family: str, **overrides):
 
 # models from their own type's config defaults, sizes shrunk (``scripts/tiny.py``), with overrides
 # that keep a ratio of the published config the shrinking loses: Qwen3.5's Gated DeltaNet has
-# twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones
-TINY = {"qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2})}
+# twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones; so
+# have Qwen3-Next's (its q/k/v/z fused per key head) and OLMo-hybrid's (q, k, v projections apart).
+# LFM3: a short convolution over one third of a fused in_proj.
+TINY = {
+    "qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2}),
+    "qwen3_next": ("qwen3_next", {"linear_num_key_heads": 2}),
+    "olmo_hybrid": ("olmo_hybrid", {"linear_num_key_heads": 2}),
+    "lfm3": ("lfm3", {}),
+}
 
 
 def write_tiny_dir(path: str, name: str) -> str:

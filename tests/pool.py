@@ -47,8 +47,13 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
 
     fresh_seed = torch.initial_seed()
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0", MASTER_ADDR="localhost", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
     )
     init_distributed()
     while True:

@@ -36,13 +36,24 @@ FAMILIES = [
     "phi3_gqa",
     "olmo2",
 ]
-# and Qwen3.5 text (families.TINY: Gated DeltaNet linear attention split by heads, parallel/channels.py)
+# and the hybrids of families.TINY, their mixers split by heads (parallel/channels.py): Qwen3.5 text,
+# Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution)
 HYBRID = list(TINY)
-# models whose TP-partial gradients are summed after backward (Qwen3.5: its gated norm per value head,
-# its q/k/v projection of unequal parts and the conv1d over it, stored whole)
-PARTIAL_GRADS = {"qwen3", "phi3_gqa", "qwen3_5_text"}
+# models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
+# gated norm per value head, and the conv1d over q/k/v of unequal widths, stored whole; LFM3: its
+# attention's q/k norms)
+PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID}
+# the parameter elements of their mixers, global and per rank: halved but for what each rank stores
+# whole (Qwen3.5's in_proj_qkv of unequal parts and the conv1d over it, 8192 + 512; Qwen3-Next's and
+# OLMo-hybrid's conv1d over q|k|v of unequal widths, 512; the norms per value head, 16), per mixer
+MIXERS = {
+    "qwen3_5_text": ("linear_attn", 2, 17432, 13076),
+    "qwen3_next": ("linear_attn", 2, 17432, 8980),
+    "olmo_hybrid": ("linear_attn", 2, 17432, 8980),
+    "lfm3": ("conv", 2, 16832, 8416),
+}
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
-TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text"]
+TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3"]
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +76,31 @@ def count_collectives(paths: list[str], tp: int = 2) -> dict:
     return {path: model_collectives(parallelize(path, mesh), mesh) for path in paths}
 
 
-def local_elements(path: str, under: str, tp: int = 2) -> dict[str, int]:
-    """Rank body: elements of the parameters under modules named ``under`` on this rank, and in all."""
+def local_elements(paths: dict[str, str], tp: int = 2) -> dict[str, tuple[int, int]]:
+    """Rank body: per model path, the elements of the parameters under its modules named
+    ``paths[path]`` in all and on this rank."""
     from shardlm import build_mesh, init_distributed, parallelize
     from shardlm.config import ParallelConfig
 
     init_distributed()
-    model = parallelize(path, build_mesh(ParallelConfig(tp=tp))).module
-    params = [(n, p) for n, p in model.named_parameters() if f".{under}." in n]
-    return {"local": sum(p.to_local().numel() for _, p in params), "global": sum(p.numel() for _, p in params)}
+    mesh = build_mesh(ParallelConfig(tp=tp))
+    out = {}
+    for path, under in paths.items():
+        params = [p for n, p in parallelize(path, mesh).module.named_parameters() if f".{under}." in n]
+        out[path] = (sum(p.numel() for p in params), sum(p.to_local().numel() for p in params))
+    return out
 
 
-def tp2_body(paths: list[str], counted: list[str], hybrid: str) -> tuple[dict, dict, dict]:
+def tp2_body(paths: list[str], counted: list[str], hybrid: dict[str, str]) -> tuple[dict, dict, dict]:
     losses = shardlm_losses(paths, {"tp": 2}, 4, 1)
-    return losses, count_collectives(counted), local_elements(hybrid, "linear_attn")
+    return losses, count_collectives(counted), local_elements(hybrid)
 
 
 @pytest.mark.ranks
 def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs):
     tp2, _ = dirs
-    losses, counts, mixer = run_ranks(tp2_body, 2, list(tp2.values()), list(tp2.values()), tp2["qwen3_5_text"])
+    hybrid = {tp2[f]: under for f, (under, *_) in MIXERS.items()}
+    losses, counts, mixers = run_ranks(tp2_body, 2, list(tp2.values()), list(tp2.values()), hybrid)
     for family, path in tp2.items():
         assert_parity(losses[path], plain_reference(path, 4), label=family)
     for family in tp2:
@@ -98,14 +114,22 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # all-reduce per step over all of them, flattened.
         # OLMo-2: its q_norm and k_norm each all-reduce a [tokens, 1] sum of squares, forward
         # and backward (2 per block each way), instead of gathering q and k as its HF plan does.
-        # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way.
-        expected = {"phi": (5, 3, 3), "olmo2": (9, 3, 9), "qwen3_5_text": (7, 3, 7)}.get(family, (5, 3, 5))
+        # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way;
+        # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert).
+        expected = {
+            "phi": (5, 3, 3),
+            "olmo2": (9, 3, 9),
+            "qwen3_5_text": (7, 3, 7),
+            "qwen3_next": (10, 3, 10),
+            "olmo_hybrid": (9, 3, 9),
+            "lfm3": (9, 3, 9),
+        }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
-    # each rank holds its heads of the DeltaNet mixers: in_proj_z/b/a, out_proj, A_log, dt_bias halved;
-    # in_proj_qkv ([key, key, value], unequal parts) and the conv1d over it stored whole (8192 + 512 of
-    # 17432 elements per mixer): 13076 per rank, 0.75 of the mixer
-    assert (mixer["global"], mixer["local"]) == (2 * 17432, 2 * 13076), mixer
+    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's, 0.515 of Qwen3-Next's and
+    # OLMo-hybrid's, 0.5 of LFM3's)
+    for family, (_, count, whole, local) in MIXERS.items():
+        assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
 
 
 @pytest.mark.ranks

@@ -42,7 +42,8 @@ EXPECT = {
     "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
     "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
     "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
-    "lfm2_conv": (0, "model.layers.*.conv.conv (Conv1d) acts on its split", "model.layers.*.conv.in_proj"),
+    # the short conv over the x third of in_proj follows its channels (parallel/layouts.py): nothing kept whole
+    "lfm2_conv": (0, "packed model.layers.0.conv.in_proj: parts [64, 64, 64], each split 2 ways", None),
     "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
     "xlm": (0, "transformer.layer_norm_emb", None),
     "roc_bert": (0, "cls.predictions.decoder", None),
@@ -51,6 +52,9 @@ EXPECT = {
     # the later blocks' LayerNorms read split activations: those blocks stay whole
     "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.attention.key"),
     "mamba": (2, "error: parallel.tp: no layer of MambaForCausalLM can be split", None),
+    # refused by its mixer (its in_proj cut into [z, x|B|C, dt], x|B|C cut again after the conv), not by
+    # ``self.lm_head.weight.dtype`` in its LM forward (reading metadata is not using the weight)
+    "mamba2": (2, "backbone.layers.*.mixer (Mamba2Mixer) fails at one rank's shapes", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
     # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
     "jetmoe": (2, "error: parallel.tp: model.layers.0.mlp (JetMoeMoE) is a mixture-of-experts", None),

@@ -5,7 +5,7 @@ output is split after the depthwise convolution, the conv1d and the per-head ``A
 follow the channels of the projection they act on (``per_channel``), the gated norm per value head
 stays whole (``replicate_grad_allreduce``), the sizes the mixer's forward reads are made local.
 Parity with one process at tp=2 and tp=2 x fsdp=2, the collectives and the per-rank elements are
-checked in ``test_autotp.py``'s spawns (the model is ``families.TINY``'s ``qwen3_5_text``).
+checked in ``test_autotp.py``'s spawns (the models of ``families.TINY``).
 """
 
 from __future__ import annotations
@@ -59,3 +59,103 @@ def test_gated_deltanet_is_split_by_heads(qwen35, capsys):
     assert main(["plan", qwen35, "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "A_log split with the output channels of in_proj_a" in out and "kept replicated" not in out
+
+
+@pytest.fixture(scope="module")
+def mixers(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mixers")
+    return {name: write_tiny_dir(str(root / name), name) for name in ("qwen3_next", "olmo_hybrid", "lfm3")}
+
+
+def mixer_plan(path: str, mixer: str):
+    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.build import build_meta_model
+
+    model = build_meta_model(path)
+    plan = infer_plan(model, 2)
+    styles = {f[len(mixer) + 1 :] or "": s for f, s in plan.styles.items() if f.startswith(mixer)}
+    rows = {
+        r["module"][len(mixer) + 1 :] or "": r["local"]
+        for r in describe_plan(model, plan, 2)
+        if r["module"].startswith(mixer)
+    }
+    return plan, styles, rows
+
+
+def test_convolutions_over_reshaped_split_channels_follow_them():
+    """A depthwise conv1d meeting split activations that are not one linear's whole output: their
+    channel layout (``layouts.py``) says how each rank's channels lie, and the conv follows it."""
+    import torch
+
+    from shardlm.parallel.layouts import propagate
+    from shardlm.parallel.trace import ShardTracker
+
+    # LFM's short conv: in_proj [.., 3H] transposed, chunked into B, C, x; the conv over x (H channels)
+    tracker = ShardTracker()
+    out = torch.empty(1, 13, 24, device="meta")
+    tracker.mark(out, frozenset({"in_proj"}))
+    tracker.layouts[id(out)], tracker.widths["in_proj"] = (-1, (24,)), 24
+    weight = torch.nn.Parameter(torch.empty(8, 1, 3, device="meta"))
+    tracker.params = {id(weight): weight}
+    with tracker:
+        b, c, x = out.transpose(-1, -2).chunk(3, dim=-2)
+        torch.nn.functional.conv1d(b * x, weight, groups=8, padding=2)
+    assert tracker.follows == {id(weight): (frozenset({"in_proj"}), (8,))} and not tracker.violations
+    assert tracker.later_parts["in_proj"] == [8, 8, 8]  # chunk(3): three parts, not parts of 3
+    # Qwen3-Next: [.., groups of (q, k, v)] viewed per key head, cut, flattened, concatenated
+    layouts = {}
+    fused = torch.empty(1, 13, 2 * (4 + 4 + 8), device="meta")
+    layouts[id(fused)] = (-1, (32,))
+    grouped = fused.view(1, 13, 2, 16)
+    propagate("view", (fused, 1, 13, 2, 16), {}, grouped, layouts)
+    assert layouts[id(grouped)] == (-2, (2,))  # the key heads
+    q, k, v = grouped.split([4, 4, 8], dim=3)
+    propagate("split", (grouped, [4, 4, 8], 3), {}, (q, k, v), layouts)
+    flat = [t.reshape(1, 13, -1) for t in (q, k, v)]
+    for a, b in zip((q, k, v), flat):
+        propagate("reshape", (a, 1, 13, -1), {}, b, layouts)
+    mixed = torch.cat(flat, dim=-1)
+    propagate("cat", (flat, -1), {}, mixed, layouts)
+    assert layouts[id(mixed)] == (-1, (8, 8, 16))  # each rank: its chunk of q, of k, of v
+
+
+def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
+    # Qwen3-Next: q/k/v/z fused per key head (plain colwise: each rank holds whole key heads); the conv
+    # over cat(q, k, v) follows their channels, [32, 32, 64], unequal: stored whole, each rank its rows
+    mixer = "model.layers.0.linear_attn"
+    plan, styles, local = mixer_plan(mixers["qwen3_next"], mixer)
+    assert styles == {
+        "": "per_channel",
+        "conv1d": "per_channel",
+        "in_proj_qkvz": "colwise",
+        "in_proj_ba": "colwise",
+        "norm": "replicate_grad_allreduce",
+        "out_proj": "rowwise",
+    }
+    assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
+    assert plan.channel_rows[f"{mixer}.conv1d.weight"] == [
+        [(0, 16), (32, 48), (64, 96)],
+        [(16, 32), (48, 64), (96, 128)],
+    ]
+    assert plan.channel_parts[f"{mixer}.A_log"] == plan.channel_parts[f"{mixer}.dt_bias"] == [4]
+    assert local[""] == {"A_log": (2,), "dt_bias": (2,)} and local["conv1d"] == {"weight": (128, 1, 4)}
+    # the head counts its forward views the fused projections by, and the widths it splits at
+    assert plan.local_sizes[mixer] == {"key_dim": 16, "num_k_heads": 1, "num_v_heads": 2, "value_dim": 32}
+    assert not [f for f in plan.replicated if "linear_attn" in f]
+    # OLMo-hybrid: the conv over cat(q_proj, k_proj, v_proj) follows the three projections
+    plan, styles, local = mixer_plan(mixers["olmo_hybrid"], mixer)
+    assert {s for n, s in styles.items() if n.endswith("_proj")} == {"colwise", "rowwise"}
+    assert plan.channels[f"{mixer}.conv1d"] == {"weight": " + ".join(f"{mixer}.{p}_proj" for p in "kqv")}
+    assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
+    assert not plan.replicated
+    from shardlm.parallel.autotp import describe_plan
+    from shardlm.parallel.build import build_meta_model
+
+    rows = {r["module"]: r["source"] for r in describe_plan(build_meta_model(mixers["olmo_hybrid"]), plan, 2)}
+    assert "weight split with the output channels of k_proj + q_proj + v_proj (stored whole" in rows[f"{mixer}.conv1d"]
+    # LFM3: in_proj packed [B, C, x]; the conv over B * x follows x's part, Shard(0)
+    mixer = "model.layers.0.conv"
+    plan, styles, local = mixer_plan(mixers["lfm3"], mixer)
+    assert styles == {"": "per_channel", "conv": "per_channel", "in_proj": "packed_colwise", "out_proj": "rowwise"}
+    assert plan.parts[f"{mixer}.in_proj"] == [64, 64, 64] and plan.channel_parts[f"{mixer}.conv.weight"] == [64]
+    assert local["conv"] == {"weight": (32, 1, 7)} and not plan.replicated

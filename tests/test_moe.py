@@ -11,6 +11,10 @@ Expert parallelism (``parallel.ep``, ``parallel/ep.py``): Qwen3-MoE, Mixtral and
 fsdp=2 x ep=2 in the module's one 2-rank spawn (with DCP resumes across ep=2 <-> ep=1 and
 consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn; Qwen3-MoE
 and Mixtral at ep=2 alone (dp_replicate=2) and tp=2 x ep=2 (tp=2 x dp_replicate=2) in the same spawns.
+
+Multi-head latent attention (``parallel/latent.py``): DeepSeek-V3 (MLA, a shared expert, grouped
+routing) and MiniCPM3 at tp=2, DeepSeek-V3 at fsdp=2 x ep=2 (with a DCP resume from tp=2 and
+consolidation) in the same 2-rank spawn, and at tp=2 x fsdp=2 x ep=2 in the 4-rank one.
 """
 
 from __future__ import annotations
@@ -262,18 +266,20 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, two_ranks
 
 
 @pytest.mark.ranks
-def test_moe_at_tp2_fsdp2_matches_one_process(dirs, router_dirs):
+def test_moe_at_tp2_fsdp2_matches_one_process(dirs, router_dirs, mla_dirs):
     """The models above, and Mixtral and Qwen3-MoE with the router's load-balancing loss on
     (``ROUTER``), at tp=2 x fsdp=2; then the expert-parallel layouts (``four_ranks_body``)."""
     paths = [dirs[t] for t in TRAINED] + [router_dirs[t] for t in ROUTER]
     ep_paths, rep_paths = [dirs[t] for t in TP2_EP2_TRAINED], [dirs[t] for t in REP_EP_TRAINED]
-    got, ep_got, rep_got = run_ranks(four_ranks_body, 4, paths, ep_paths, rep_paths)
+    mla_paths = [mla_dirs["deepseek_v3"]]
+    got, ep_got, rep_got, mla_got = run_ranks(four_ranks_body, 4, paths, ep_paths, rep_paths, mla_paths)
     for model_type, path in zip(TRAINED + [f"{t} +router loss" for t in ROUTER], paths):
         ref = plain_reference(path, 4)
         assert_parity(got[path], ref, label=model_type)
         _report(f"{model_type} tp=2 x fsdp=2", got[path], ref)
     check_tp2_ep2(ep_got)
     check_ep_layout(rep_got, TP2_REP_EP_LAYOUT)
+    check_mla_tp2_ep2(mla_got)
 
 
 # ---------------------------------------------------------------- the router's load-balancing loss
@@ -400,18 +406,28 @@ def _resume_run(path: str, ep: int, out: str, resume: str | None = None) -> list
 
 
 @pytest.fixture(scope="module")
-def two_ranks(dirs, router_dirs, tmp_path_factory) -> dict:
+def two_ranks(dirs, router_dirs, mla_dirs, tmp_path_factory) -> dict:
     """The one 2-rank spawn of this module: the MoE models at tp=2 (``tp2_body``), then at
-    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``)."""
+    fsdp=2 x ep=2 with checkpoints across ep sizes (``ep2_body``, writing under ``root``), at
+    dp_replicate=2 x ep=2 (``ep_layout_body``), then the MLA models (``mla_body``, writing under
+    ``root/mla``)."""
     root = tmp_path_factory.mktemp("ep")
     paths, ep_paths = [dirs[t] for t in TRAINED], [dirs[t] for t in EP_TRAINED]
     router_paths, rep_paths = [router_dirs[t] for t in ROUTER], [dirs[t] for t in REP_EP_TRAINED]
-    tp2, ep2, rep = run_ranks(two_ranks_body, 2, paths, router_paths, ep_paths, str(root), rep_paths)
-    return {"tp2": tp2, "ep2": ep2, "root": root, "rep_ep2": rep}
+    mla_paths = [mla_dirs[t] for t in MLA]
+    tp2, ep2, rep, mla = run_ranks(two_ranks_body, 2, paths, router_paths, ep_paths, str(root), rep_paths, mla_paths)
+    return {"tp2": tp2, "ep2": ep2, "root": root, "rep_ep2": rep, "mla": mla}
 
 
-def two_ranks_body(paths: list[str], router_paths: list[str], ep_paths: list[str], root: str, rep: list[str]) -> tuple:
-    return tp2_body(paths, router_paths), ep2_body(ep_paths, root), ep_layout_body(rep, REP_EP_LAYOUT)
+def two_ranks_body(
+    paths: list[str], router_paths: list[str], ep_paths: list[str], root: str, rep: list[str], mla_paths: list[str]
+) -> tuple:
+    return (
+        tp2_body(paths, router_paths),
+        ep2_body(ep_paths, root),
+        ep_layout_body(rep, REP_EP_LAYOUT),
+        mla_body(mla_paths, f"{root}/mla"),
+    )
 
 
 def ep_layout_body(paths: list[str], layout: dict) -> dict:
@@ -532,11 +548,14 @@ TP2_EP2_LAYOUT = {"tp": 2, "fsdp": 2, "ep": 2}
 FSDP4_EP2_LAYOUT = {"fsdp": 4, "ep": 2}  # ep carved out of fsdp=4: efsdp=2 ranks hold the same experts
 
 
-def four_ranks_body(paths: list[str], ep_paths: list[str], rep_paths: list[str]) -> tuple[dict, dict, dict]:
+def four_ranks_body(
+    paths: list[str], ep_paths: list[str], rep_paths: list[str], mla_paths: list[str]
+) -> tuple[dict, dict, dict, dict]:
     """Rank body (4 ranks): ``paths`` at tp=2 x fsdp=2, then ``ep_paths`` at tp=2 x fsdp=2 x ep=2
     (with the collectives of one micro-batch and the experts' bytes per rank), then the first of
     them at fsdp=4 x ep=2 (experts held by 2 ranks each: their gradients summed over those 2), then
-    ``rep_paths`` at tp=2 x ep=2 (ep carved out of dp_replicate=2)."""
+    ``rep_paths`` at tp=2 x ep=2 (ep carved out of dp_replicate=2), then the MLA models
+    ``mla_paths`` at tp=2 x fsdp=2 x ep=2."""
     from shardlm import build_mesh, parallelize
     from shardlm.config import ParallelConfig
 
@@ -548,7 +567,8 @@ def four_ranks_body(paths: list[str], ep_paths: list[str], rep_paths: list[str])
         model = parallelize(path, mesh)
         out[path] = (ep_losses[path], model_collectives(model, mesh), _ep_expert_bytes(model))
     out["fsdp4_ep2"] = shardlm_losses(ep_paths[:1], FSDP4_EP2_LAYOUT, 1, 1)[ep_paths[0]]
-    return losses, out, ep_layout_body(rep_paths, TP2_REP_EP_LAYOUT)
+    rep = ep_layout_body(rep_paths, TP2_REP_EP_LAYOUT)
+    return losses, out, rep, shardlm_losses(mla_paths, TP2_EP2_LAYOUT, 2, 1)
 
 
 def check_tp2_ep2(got: dict) -> None:
@@ -602,3 +622,191 @@ def test_estimate_counts_the_experts_per_rank(dirs):
     assert base.bytes["compute_weights"] - ep.bytes["compute_weights"] == 4 * experts  # root + 2 blocks: all
     assert base.bytes["reduce_scatter"] - ep.bytes["reduce_scatter"] == 4 * experts // c.num_hidden_layers
     assert estimate(dirs["qwen3_moe"], fsdp=2, ep=2).params_local == estimate(dirs["qwen3_moe"], fsdp=2).params_local
+
+
+# ---------------------------------------------------------------- multi-head latent attention (MLA)
+
+# DeepSeek-V3: MLA, a shared expert, grouped routing (e_score_correction_bias, routed_scaling_factor,
+# norm_topk_prob as published); tiny.py keeps its first layer dense and the second MoE. MiniCPM3: MLA in
+# a dense model. GLM-4-MoE-lite's attention is DeepSeek-V3's (planned only).
+MLA = ["deepseek_v3", "minicpm3"]
+MLA_PLANNED = [*MLA, "glm4_moe_lite"]
+
+
+@pytest.fixture(scope="module")
+def mla_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mla")
+    out = {}
+    for model_type in MLA_PLANNED:
+        config = tiny_config(model_type)
+        if model_type == "deepseek_v3":
+            assert config.first_k_dense_replace == 1 < config.num_hidden_layers  # one dense, one MoE layer
+            # grouped routing kept: tiny.py's 4 experts in 2 groups, each token's best group only
+            # (the family's 8 groups of 32, top 4 groups, shrunk; tiny.py's n_group=1 would not group)
+            config.n_group, config.topk_group = 2, 1
+        config.save_pretrained(root / model_type)
+        out[model_type] = str(root / model_type)
+    return out
+
+
+def test_mla_plan_splits_the_heads_after_the_latents(mla_dirs):
+    """The latents (``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every rank, their norms summing
+    their gradients over TP, the per-head up-projections column-parallel (half of their bytes per
+    rank), ``o_proj`` row-parallel; nothing kept replicated; the router whole."""
+    from shardlm.parallel.autotp import describe_plan, infer_plan
+
+    for model_type in MLA_PLANNED:
+        meta = _meta(mla_dirs[model_type])
+        plan = infer_plan(meta, 2)
+        rows = {row["module"]: row for row in describe_plan(meta, plan, 2)}
+        attn = "model.layers.1.self_attn"
+        assert plan.replicated == {}, (model_type, plan.replicated)
+        for latent in ("q_a_proj", "kv_a_proj_with_mqa"):
+            fqn = f"{attn}.{latent}"
+            assert plan.sliced[fqn] == [[(0, meta.get_submodule(fqn).out_features)]] * 2, model_type
+            assert rows[fqn]["bytes_per_rank"] == rows[fqn]["bytes_global"]
+        for norm in ("q_a_layernorm", "kv_a_layernorm"):
+            assert plan.styles[f"{attn}.{norm}"] == "replicate_grad_allreduce", model_type
+        for up, latent in (("q_b_proj", "q_a_proj"), ("kv_b_proj", "kv_a_proj_with_mqa")):
+            fqn = f"{attn}.{up}"
+            assert plan.styles[fqn] == "colwise" and plan.latent_readers[fqn] == f"{attn}.{latent}", model_type
+            assert 2 * rows[fqn]["bytes_per_rank"] == rows[fqn]["bytes_global"], model_type
+        assert plan.styles[f"{attn}.o_proj"] == "rowwise", model_type
+    plan = infer_plan(_meta(mla_dirs["deepseek_v3"]), 2)
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"  # the dense first layer
+    assert plan.styles["model.layers.1.mlp.experts"] == "experts"
+    assert plan.styles["model.layers.1.mlp.gate"] == "replicate_local"  # grouped top-k router, whole
+    assert plan.styles["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+
+
+def test_a_latent_whose_gradient_would_leak_is_kept_replicated(mla_dirs, monkeypatch):
+    """A latent's tensors carry each rank's partial gradient: one that meets a tensor computed whole
+    on every rank (here added to the attention's output) is no latent; the attention is then kept
+    replicated, sub-block by sub-block, and trains as before."""
+    from transformers.models.minicpm3 import modeling_minicpm3
+
+    from shardlm.parallel import autotp
+
+    original = modeling_minicpm3.MiniCPM3Attention.forward
+
+    def leaking(self, hidden_states, *args, **kwargs):
+        out, weights = original(self, hidden_states, *args, **kwargs)
+        return out + 0 * self.kv_a_proj_with_mqa(hidden_states).sum(), weights
+
+    monkeypatch.setattr(modeling_minicpm3.MiniCPM3Attention, "forward", leaking)
+    monkeypatch.setattr(autotp, "PLANS", {})  # not the plan of the model as published
+    plan = autotp.infer_plan(_meta(mla_dirs["minicpm3"]), 2)
+    attn = "model.layers.0.self_attn"
+    assert not plan.latent_readers and not plan.sliced
+    assert (
+        "a low-rank latent: add mixes it with a tensor computed whole" in plan.replicated[f"{attn}.kv_a_proj_with_mqa"]
+    )
+    assert {plan.styles[f"{attn}.{n}"] for n in ("q_a_proj", "q_b_proj", "kv_b_proj", "o_proj")} == {"replicate_local"}
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
+
+
+def _mla_bytes(model) -> dict[str, tuple[int, int]]:
+    """fp32 bytes of the first block's MLA projections on this rank and in the whole model."""
+    out = {}
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        weight = model.module.get_submodule(f"model.layers.0.self_attn.{name}").weight
+        out[name] = (4 * weight.to_local().numel(), 4 * weight.numel())
+    return out
+
+
+def _mla_run(path: str, layout: dict, per_device: int, out: str, resume: str | None = None) -> list[float]:
+    """4 steps (global batch 4), saving every 2: the losses."""
+    from shardlm import Trainer, build_mesh, parallelize
+
+    extra = {"resume": resume} if resume else {}
+    cfg = train_config(path, layout, per_device, 1, 4, output_dir=out, save_steps=2, **extra)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+def mla_body(paths: list[str], root: str) -> dict:
+    """Rank body (2 ranks): 5 steps of each MLA model at tp=2, the collectives of one micro-batch
+    and the projections' bytes per rank; DeepSeek-V3 (the first) at fsdp=2 x ep=2, and a checkpoint
+    saved at tp=2 resumed at fsdp=2 x ep=2."""
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    out = {"tp2": shardlm_losses(paths, {"tp": 2}, 4, 1)}
+    mesh = build_mesh(ParallelConfig(tp=2))
+    for path in paths:
+        model = parallelize(path, mesh)
+        out[path] = (model_collectives(model, mesh), _mla_bytes(model))
+    out["ep2"] = shardlm_losses(paths[:1], EP_LAYOUT, 2, 1)[paths[0]]
+    out["tp2_run"] = _mla_run(paths[0], {"tp": 2}, 4, f"{root}/tp2")
+    out["tp2_to_ep2"] = _mla_run(paths[0], EP_LAYOUT, 2, f"{root}/tp2_to_ep2", f"{root}/tp2/checkpoints/step-2")
+    return out
+
+
+@pytest.mark.ranks
+def test_mla_at_tp2_and_ep2_matches_one_process(mla_dirs, two_ranks, tmp_path):
+    """tp=2: 5 steps equal one process (loss 1e-5, grad_norm 1e-4), each rank holding half of the
+    up-projections and ``o_proj``, the latents whole; one all-reduce per attention forward (o_proj)
+    and backward (the latents' and every other column-parallel input, on one view). DeepSeek-V3 at
+    fsdp=2 x ep=2 equals one process too; its tp=2 checkpoint resumes at fsdp=2 x ep=2 with the
+    uninterrupted run's losses, and consolidates into files ``from_pretrained`` reads."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.cli import main
+
+    got, root = two_ranks["mla"], two_ranks["root"] / "mla"
+    for model_type in MLA:
+        path = mla_dirs[model_type]
+        ref = plain_reference(path, 4)
+        assert_parity(got["tp2"][path], ref, label=f"{model_type} tp=2")
+        _report(f"{model_type} tp=2", got["tp2"][path], ref)
+        counts, sizes = got[path]
+        print(f"{model_type} collectives per micro-batch (forward, loss, backward, partial grads): {counts}")
+        print(f"{model_type} first block's MLA weights, bytes per rank / whole: {sizes}")
+        fwd, loss, bwd, grads = (sum(c.values()) for c in counts)
+        assert {str(k) for c in counts[:3] for k in c} == {"all_reduce"}, counts
+        # embedding/LM head 1 + per block: attention 1, MLP 1 (DeepSeek-V3's MoE layer: experts 1 +
+        # shared experts 1); the latents' and norms' partial gradients summed once per step
+        expected = (6, 3, 6) if model_type == "deepseek_v3" else (5, 3, 5)
+        assert (fwd, loss, bwd) == expected and grads == 1, (model_type, counts)
+        for name, (local, whole) in sizes.items():
+            assert local * (1 if name.endswith("_a_proj") or name.endswith("mqa") else 2) == whole, (name, sizes)
+    path = mla_dirs["deepseek_v3"]
+    ref = plain_reference(path, 4)
+    assert_parity(got["ep2"], ref, label="deepseek_v3 fsdp=2 x ep=2")
+    _report("deepseek_v3 fsdp=2 x ep=2", got["ep2"], ref)
+    resumed, full = got["tp2_to_ep2"], got["tp2_run"]
+    assert len(resumed) == 2 and len(full) == 4, (resumed, full)
+    for a, b in zip(resumed, full[2:]):
+        assert abs(a - b) <= 1e-5 * abs(b), (resumed, full)
+    out = str(tmp_path / "hf")
+    assert main(["consolidate", str(root / "tp2" / "checkpoints" / "step-4"), out]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def check_mla_tp2_ep2(got: dict) -> None:
+    """DeepSeek-V3 at tp=2 x fsdp=2 x ep=2 (from ``four_ranks_body``)."""
+    for path, losses in got.items():
+        ref = plain_reference(path, 4)
+        assert_parity(losses, ref, label="deepseek_v3 tp=2 x fsdp=2 x ep=2")
+        _report("deepseek_v3 tp=2 x fsdp=2 x ep=2", losses, ref)
+
+
+def test_lora_on_a_latent_reader_is_refused_by_name(mla_dirs, tmp_path):
+    """LoRA on a per-head up-projection that reads a latent (its input gradient left partial) is
+    refused before spawning, in one line naming it."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {
+        "model": mla_dirs["minicpm3"],
+        "data": {"path": str(tmp_path / "data.txt")},
+        "parallel": {"tp": 2},
+        "lora": {"target_modules": ["q_b_proj"]},
+    }
+    with pytest.raises(ConfigError, match=r"lora.target_modules: '.*q_b_proj' reads the low-rank latent") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)

@@ -34,8 +34,9 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` over parts of a short-convolution or Mamba mixer's fused projection, a state-space
-  parameter not aligned with one projection's channels, a learned activation), or a per-head
+  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba's [x, B, C] cut
+  only after the conv, a state-space parameter not aligned with split channels, a learned
+  activation), or a per-head
   tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
   found as a non-parameter tensor sharing the head-count dim of a split one, the trace using
   batch 1 and a prime sequence length so the sizes cannot be confused), is a *violation*: its
@@ -61,6 +62,11 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
+* multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): a column-parallel linear read by a
+  row-parallel one whose output is viewed into heads at once is a low-rank latent
+  (``trace.latent_candidates``): kept whole and traced again, so the heads split after it; its
+  region carries partial gradients summed over TP at its input (``parallel/latent.py``), or, where
+  they would leak, it is kept replicated with its sub-block.
 * data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``.item()``) are
   answered on meta without data (``parallel/trace.py``).
 
@@ -87,7 +93,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.channels import channel_placements, local_sizes, param_rows, place_channels
 from shardlm.parallel.experts import describe_experts, find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
@@ -97,6 +103,7 @@ from shardlm.parallel.hf import (
     is_linear,
     out_features,
 )
+from shardlm.parallel.latent import place_latents
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.tp import localize_geometry
@@ -184,10 +191,11 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
+    latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     reasons: dict[str, str] = {}
     meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
-        traced = trace_model(model, forced, meta)
+        traced = trace_model(model, forced, meta, latents=latents)
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -196,13 +204,25 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
             forced = forced | narrow
             continue
+        # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
+        # heads split after it; one whose partial gradients would leak is kept replicated the usual way
+        leaked = latents & set(traced.latent_leaks)
+        if leaked:
+            for f in leaked:
+                reasons[f] = f"{any_block(f)}, a low-rank latent: {any_block(traced.latent_leaks[f])}"
+            latents = latents - leaked
+            continue
+        latent = set(traced.latents) - forced
+        if latent:
+            forced, latents = forced | latent, latents | latent
+            continue
         region: set[str] = set()
         for sources, why in traced.violations:
             for fqn in _closure(traced, set(sources)) - forced - region:
                 reasons.setdefault(fqn, any_block(why))
                 region.add(fqn)
         if not region and not traced.violations:
-            plan = _assemble(model, tp, traced)
+            plan = _assemble(model, tp, traced, latents)
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
@@ -210,7 +230,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
-                return _finish(model, plan, forced, reasons)
+                return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
             # its own split linears, else every split linear under it (BigBird: attention.self, .output)
@@ -268,7 +288,7 @@ def _closure(traced: Traced, bad: set[str]) -> set[str]:
     return bad
 
 
-def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
+def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str] = frozenset()) -> Plan:
     plan = Plan(parts=dict(traced.parts))
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
@@ -284,6 +304,7 @@ def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
             # learned positions make their own position tensors (MVP, XLM): local copies
             styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
+    place_latents(model, plan, traced.latent_readers, latents, tp)  # MLA
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
         plan.agrees_with_hf[fqn] = ours == direction
@@ -292,7 +313,7 @@ def _assemble(model: nn.Module, tp: int, traced: Traced) -> Plan:
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
-    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, tp)
+    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
     return plan
 
 
@@ -423,9 +444,10 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str
         elif style == "sharded_norm":
             module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
         elif style == "per_channel":
-            for pname, source in plan.channels.get(fqn, {}).items():
+            for pname in plan.channels.get(fqn, {}):
                 shape = list(getattr(module, pname).shape)
-                shape[0] = sum(b - a for a, b in plan.sliced[source][0]) if source in plan.sliced else shape[0] // tp
+                rows = param_rows(plan, fqn, pname)
+                shape[0] = sum(b - a for a, b in rows[0]) if rows is not None else shape[0] // tp
                 setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     stack: list[str] = []
     outputs: dict[str, torch.Tensor] = {}
@@ -550,6 +572,7 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
     """One row per styled module: style, global and local parameter shapes, fp32 bytes per
     rank, and where the decision came from (cross-checked against the model's own plan or not)."""
     rows, seen = [], {}
+    latents = set(plan.latent_readers.values())
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
@@ -566,12 +589,18 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         if fqn in plan.experts and style == "experts":  # MoE
             source += f"; {describe_experts(plan.experts[fqn])}"
         for pname, linear in plan.channels.get(fqn, {}).items():
-            whole = " (stored whole, each rank uses its rows)" if linear in plan.sliced else ""
-            source += f"; {pname} split with the output channels of {linear.rpartition('.')[2]}{whole}"
+            whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
+            linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
+            source += f"; {pname} split with the output channels of {linears}{whole}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
             used = sum(b - a for a, b in plan.sliced[fqn][0])
-            source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
+            if fqn in latents:
+                source += "; a low-rank latent (MLA): stored replicated, computed whole, grads summed over TP"
+            else:
+                source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
+        if fqn in plan.latent_readers:
+            source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
         rows.append(
             {
                 "module": fqn,

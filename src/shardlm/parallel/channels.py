@@ -4,23 +4,28 @@ Linear-attention and state-space mixers keep state per head between an in-projec
 out-projection: Qwen3.5's Gated DeltaNet convolves the output of its fused q/k/v projection with
 a depthwise ``conv1d`` (one filter per channel) before cutting it into heads, and scales its
 per-head decay by ``A_log`` and ``dt_bias``. The trace (``ShardTracker._follows``) finds such a
-parameter from the dataflow: its first dim is the output width of one column-parallel linear
-and meets the channel dim of that linear's split activations (a depthwise convolution over them,
-or an elementwise op broadcasting it along them). Each rank then holds the channels of its own
-heads, exactly the rows of the projection it holds:
+parameter from the dataflow: its first dim meets the split dim of split activations at its full
+size (a depthwise convolution over them, or an elementwise op broadcasting it along them). Each
+rank then holds the channels of its own heads, exactly the rows of the activations it holds:
 
-* after a ``colwise`` projection, ``Shard(0)``; after a ``packed_colwise`` one of P equal parts,
-  ``_StridedShard(0, P)`` (its chunk of every part), so checkpoints keep the HF layout;
-* after a packed projection of unequal parts (``Plan.sliced``: DeltaNet's [key, key, value]),
-  which ``_StridedShard`` cannot express, stored whole on every rank like the projection, each
-  rank using its rows; the gradients are summed over TP (each rank's covers its rows only).
+* where they are one projection's whole output: after a ``colwise`` projection, ``Shard(0)``;
+  after a ``packed_colwise`` one of P equal parts, ``_StridedShard(0, P)`` (its chunk of every
+  part), so checkpoints keep the HF layout; after a packed projection of unequal parts
+  (``Plan.sliced``: DeltaNet's [key, key, value]), which ``_StridedShard`` cannot express, stored
+  whole on every rank like the projection, each rank using its rows; the gradients are summed
+  over TP (each rank's covers its rows only);
+* where they were reshaped, cut or concatenated on the way (``layouts.py``: LFM's conv over the x
+  third of ``in_proj``, Qwen3-Next's over q|k|v cut per key head out of ``in_proj_qkvz``,
+  OLMo-hybrid's over cat(q_proj, k_proj, v_proj)), the same by the parts of their channel layout
+  (``Plan.channel_parts``; unequal ones: ``Plan.channel_rows``).
 
 The ``per_channel`` style goes to every module owning such parameters and to a module that uses
 them directly (the mixer calling ``causal_conv1d_fn(x, self.conv1d.weight)``: the conv module's
 own forward never runs). While it runs, it and the modules under it see local views of these
 parameters (their rows), whatever kernel the mixer calls (torch's fallback or a fused one): the
 trace and the plan do not depend on it. The sizes the mixer's forward reads off itself
-(``self.key_dim`` in its ``split``) are set to their local values (``local_sizes``).
+(``self.key_dim`` in its ``split``, Qwen3-Next's ``num_k_heads`` in its ``view``) are set to
+their local values (``local_sizes``).
 """
 
 from __future__ import annotations
@@ -35,28 +40,43 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardlm.distributed.shards import LocalParams
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import all_head_widths, out_features
+from shardlm.parallel.layouts import rank_rows
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
 
 
-def place_channels(model: nn.Module, plan: Plan, follows: dict[str, str], foreign: dict[str, str], tp: int) -> None:
+def place_channels(
+    model: nn.Module,
+    plan: Plan,
+    follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]],
+    foreign: dict[str, str],
+    tp: int,
+) -> None:
     """Give the ``per_channel`` style to the owners of the parameters in ``follows`` (parameter
-    fqn -> the linear whose channels it acts on, from the trace) and to the modules using them
-    directly (``foreign``: owner -> user), recording each parameter's source in ``plan.channels``."""
-    for pfqn, source in sorted(follows.items()):
+    fqn -> the linears whose channels it acts on and the parts of their layout, from the trace)
+    and to the modules using them directly (``foreign``: owner -> user), recording each
+    parameter's source in ``plan.channels`` and, where it is not one linear's whole output, its
+    parts in ``plan.channel_parts``."""
+    for pfqn, (sources, layout) in sorted(follows.items()):
         owner, _, pname = pfqn.rpartition(".")
-        style = plan.styles.get(source)
-        if style not in (Style.COLWISE, Style.PACKED_COLWISE):
-            continue  # its source stays whole (a kept-replicated sub-block): so does it
+        if any(plan.styles.get(s) not in (Style.COLWISE, Style.PACKED_COLWISE) for s in sources):
+            continue  # its sources stay whole (a kept-replicated sub-block): so does it
+        if any(s in plan.sliced and layout is not None for s in sources):
+            continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole
+        (source, *_) = sorted(sources)
         width = out_features(model.get_submodule(source))
-        parts = plan.parts.get(source, [width])
+        parts = list(layout) if layout is not None else plan.parts.get(source, [width])
         if any(p % tp for p in parts):
             raise ConfigError(
-                f"parallel.tp={tp} does not divide the output width {parts if len(parts) > 1 else width} of {source}, "
-                f"whose channels {pfqn} acts on; choose a tp that divides it"
+                f"parallel.tp={tp} does not divide the channels {parts if len(parts) > 1 else parts[0]} of "
+                f"{', '.join(sorted(sources))}, which {pfqn} acts on; choose a tp that divides them"
             )
         plan.styles[owner] = Style.PER_CHANNEL.value
-        plan.channels.setdefault(owner, {})[pname] = source
+        plan.channels.setdefault(owner, {})[pname] = " + ".join(sorted(sources))
+        if layout is not None:
+            plan.channel_parts[pfqn] = list(layout)
+            if len(set(layout)) > 1:
+                plan.channel_rows[pfqn] = [rank_rows(layout, r, tp) for r in range(tp)]
     for owner, user in foreign.items():
         if owner.split(" (")[0] in plan.channels and plan.styles.get(user) in (
             None,
@@ -67,33 +87,48 @@ def place_channels(model: nn.Module, plan: Plan, follows: dict[str, str], foreig
             plan.channels.setdefault(user, {})
 
 
+def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:
+    """Every rank's rows of ``per_channel`` parameter ``fqn.pname`` where it is stored whole (its
+    channels in unequal parts, or its source's rows picked per rank: ``Plan.sliced``), else None."""
+    if f"{fqn}.{pname}" in plan.channel_parts:
+        return plan.channel_rows.get(f"{fqn}.{pname}")
+    return plan.sliced.get(plan.channels[fqn][pname])
+
+
 def channel_placements(plan: Plan) -> dict[str, dict[str, ExpertParam]]:
     """The placement of each parameter of the ``per_channel`` modules (their ``Plan.experts``
-    entries): dim 0 split like the source's output rows, or whole where the source is ``sliced``."""
+    entries): dim 0 split like the channels it meets (its chunk of each of their parts), or
+    whole where each rank uses rows of it (``param_rows``)."""
     placements: dict[str, dict[str, ExpertParam]] = {}
     for fqn, params in plan.channels.items():
         placements[fqn] = {}
         for pname, source in params.items():
-            if source in plan.sliced:
+            parts = plan.channel_parts.get(f"{fqn}.{pname}")
+            if param_rows(plan, fqn, pname) is not None:
                 placements[fqn][pname] = ExpertParam(None)  # stored whole, each rank uses its rows
+            elif parts is not None:
+                placements[fqn][pname] = ExpertParam(0, len(parts))
             else:
                 parts = len(plan.parts.get(source, [1])) if plan.styles[source] == Style.PACKED_COLWISE else 1
                 placements[fqn][pname] = ExpertParam(0, parts)
     return placements
 
 
-def local_sizes(model: nn.Module, plan: Plan, reads: dict[str, set[str]], tp: int) -> None:
+def local_sizes(
+    model: nn.Module, plan: Plan, reads: dict[str, set[str]], split_sizes: dict[str, set[int]], tp: int
+) -> None:
     """``plan.local_sizes``: in ``per_channel`` modules (mixers; attention's sizes are set from its
     head counts by ``tp.localize_geometry``), every int attribute the forward reads that equals a
-    split width of one of its linears (its output width, or one of its packed parts) and is not a
-    head width: divided by tp."""
+    split width of one of its linears (its output width, or one of its packed parts) or the size
+    of a split dim of a tensor its own code made (``split_sizes``: Qwen3-Next's ``num_k_heads``,
+    its heads viewed out of the fused projection), and is not a head width: divided by tp."""
     heads = all_head_widths(model.config)  # never split (Llama's head_dim is its kv width at 1 kv head)
     for fqn, names in reads.items():
         module = model.get_submodule(fqn)
         if fqn not in plan.channels:
             continue  # attention: ``localize_geometry`` sets its sizes from the head counts
         names = {n for n in names if getattr(module, n) not in heads}
-        widths: set[int] = set()
+        widths: set[int] = set(split_sizes.get(fqn, ()))
         for child, style in plan.styles.items():
             if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):
                 widths |= {out_features(model.get_submodule(child)), *plan.parts.get(child, [])}
@@ -104,19 +139,21 @@ def local_sizes(model: nn.Module, plan: Plan, reads: dict[str, set[str]], tp: in
 
 def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:
     """For ``per_channel`` module ``fqn``: the ``per_channel`` modules it runs (itself: "", and
-    those under it, by path relative to it), each with, per whole-stored parameter (``sliced``
-    source), every rank's rows."""
+    those under it, by path relative to it), each with, per whole-stored parameter, every rank's rows."""
     views = {}
     for name, params in plan.channels.items():
         if name == fqn or name.startswith(f"{fqn}."):
             path = name[len(fqn) + 1 :]
-            views[path] = {p: plan.sliced[src] for p, src in params.items() if src in plan.sliced}
+            found = {p: param_rows(plan, name, p) for p in params}
+            views[path] = {p: r for p, r in found.items() if r is not None}
     return views
 
 
 def channel_partial_grads(model: nn.Module, plan: Plan) -> list[str]:
     """Parameters stored whole whose gradient each rank computes for its rows only: summed over TP."""
-    return [f"{fqn}.{p}" for fqn, params in plan.channels.items() for p, src in params.items() if src in plan.sliced]
+    return [
+        f"{fqn}.{p}" for fqn, params in plan.channels.items() for p in params if param_rows(plan, fqn, p) is not None
+    ]
 
 
 def _rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:

@@ -243,6 +243,12 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     styles = plan_styles(plan)
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
+        if _is_lora_layer(module) and fqn in plan.latent_readers:
+            raise ConfigError(
+                f"lora.target_modules: '{fqn}' reads the low-rank latent of {plan.latent_readers[fqn]} under tensor "
+                "parallelism (multi-head latent attention), which LoRA cannot adapt there yet; remove it from "
+                "target_modules or use parallel.fsdp instead of tp"
+            )
         if _is_lora_layer(module) and fqn in plan.sliced:
             styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
         elif _is_lora_layer(module):

@@ -30,5 +30,13 @@ class Plan:
     experts: dict[str, dict[str, ExpertParam]] = field(default_factory=dict)
     # ``per_channel`` module fqn -> {parameter: the column-parallel linear whose channels it acts on}
     channels: dict[str, dict[str, str]] = field(default_factory=dict)
+    # ``per_channel`` parameter fqn -> the parts of the channels it meets, where they are not one linear's
+    # whole output (``parallel/layouts.py``: LFM's conv over one third of in_proj, OLMo-hybrid's over q|k|v),
+    # and, where those parts are unequal, every rank's rows of it (stored whole, each rank using its rows)
+    channel_parts: dict[str, list[int]] = field(default_factory=dict)
+    channel_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     # module fqn -> {int attribute its forward reads: its value on one rank} (a mixer's ``key_dim``)
     local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # MLA (``latent.py``): module reading a low-rank latent kept whole (a column-parallel up-projection,
+    # a norm) -> that latent; their input gradients are partial, summed over TP at the latent's input
+    latent_readers: dict[str, str] = field(default_factory=dict)

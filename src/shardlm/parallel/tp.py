@@ -247,6 +247,18 @@ class SlicedColwise(ParallelStyle):
         return module
 
 
+class LatentColwise(ParallelStyle):
+    """``colwise`` reading a low-rank latent kept whole (MLA's ``q_b_proj``, ``kv_b_proj``;
+    ``parallel/latent.py``): sharded by output features, computing on its input as it is, whose
+    gradient from this rank's heads stays partial: it is summed over TP at the latent's input."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = 1 if is_conv1d(module) else 0
+        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0)}, self.src_data_rank)
+        module.forward = types.MethodType(local_linear, module)
+        return module
+
+
 class LocalReplicate(ParallelStyle):
     """``replicate_local``: parameters replicated on the TP mesh (DTensors, like ``replicate``), but
     while the module runs, it and its submodules see local views of them, so code that uses a
@@ -395,16 +407,18 @@ def make_style(
     rows: list | None = None,
     experts: dict[str, ExpertParam] | None = None,
     views: dict | None = None,
+    latent_input: bool = False,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
     output rows); ``experts``: the plan's ``experts`` entry of an experts or ``per_channel``
-    module; ``views``: a ``per_channel`` module's ``channels.local_views``."""
+    module; ``views``: a ``per_channel`` module's ``channels.local_views``; ``latent_input``: a
+    ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
         case Style.COLWISE:
-            return Colwise()
+            return LatentColwise() if latent_input else Colwise()
         case Style.ROWWISE:
             return Rowwise()
         case Style.PACKED_COLWISE:
@@ -433,7 +447,14 @@ def make_style(
 def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
     """The torch style of every module of ``plan``."""
     return {
-        fqn: make_style(s, plan.parts.get(fqn), plan.sliced.get(fqn), plan.experts.get(fqn), local_views(plan, fqn))
+        fqn: make_style(
+            s,
+            plan.parts.get(fqn),
+            plan.sliced.get(fqn),
+            plan.experts.get(fqn),
+            local_views(plan, fqn),
+            fqn in plan.latent_readers,
+        )
         for fqn, s in plan.styles.items()
     }
 

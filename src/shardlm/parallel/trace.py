@@ -21,7 +21,9 @@ same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused pro
 output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
 first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
-rank's own head count, unlike ALiBi slopes made from the config's. The model's own
+rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
+such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
+(``latent.py``: its gradient is summed over TP at the latent's input). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -47,10 +49,13 @@ from shardlm.parallel.hf import (
     out_features,
     rms_norm_eps,
 )
+from shardlm.parallel.latent import latent_candidates
+from shardlm.parallel.layouts import Layout, propagate
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 _VIEW_OPS = {"view", "reshape", "unflatten"}
+_BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
 # answers for data-dependent questions a modeling file asks of a meta tensor during the trace
 # ("is a pad token in input_ids?", "is this a packed sequence?"): meta tensors hold no data
 _DATA_DEPENDENT = {
@@ -116,15 +121,25 @@ class ShardTracker(TorchFunctionMode):
         # meeting them (each rank would compute its gradient from its own heads only)
         self.from_params: dict[int, frozenset[str]] = {}
         self.from_param_ids: dict[int, frozenset[int]] = {}  # the same tensors -> ids of those parameters
-        # a parameter acting per channel (or per head) on the split activations of one column-parallel
-        # linear (a depthwise conv's weight, Mamba's/DeltaNet's A_log, dt_bias): id(param) -> that linear
-        self.follows: dict[int, str] = {}
+        # a parameter acting per channel (or per head) on split activations (a depthwise conv's weight,
+        # Mamba's/DeltaNet's A_log, dt_bias): id(param) -> (the column-parallel linears they came from,
+        # the parts of their channel layout, or None: the one linear's whole output)
+        self.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
+        self.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
+        # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
+        self.split_sizes: dict[str, set[int]] = {}
         # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
         # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
         self.later_parts: dict[str, list[int]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
+        # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
+        # still whole on every rank; the modules with parameters reading such tensors; why a latent's
+        # partial gradients would reach something computed whole on every rank (then it is not one)
+        self.latent: dict[int, frozenset[str]] = {}
+        self.latent_readers: dict[str, frozenset[str]] = {}
+        self.latent_leaks: dict[str, str] = {}
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -166,6 +181,8 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
+        elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
+            self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
         # freed tensor's id can be reused (that made packed detection nondeterministic)
         self.keep.extend(inputs)
@@ -177,6 +194,8 @@ class ShardTracker(TorchFunctionMode):
                 and id(t) in self.param_owner
                 and id(t) not in self.tied | self.returned
                 and self.running
+                # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
+                and not (name == "__get__" and not isinstance(out, torch.Tensor))
             ):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
@@ -194,15 +213,41 @@ class ShardTracker(TorchFunctionMode):
                     self.from_params[id(t)] = owners
                     self.from_param_ids[id(t)] = ids
         if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
-            self._record_later_split(next(iter(sources)), args, kwargs)
+            self._record_later_split(name, next(iter(sources)), args, kwargs)
+        latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs))
+        if latent:
+            self._check_latent(name, inputs, latent)
+            if not sources:  # still whole on every rank: its gradient is still a partial one
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.latent[id(t)] = latent
         if sources:
+            propagate(name, args, kwargs, out, self.layouts)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and id(t) in self.layouts and self.running:
+                    self.split_sizes.setdefault(self.running[-1], set()).add(t.shape[self.layouts[id(t)][0]])
             if not self.inside:
-                self._check(name, inputs, sources, args, kwargs)
+                self._check(name, inputs, sources, args, kwargs, out)
                 self._check_reduction(name, args, kwargs, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
         return out
+
+    def _check_latent(self, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
+        """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
+        TP once, at the latent's input): meeting a tensor that needs a whole gradient (one computed
+        whole on every rank, a parameter of a module that does not read the latent) would give it
+        a partial one."""
+        readers = tuple(f"{r} (" for r in self.latent_readers)
+        for t in inputs:
+            if id(t) in self.sharded or id(t) in self.latent or not t.requires_grad:
+                continue
+            owners = self._owners(t)
+            if owners and all(o.startswith(readers) for o in owners):
+                continue  # a parameter of a module reading the latent (its norm): summed over TP too
+            for fqn in latent:
+                self.latent_leaks.setdefault(fqn, f"{name} mixes it with a tensor computed whole on every rank")
 
     def _owners(self, t: torch.Tensor) -> frozenset[str]:
         """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
@@ -213,55 +258,80 @@ class ShardTracker(TorchFunctionMode):
     def _param_ids(self, t: torch.Tensor) -> frozenset[int]:
         return frozenset({id(t)}) if isinstance(t, nn.Parameter) else self.from_param_ids.get(id(t), frozenset())
 
-    def _record_later_split(self, source: str, args: tuple, kwargs: dict) -> None:
+    def _record_later_split(self, name: str, source: str, args: tuple, kwargs: dict) -> None:
         """A split of a tensor computed from ``source``'s output alone, along a dim of its full width."""
         t, width = args[0], self.widths.get(source)
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
         if not isinstance(dim, int) or not t.dim() or t.shape[dim] != width or source in self.later_parts:
             return
         sizes = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("sections"))
+        if name == "chunk" and isinstance(sizes, int) and sizes > 1 and width % sizes == 0:
+            sizes = width // sizes  # chunk's argument is the number of parts
         if isinstance(sizes, (list, tuple)) and sum(sizes) == width and len(sizes) > 1:
             self.later_parts[source] = list(sizes)
         elif isinstance(sizes, int) and 0 < sizes < width and width % sizes == 0:
             self.later_parts[source] = [sizes] * (width // sizes)
 
-    def _follows(self, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
-        """Whether ``t`` (a parameter, or computed from one alone) acts per channel on the split
-        activations of one column-parallel linear, so that it can be split with them: its first dim
-        is that linear's width and meets the activations' channel dim (a depthwise convolution over
-        those channels, or an elementwise op broadcasting it along them)."""
+    def _follows(
+        self, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, out=None
+    ) -> bool:
+        """Whether ``t`` (a parameter, or computed from one alone) acts per channel on split
+        activations, so that it can be split with them: its first dim meets their split dim at its
+        full size (a depthwise convolution over those channels, or an elementwise op broadcasting
+        it along them). Their channel layout (``layouts.py``) says how each rank's channels lie;
+        without one, the first dim must be the whole width of the one linear they came from."""
         ids = self._param_ids(t)
         sources = frozenset().union(*(self.sharded[id(s)] for s in sharded))
-        if len(ids) != 1 or len(sources) != 1:
+        if len(ids) != 1:
             return False
-        (pid,), (source,) = ids, sources
+        (pid,) = ids
         param = self.params.get(pid)
-        width = self.widths.get(source)
-        if param is None or not param.dim() or param.shape[0] != width or self.follows.get(pid, source) != source:
-            return False
+        if param is None or not param.dim() or not t.dim() or self.param_owner.get(pid) in self.legit:
+            return False  # a split linear's (or norm's) own parameters: its style places them
         if name in ("conv1d", "conv2d", "convolution"):
             groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
             x = args[0] if args else kwargs.get("input")
-            ok = x is not t and groups == width and t.shape[0] == width and x.dim() > 1 and x.shape[1] == width
+            if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
+                return False
+            met, dim = [x], 1 - x.dim()
         else:
-            # broadcast: t's dims align with the trailing dims of every split input; its channel dim too
-            ok = all(
+            # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
+            # their split dim, and the result has their shape (not a product or reduction over the channels)
+            if not isinstance(out, torch.Tensor) or not all(
                 t.dim() <= s.dim()
+                and out.shape == s.shape
                 and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
-                and any(a == width for a in t.shape)
                 for s in sharded
-            )
-        if ok:
-            self.follows[pid] = source
-        return ok
+            ):
+                return False
+            met, dim = sharded, -t.dim()
+        found = {self.layouts.get(id(s)) for s in met}
+        layout = found.pop() if len(found) == 1 else None
+        if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[0] == param.shape[0]:
+            whole = len(sources) == 1 and layout[1] == (self.widths.get(next(iter(sources))),)
+            follow = (sources, None if whole else layout[1])
+        elif (
+            len(sources) == 1
+            and param.shape[0] == self.widths.get(next(iter(sources)))
+            and (name in ("conv1d", "conv2d", "convolution") or any(a == param.shape[0] for a in t.shape))
+        ):
+            follow = (sources, None)  # no layout known: the source's whole width
+        else:
+            return False
+        if self.follows.get(pid, follow) != follow:
+            return False
+        self.follows[pid] = follow
+        return True
 
-    def _check(self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None) -> None:
+    def _check(
+        self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None, out=None
+    ) -> None:
         """Record what cannot act on this op's sharded input(s) as they stand."""
         sharded = [t for t in inputs if id(t) in self.sharded]
         for t in inputs:
             if id(t) in self.sharded:
                 continue
-            if self._follows(name, t, sharded, args, kwargs or {}):
+            if self._follows(name, t, sharded, args, kwargs or {}, out):
                 continue
             if isinstance(t, nn.Parameter):
                 owner = self.param_owner.get(id(t), "?")
@@ -323,6 +393,19 @@ class ShardTracker(TorchFunctionMode):
                     bounds.add(b)
 
 
+def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool:
+    """Whether ``out`` broadcasts ``t`` (unsplit) along a dim of size 1 to a head count read off a
+    split tensor's shape: MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
+    shared by every head, made at each rank's own head count (like an MQA key repeated)."""
+    if not isinstance(t, torch.Tensor) or tracker.is_sharded(t):
+        return False
+    if t.requires_grad and id(t) not in tracker.latent:
+        return False  # its gradient, from this rank's heads only, would not be summed over TP
+    counts = tracker.shape_heads & set(_ints(flat[1:]))
+    lead = out.dim() - t.dim()
+    return any(n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape))
+
+
 def _ints(values) -> list[int]:
     """The ints among ``values`` and inside the tuples (sizes) among them."""
     out = []
@@ -379,8 +462,17 @@ class Traced:
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
     foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
     dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
-    follows: dict[str, str]  # parameter fqn -> the column-parallel linear whose channels it acts on
+    # parameter fqn -> (the column-parallel linears whose channels it acts on, their layout's parts or None)
+    follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
+    split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
+    # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
+    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
+    latents: dict[str, str]
+    # with ``trace_model(latents=...)``: module reading a latent's tensors -> those latents, and
+    # latent -> why its gradient cannot stay partial (``ShardTracker.latent_leaks``)
+    latent_readers: dict[str, set[str]]
+    latent_leaks: dict[str, str]
 
 
 def trace_model(
@@ -388,11 +480,13 @@ def trace_model(
     forced: frozenset[str] = frozenset(),
     meta: nn.Module | None = None,
     shape: tuple[int, int] = (1, TRACE_SEQ),
+    latents: frozenset[str] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
     outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
-    given; the trace leaves it as is)."""
+    given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
+    latents read per head (``latent.py``): the modules reading them and what they meet are recorded."""
     meta = meta if meta is not None else build_meta(model)
     styles: dict[str, str] = {}
     registrations: dict[int, int] = {}
@@ -424,6 +518,8 @@ def trace_model(
             tracker.shape_heads.clear()
             if not args or not isinstance(args[0], torch.Tensor):
                 return
+            if id(args[0]) in tracker.latent and any(True for _ in module.parameters(recurse=False)):
+                tracker.latent_readers[name] = tracker.latent[id(args[0])]
             sources = tracker.sources(args[0])
             owner = label.format(type(module).__name__)
             if is_linear(module) and name in forced:
@@ -462,7 +558,15 @@ def trace_model(
             tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
+                if styles[name] == "colwise":
+                    tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                 outputs[name] = out
+            if name in latents and isinstance(out, torch.Tensor):
+                tracker.latent[id(out)] = frozenset({name})
+            for t in tree_flatten(out)[0]:
+                for fqn in tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
+                    if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
+                        tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
 
         return hook
 
@@ -512,6 +616,10 @@ def trace_model(
         tracker.dropout_sites,
         follows,
         {name: names for name, names in int_reads.items() if names},
+        tracker.split_sizes,
+        latent_candidates(tracker, styles, outputs, closer_inputs),
+        {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
+        dict(tracker.latent_leaks),
     )
 
 

@@ -1,0 +1,146 @@
+"""Channel layouts of split tensors in the trace: which dim of a tensor is split across TP ranks, and
+in what equal-split parts.
+
+A column-parallel linear's output is split along its last dim, one part of its whole width (each
+rank holds its chunk). Mixers then reshape it: a short convolution's ``in_proj`` output is
+transposed and chunked into B, C, x; Qwen3-Next's fused ``in_proj_qkvz`` is viewed into key-head
+groups, split inside each group and flattened back; OLMo-hybrid concatenates three projections'
+outputs; and a depthwise ``conv1d`` (or a per-head ``A_log``) then meets the result along its
+channel dim. Each rank holds its chunk of every *part* of that dim (a part: a stretch of channels
+split evenly over the ranks), so a parameter meeting it there is split the same way: one part,
+``Shard(0)``; equal parts, ``_StridedShard``; unequal ones (q, k, v of different widths), stored
+whole with each rank using its rows (``channels.py``).
+
+``propagate`` follows a layout through the ops a mixer applies between its projections and the
+parameters: transposes, cuts and concatenations along the split dim or beside it, views that
+split the split dim into heads or merge heads back, and any op that keeps the rank and the
+split dim's size (elementwise math, activations, casts, slicing of other dims). Anything else
+drops the layout; a parameter meeting a tensor without one is then judged by its source's whole
+width only (``ShardTracker._follows``).
+
+A layout is ``(dim, parts)``: ``dim`` counted from the end (negative, so broadcasting keeps it),
+``parts`` in elements of that dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Layout = tuple[int, tuple[int, ...]]
+
+_TRANSPOSE = {"transpose", "swapaxes", "swapdims", "transpose_"}
+_CUTS = {"split", "chunk", "split_with_sizes", "tensor_split"}
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
+_CATS = {"cat", "concat", "concatenate"}
+
+
+def _neg(dim: int, ndim: int) -> int:
+    return dim - ndim if dim >= 0 else dim
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):
+    return args[pos] if len(args) > pos else kwargs.get(name, default)
+
+
+def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
+    """Set ``layouts`` for the tensor(s) ``out`` of op ``name`` from its inputs' layouts."""
+    if name in _CATS:
+        _cat(args, kwargs, out, layouts)
+        return
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if first is not None and id(first) in layouts:
+        dim, parts = layouts[id(first)]
+        if name in _TRANSPOSE and isinstance(out, torch.Tensor):
+            a, b = (_neg(d, first.dim()) for d in (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1")))
+            layouts[id(out)] = (b if dim == a else a if dim == b else dim, parts)
+            return
+        if name in _CUTS and isinstance(out, (tuple, list)):
+            _cut(name, first, args, kwargs, out, (dim, parts), layouts)
+            return
+        if name in _RESHAPES and isinstance(out, torch.Tensor):
+            found = _reshaped(tuple(first.shape), tuple(out.shape), dim, parts)
+            if found is not None:
+                layouts[id(out)] = found
+            return
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor):
+            found = _kept(args, kwargs, t, layouts)
+            if found is not None:
+                layouts[id(t)] = found
+
+
+def _kept(args: tuple, kwargs: dict, out: torch.Tensor, layouts: dict[int, Layout]) -> Layout | None:
+    """The layout an op keeps: that of its split inputs whose split dim lies in ``out`` at the same
+    size (broadcast elementwise math, activations, slicing other dims), if they agree."""
+    found = set()
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor) and id(t) in layouts:
+            dim, parts = layouts[id(t)]
+            if -dim > out.dim() or out.shape[dim] != t.shape[dim]:
+                return None
+            found.add((dim, parts))
+    return found.pop() if len(found) == 1 else None
+
+
+def _cut(name, t, args, kwargs, out, layout: Layout, layouts: dict[int, Layout]) -> None:
+    dim, parts = layout
+    cut = _neg(_arg(args, kwargs, 2, "dim", 0), t.dim())
+    if cut != dim:
+        for piece in out:
+            layouts[id(piece)] = layout
+        return
+    bounds, offset = [0], 0
+    for p in parts:
+        offset += p
+        bounds.append(offset)
+    start = 0
+    for piece in out:
+        stop = start + piece.shape[dim]
+        inner = [b for b in bounds if start < b < stop]
+        if start in bounds and stop in bounds:  # whole parts
+            layouts[id(piece)] = (dim, tuple(b - a for a, b in zip([start, *inner], [*inner, stop])))
+        elif len(parts) == 1:  # a cut of one part: it becomes a packed part of its own (``later_parts``)
+            layouts[id(piece)] = (dim, (stop - start,))
+        start = stop
+
+
+def _reshaped(old: tuple[int, ...], new: tuple[int, ...], dim: int, parts: tuple[int, ...]) -> Layout | None:
+    """The split dim of ``old`` (``dim``) in ``new``: the dim whose trailing block holds the same
+    elements (dims outer than the split one untouched), parts rescaled to its elements; None where
+    the split dim is merged with an outer dim or cut finer than a part."""
+    inner = math.prod(old[len(old) + dim + 1 :])
+    block = old[dim] * inner
+    for j in range(len(new) - 1, -1, -1):
+        if math.prod(new[j:]) == block:
+            unit = math.prod(new[j + 1 :])
+            if all((p * inner) % unit == 0 for p in parts):
+                return (j - len(new), tuple(p * inner // unit for p in parts))
+            return None
+        if math.prod(new[j:]) > block:
+            return None
+    return None
+
+
+def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
+    tensors = _arg(args, kwargs, 0, "tensors", ())
+    if not isinstance(out, torch.Tensor) or not tensors or any(id(t) not in layouts for t in tensors):
+        return
+    dims = {layouts[id(t)][0] for t in tensors}
+    if len(dims) != 1:
+        return
+    (dim,) = dims
+    if _neg(_arg(args, kwargs, 1, "dim", 0), out.dim()) == dim:
+        layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
+    elif len({layouts[id(t)] for t in tensors}) == 1:
+        layouts[id(out)] = layouts[id(tensors[0])]
+
+
+def rank_rows(parts: tuple[int, ...] | list[int], rank: int, tp: int) -> list[tuple[int, int]]:
+    """Rank's rows of a dim of ``parts`` (its chunk of every part)."""
+    out, offset = [], 0
+    for p in parts:
+        out.append((offset + rank * p // tp, offset + (rank + 1) * p // tp))
+        offset += p
+    return out
