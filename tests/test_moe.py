@@ -445,6 +445,19 @@ def ep_layout_body(paths: list[str], layout: dict) -> dict:
     return out
 
 
+def _check_ep_run(model_type: str, label: str, path: str, run: tuple, parts: int) -> tuple:
+    """Parity of one EP run (losses, collective counts, experts' bytes) against one process, the
+    experts divided into ``parts`` (ep x tp) per rank; its collective counts, reported."""
+    losses, counts, (local, whole) = run
+    ref = plain_reference(path, 4)
+    assert_parity(losses, ref, label=f"{model_type} {label}")
+    _report(f"{model_type} {label}", losses, ref)
+    print(f"{model_type} {label} collectives per micro-batch (forward, loss, backward, grads): {counts}")
+    print(f"{model_type} {label} experts: {local} bytes per rank of {whole}")
+    assert parts * local == whole, (model_type, local, whole)
+    return counts
+
+
 def check_ep_layout(got: dict, layout: dict) -> None:
     """Parity of ``ep_layout_body``'s runs; the experts divided over ep x tp; per MoE layer (2 blocks)
     3 all-to-alls forward (counts, rows out, rows back), 2 backward (the rows' gradients); FSDP's
@@ -454,13 +467,7 @@ def check_ep_layout(got: dict, layout: dict) -> None:
     label = " x ".join(f"{k}={v}" for k, v in layout.items())
     tp = layout.get("tp", 1)
     for model_type, path in zip(REP_EP_TRAINED, got):
-        losses, counts, (local, whole) = got[path]
-        ref = plain_reference(path, 4)
-        assert_parity(losses, ref, label=f"{model_type} {label}")
-        _report(f"{model_type} {label}", losses, ref)
-        print(f"{model_type} {label} collectives per micro-batch (forward, loss, backward, grads): {counts}")
-        print(f"{model_type} {label} experts: {local} bytes per rank of {whole}")
-        assert layout["ep"] * tp * local == whole, (model_type, local, whole)
+        counts = _check_ep_run(model_type, label, path, got[path], layout["ep"] * tp)
         fwd, _, bwd, grads = counts
         assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
         assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)
@@ -576,13 +583,7 @@ def check_tp2_ep2(got: dict) -> None:
     assert_parity(fsdp4, ref, label=f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2")
     _report(f"{TP2_EP2_TRAINED[0]} fsdp=4 x ep=2", fsdp4, ref)
     for model_type, path in zip(TP2_EP2_TRAINED, got):
-        losses, counts, (local, whole) = got[path]
-        ref = plain_reference(path, 4)
-        assert_parity(losses, ref, label=f"{model_type} tp=2 x ep=2")
-        _report(f"{model_type} tp=2 x fsdp=2 x ep=2", losses, ref)
-        print(f"{model_type} tp=2 x ep=2 collectives per micro-batch (forward, loss, backward, grads): {counts}")
-        print(f"{model_type} tp=2 x ep=2 experts: {local} bytes per rank of {whole}")
-        assert 4 * local == whole, (model_type, local, whole)
+        counts = _check_ep_run(model_type, "tp=2 x fsdp=2 x ep=2", path, got[path], 4)
         fwd, _, bwd, grads = counts
         # TP's all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block; gpt-oss's attention
         # is kept whole), each way; the TP-partial gradients (Qwen3's q/k norms, gpt-oss's down bias) once
