@@ -79,7 +79,7 @@ def latent_candidates(
         y = outputs.get(name)
         if style != "rowwise" or y is None or not y.dim():
             continue
-        view = tracker.first_view.get(id(y), ())
+        view = _first_view(tracker, id(y))
         # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])
         if (
             len(view) >= 3
@@ -90,3 +90,13 @@ def latent_candidates(
             for source in closer_inputs.get(name, ()):
                 out.setdefault(source, name)
     return out
+
+
+def _first_view(tracker, t: int) -> tuple[int, ...]:
+    """The shape of the first view of tensor ``t`` or of what a per-channel bias makes of it
+    (Kimi-Linear's forget gate: ``(f_b_proj(f_a_proj(x)) + dt_bias).view(..., heads, head_dim)``)."""
+    for _ in range(4):
+        if t in tracker.first_view or t not in tracker.biased:
+            break
+        t = tracker.biased[t]
+    return tracker.first_view.get(t, ())
