@@ -8,7 +8,9 @@ pairs ``q_a_proj`` (column) with ``q_b_proj`` (row), exact but splitting no head
 candidates`` finds such a *latent*: a column-parallel linear read by a row-parallel one whose
 output is viewed into heads at once. ``autotp`` then keeps the latent whole and traces again, so
 that the up-projections read a whole tensor (column-parallel by heads) and ``o_proj`` closes the
-pair (row-parallel): one all-reduce per attention forward, as any attention.
+pair (row-parallel): one all-reduce per attention forward, as any attention. Kimi-Linear's delta
+attention gates are the same pattern: ``f_a_proj`` -> ``f_b_proj`` (+ its per-channel ``dt_bias``,
+followed to the view into heads: ``ShardTracker.biased``) and ``g_a_proj`` -> ``g_b_proj``.
 
 The backward: each rank's up-projections and its own heads of the shared rope key (expanded to the
 local head count, ``trace._over_heads``) give the latent's tensors only this rank's share of their
