@@ -100,12 +100,14 @@ def family_config(family: str, **overrides):
 # that keep a ratio of the published config the shrinking loses: Qwen3.5's Gated DeltaNet has
 # twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones; so
 # have Qwen3-Next's (its q/k/v/z fused per key head) and OLMo-hybrid's (q, k, v projections apart).
-# LFM3: a short convolution over one third of a fused in_proj.
+# LFM3: a short convolution over one third of a fused in_proj. Kimi-Linear: delta attention (its
+# forget and output gates low-rank pairs, ``latent.py``) and MLA, MoE.
 TINY = {
     "qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2}),
     "qwen3_next": ("qwen3_next", {"linear_num_key_heads": 2}),
     "olmo_hybrid": ("olmo_hybrid", {"linear_num_key_heads": 2}),
     "lfm3": ("lfm3", {}),
+    "kimi_linear": ("kimi_linear", {}),
 }
 
 

@@ -51,9 +51,12 @@ MIXERS = {
     "qwen3_next": ("linear_attn", 2, 17432, 8980),
     "olmo_hybrid": ("linear_attn", 2, 17432, 8980),
     "lfm3": ("conv", 2, 16832, 8416),
+    # Kimi-Linear: 2 delta-attention mixers (21588 -> 11826 per rank each: the gates' latents f_a_proj,
+    # g_a_proj whole, 1024 each, and o_norm, 16) and 1 MLA (16928 -> 9760), all named self_attn
+    "kimi_linear": ("self_attn", 1, 60104, 33412),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
-TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3"]
+TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,9 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # OLMo-2: its q_norm and k_norm each all-reduce a [tokens, 1] sum of squares, forward
         # and backward (2 per block each way), instead of gathering q and k as its HF plan does.
         # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way;
-        # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert).
+        # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert),
+        # Kimi-Linear (2 delta-attention blocks, one dense MLP, then two MoE: 2 + 3 + 3; the gates' and MLA's
+        # latent partial gradients summed with the mixer's input gradient, no extra all-reduce).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
@@ -123,6 +128,7 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
             "qwen3_next": (10, 3, 10),
             "olmo_hybrid": (9, 3, 9),
             "lfm3": (9, 3, 9),
+            "kimi_linear": (9, 3, 9),
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)

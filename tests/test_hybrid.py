@@ -159,3 +159,37 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     assert styles == {"": "per_channel", "conv": "per_channel", "in_proj": "packed_colwise", "out_proj": "rowwise"}
     assert plan.parts[f"{mixer}.in_proj"] == [64, 64, 64] and plan.channel_parts[f"{mixer}.conv.weight"] == [64]
     assert local["conv"] == {"weight": (32, 1, 7)} and not plan.replicated
+
+
+def test_kimi_delta_attention_gates_are_latents_and_its_heads_split(tmp_path):
+    """Kimi-Linear's delta attention: its forget and output gates are low-rank pairs (hidden ->
+    head_dim -> heads x head_dim; the forget gate adds its per-channel ``dt_bias`` before the view
+    into heads): the first linear of each is a latent kept whole (``latent.py``), the second split
+    by heads; ``A_log`` [1, 1, heads, 1] follows the heads on its dim 2, ``dt_bias`` on dim 0."""
+    from shardlm.parallel.styles import ExpertParam
+
+    mixer = "model.layers.0.self_attn"
+    plan, styles, local = mixer_plan(write_tiny_dir(str(tmp_path / "kimi"), "kimi_linear"), mixer)
+    gate = f"{mixer}.forget_gate"
+    assert styles == {
+        "": "per_channel",  # uses conv1d.weight directly
+        "conv1d": "per_channel",
+        "forget_gate": "per_channel",  # owns A_log, dt_bias
+        "forget_gate.f_a_proj": "colwise",  # the latents: all rows on every rank (Plan.sliced)
+        "g_a_proj": "colwise",
+        "forget_gate.f_b_proj": "colwise",
+        "g_b_proj": "colwise",
+        "q_proj": "colwise",
+        "k_proj": "colwise",
+        "v_proj": "colwise",
+        "b_proj": "colwise",
+        "o_norm": "replicate_grad_allreduce",
+        "o_proj": "rowwise",
+    }
+    assert plan.sliced[f"{gate}.f_a_proj"] == plan.sliced[f"{mixer}.g_a_proj"] == [[(0, 16)], [(0, 16)]]
+    assert plan.latent_readers[f"{gate}.f_b_proj"] == f"{gate}.f_a_proj"
+    assert plan.latent_readers[f"{mixer}.g_b_proj"] == f"{mixer}.g_a_proj"
+    assert plan.experts[gate] == {"A_log": ExpertParam(2), "dt_bias": ExpertParam(0)}
+    assert local["forget_gate"] == {"dt_bias": (32,), "A_log": (1, 1, 2, 1)}
+    assert local["conv1d"] == {"weight": (96, 1, 4)} and local["forget_gate.f_a_proj"] == {"weight": (16, 64)}
+    assert not plan.replicated

@@ -104,6 +104,7 @@ from shardlm.parallel.hf import (
     out_features,
 )
 from shardlm.parallel.latent import place_latents
+from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.tp import localize_geometry
@@ -226,7 +227,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             failure = _dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
-                plan.experts.update(channel_placements(plan))
+                plan.experts.update(channel_placements(model, plan))
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
@@ -447,7 +448,8 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str
             for pname in plan.channels.get(fqn, {}):
                 shape = list(getattr(module, pname).shape)
                 rows = param_rows(plan, fqn, pname)
-                shape[0] = sum(b - a for a, b in rows[0]) if rows is not None else shape[0] // tp
+                d = lead_dim(getattr(module, pname))
+                shape[d] = sum(b - a for a, b in rows[0]) if rows is not None else shape[d] // tp
                 setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     stack: list[str] = []
     outputs: dict[str, torch.Tensor] = {}

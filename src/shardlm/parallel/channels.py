@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardlm.distributed.shards import LocalParams
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import all_head_widths, out_features
-from shardlm.parallel.layouts import rank_rows
+from shardlm.parallel.layouts import lead_dim, rank_rows
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
 
@@ -95,7 +95,7 @@ def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] 
     return plan.sliced.get(plan.channels[fqn][pname])
 
 
-def channel_placements(plan: Plan) -> dict[str, dict[str, ExpertParam]]:
+def channel_placements(model: nn.Module, plan: Plan) -> dict[str, dict[str, ExpertParam]]:
     """The placement of each parameter of the ``per_channel`` modules (their ``Plan.experts``
     entries): dim 0 split like the channels it meets (its chunk of each of their parts), or
     whole where each rank uses rows of it (``param_rows``)."""
@@ -104,13 +104,14 @@ def channel_placements(plan: Plan) -> dict[str, dict[str, ExpertParam]]:
         placements[fqn] = {}
         for pname, source in params.items():
             parts = plan.channel_parts.get(f"{fqn}.{pname}")
+            dim = lead_dim(getattr(model.get_submodule(fqn), pname))  # its dim along the channels
             if param_rows(plan, fqn, pname) is not None:
                 placements[fqn][pname] = ExpertParam(None)  # stored whole, each rank uses its rows
             elif parts is not None:
-                placements[fqn][pname] = ExpertParam(0, len(parts))
+                placements[fqn][pname] = ExpertParam(dim, len(parts))
             else:
                 parts = len(plan.parts.get(source, [1])) if plan.styles[source] == Style.PACKED_COLWISE else 1
-                placements[fqn][pname] = ExpertParam(0, parts)
+                placements[fqn][pname] = ExpertParam(dim, parts)
     return placements
 
 

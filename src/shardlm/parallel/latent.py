@@ -8,7 +8,9 @@ pairs ``q_a_proj`` (column) with ``q_b_proj`` (row), exact but splitting no head
 candidates`` finds such a *latent*: a column-parallel linear read by a row-parallel one whose
 output is viewed into heads at once. ``autotp`` then keeps the latent whole and traces again, so
 that the up-projections read a whole tensor (column-parallel by heads) and ``o_proj`` closes the
-pair (row-parallel): one all-reduce per attention forward, as any attention.
+pair (row-parallel): one all-reduce per attention forward, as any attention. Kimi-Linear's delta
+attention gates are the same pattern: ``f_a_proj`` -> ``f_b_proj`` (+ its per-channel ``dt_bias``,
+followed to the view into heads: ``ShardTracker.biased``) and ``g_a_proj`` -> ``g_b_proj``.
 
 The backward: each rank's up-projections and its own heads of the shared rope key (expanded to the
 local head count, ``trace._over_heads``) give the latent's tensors only this rank's share of their
@@ -79,7 +81,7 @@ def latent_candidates(
         y = outputs.get(name)
         if style != "rowwise" or y is None or not y.dim():
             continue
-        view = tracker.first_view.get(id(y), ())
+        view = _first_view(tracker, id(y))
         # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])
         if (
             len(view) >= 3
@@ -90,3 +92,13 @@ def latent_candidates(
             for source in closer_inputs.get(name, ()):
                 out.setdefault(source, name)
     return out
+
+
+def _first_view(tracker, t: int) -> tuple[int, ...]:
+    """The shape of the first view of tensor ``t`` or of what a per-channel bias makes of it
+    (Kimi-Linear's forget gate: ``(f_b_proj(f_a_proj(x)) + dt_bias).view(..., heads, head_dim)``)."""
+    for _ in range(4):
+        if t in tracker.first_view or t not in tracker.biased:
+            break
+        t = tracker.biased[t]
+    return tracker.first_view.get(t, ())

@@ -44,6 +44,12 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):
     return args[pos] if len(args) > pos else kwargs.get(name, default)
 
 
+def lead_dim(t: torch.Tensor) -> int:
+    """The first dim of ``t`` longer than 1 (0 if none): the one a per-channel parameter acts along
+    (Kimi-Linear's ``A_log`` of shape [1, 1, heads, 1]: dim 2), split with the channels it meets."""
+    return next((d for d, n in enumerate(t.shape) if n > 1), 0)
+
+
 def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
     """Set ``layouts`` for the tensor(s) ``out`` of op ``name`` from its inputs' layouts."""
     if name in _CATS:

@@ -50,7 +50,7 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.latent import latent_candidates
-from shardlm.parallel.layouts import Layout, propagate
+from shardlm.parallel.layouts import Layout, lead_dim, propagate
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -109,6 +109,9 @@ class ShardTracker(TorchFunctionMode):
         self.heads = {h for h in heads if h > 1}
         self.violations: list[tuple[frozenset[str], str]] = []
         self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
+        # id(tensor) -> id of the first tensor of its shape computed from it and parameters alone (a
+        # per-channel bias added: Kimi-Linear's forget gate ``f_b_proj(...) + dt_bias``), for ``latent.py``
+        self.biased: dict[int, int] = {}
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
         self.running: list[str] = []  # modules whose forward is running, innermost last
         self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
@@ -202,6 +205,10 @@ class ShardTracker(TorchFunctionMode):
                     self.foreign.setdefault(owner, self.running[-1])
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
+        elif isinstance(out, torch.Tensor) and len(inputs) > 1:
+            for t in inputs:
+                if t.shape == out.shape and t is not out and all(u is t or self._owners(u) for u in inputs):
+                    self.biased.setdefault(id(t), id(out))
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             self._record_slice(args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
@@ -214,7 +221,8 @@ class ShardTracker(TorchFunctionMode):
                     self.from_param_ids[id(t)] = ids
         if name in _SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
             self._record_later_split(name, next(iter(sources)), args, kwargs)
-        latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs))
+        # a latent's split reader's output (``sharded``) carries whole gradients on its rows: no longer the latent's
+        latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs if id(t) not in self.sharded))
         if latent:
             self._check_latent(name, inputs, latent)
             if not sources:  # still whole on every rank: its gradient is still a partial one
@@ -293,7 +301,7 @@ class ShardTracker(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
                 return False
-            met, dim = [x], 1 - x.dim()
+            met, dim, tdim = [x], 1 - x.dim(), 0
         else:
             # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
             # their split dim, and the result has their shape (not a product or reduction over the channels)
@@ -304,10 +312,12 @@ class ShardTracker(TorchFunctionMode):
                 for s in sharded
             ):
                 return False
-            met, dim = sharded, -t.dim()
+            # its leading dims of size 1 broadcast (Kimi-Linear's ``A_log`` of shape [1, 1, heads, 1])
+            met, tdim = sharded, lead_dim(t)
+            dim = tdim - t.dim()
         found = {self.layouts.get(id(s)) for s in met}
         layout = found.pop() if len(found) == 1 else None
-        if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[0] == param.shape[0]:
+        if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
             whole = len(sources) == 1 and layout[1] == (self.widths.get(next(iter(sources))),)
             follow = (sources, None if whole else layout[1])
         elif (
