@@ -75,6 +75,13 @@ class Mesh:
             return self.world["dp_replicate", "fsdp"]._flatten("dp").get_group()
         return self.world["fsdp"].get_group()
 
+    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed in place over every data-parallel rank (token counts, loss sums), and
+        returned; a no-op on one data-parallel rank."""
+        if self.parallel.dp_size > 1:
+            dist.all_reduce(value, group=self.dp_group)
+        return value
+
     @property
     def dp_rank(self) -> int:
         return self.world["dp_replicate"].get_local_rank() * self.parallel.fsdp + self.world["fsdp"].get_local_rank()

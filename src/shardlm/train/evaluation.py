@@ -11,7 +11,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -65,7 +64,6 @@ def eval_loss(
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
-    if p.dp_size > 1:
-        dist.all_reduce(totals, group=mesh.dp_group)
+    mesh.sum_over_dp(totals)
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, int(totals[1])

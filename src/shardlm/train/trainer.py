@@ -159,11 +159,6 @@ class Trainer:
         )
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
 
-    def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.mesh.parallel.dp_size > 1:
-            dist.all_reduce(value, group=self.mesh.dp_group)
-        return value
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
         return self.outputs(input_ids).logits
@@ -198,7 +193,7 @@ class Trainer:
         if p.tp > 1 and (not self._tp_checked or (self.step + 1) % t.logging_steps == 0):
             check_tp_batches(batches, self.mesh.tp.get_group(), self.step)
             self._tp_checked = True
-        count = self._all_reduce_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
+        count = self.mesh.sum_over_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
         loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
         for micro, batch in enumerate(batches):
@@ -211,12 +206,12 @@ class Trainer:
                 micro_loss = token_loss_sum(outputs.logits, batch.labels)
                 roots = [micro_loss / denom]
                 if self.router_loss is not None:  # one backward for both (train/router_loss.py)
-                    term, router_total = self.router_loss.terms(outputs.router_logits, self._all_reduce_dp)
+                    term, router_total = self.router_loss.terms(outputs.router_logits, self.mesh.sum_over_dp)
                     roots.append(term)
                     router_sum += router_total.detach()
                 torch.autograd.backward(roots)
             loss_sum += as_local(micro_loss).detach()
-        loss = self._all_reduce_dp(loss_sum) / denom + router_sum
+        loss = self.mesh.sum_over_dp(loss_sum) / denom + router_sum
         if self.model.tp_partial_grads:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
         if self.model.expert_grads:  # EP: over the data-parallel ranks holding the same experts
@@ -232,7 +227,7 @@ class Trainer:
         if p.tp > 1 and (self.step <= 2 or self.step % t.logging_steps == 0):
             check_tp_replicas(self._tp_replicas, self.mesh.tp.get_group(), self.step)
         elapsed = time.perf_counter() - start
-        tokens = int(self._all_reduce_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
+        tokens = int(self.mesh.sum_over_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
         record = {
             "step": self.step,
             "loss": float(loss),
