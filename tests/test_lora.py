@@ -11,6 +11,7 @@ from families import write_tiny_dir
 from helpers import load_checked, make_adapter, plain_reference, run_ranks, token_dataset, train_config, write_model_dir
 
 from shardlm.config import LoraConfig
+from shardlm.distributed.shards import full_tensor
 
 LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -104,37 +105,16 @@ def lora_rank(runs: list[tuple[str, str]], layout: dict, per_device: int, steps:
     return out
 
 
-def whole_grad(param: torch.Tensor) -> torch.Tensor:
-    """Collective: ``param``'s whole gradient, assembled by the rows and columns shardlm's
-    checkpoints say each rank holds (``shards.local_index``). Not ``full_tensor()``: for a packed
-    projection under FSDP (shardlm's ``_StridedShard`` on tp, FSDP's chunking above it) torch
-    2.13 does not put the rows where shardlm's rule does (Phi-3's gate_up lora_B came back
-    permuted, its qkv lora_B mixed), while training, checkpoints and consolidation use the rule."""
-    import torch.distributed as dist
-
-    from shardlm.distributed.shards import local_index
-
-    grad = param.grad
-    if not hasattr(grad, "to_local"):
-        return grad.clone()
-    where = torch.meshgrid(*(local_index(param, d) for d in range(param.ndim)), indexing="ij")
-    full, copies = torch.zeros(param.shape), torch.zeros(param.shape)
-    full[where], copies[where] = grad.to_local(), 1.0
-    dist.all_reduce(full)
-    dist.all_reduce(copies)
-    return full / copies
-
-
 def keep_first_grads(trainer) -> dict:
     """A dict that the trainer's first optimizer step fills with each trainable tensor's (clipped)
-    gradient, whole (``whole_grad``: collectives, which every rank's step makes alike)."""
+    gradient, whole (``shards.full_tensor``: collectives, which every rank's step makes alike)."""
     grads, step = {}, trainer.optimizer.step
 
     def step_keeping_grads(*args, **kwargs):
         if not grads:
             for name, p in trainer.module.named_parameters():
                 if p.grad is not None:
-                    grads[name] = whole_grad(p)
+                    grads[name] = full_tensor(p, p.grad)
         return step(*args, **kwargs)
 
     trainer.optimizer.step = step_keeping_grads

@@ -6,6 +6,7 @@ exports, and a lazy (PEP 562) package would hand out the module once any code im
 
 from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, TrainConfig, load_config
 from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
+from shardlm.distributed.shards import full_tensor
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import infer_tp_plan
 from shardlm.parallel.build import parallelize
@@ -21,6 +22,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "build_mesh",
+    "full_tensor",
     "infer_tp_plan",
     "init_distributed",
     "load_config",

@@ -80,6 +80,33 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(local_piece(param, full.to(local.dtype)))
 
 
+def full_tensor(param: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+    """Collective over every rank: the whole of ``value`` (default ``param`` itself; or its
+    gradient, or an optimizer state laid out like it), assembled by this module's rule.
+
+    Use it instead of ``DTensor.full_tensor()`` on shardlm's parameters: for a packed projection
+    under FSDP (``_StridedShard`` on tp, FSDP's chunking of the TP-local tensor above it) torch
+    2.13's ``full_tensor()`` does not put the rows where this rule (which training, checkpoints
+    and consolidation use) says they are: Phi-3's gate_up lora_B came back permuted. Each rank
+    writes its boxes into a zero tensor and every rank sums them; positions held by several
+    ranks (replicas) are divided by their count. Whole-size memory and an all-reduce per call:
+    for tests and inspection, not for saves (those go through ``PackedShards``).
+    """
+    import torch.distributed as dist
+
+    value = param if value is None else value
+    if not isinstance(param, DTensor):
+        return value.detach().clone()
+    local = value.to_local() if isinstance(value, DTensor) else value
+    where = torch.meshgrid(*(local_index(param, d) for d in range(param.ndim)), indexing="ij")
+    full = torch.zeros(param.shape, dtype=local.dtype, device=local.device)
+    copies = torch.zeros(param.shape, dtype=local.dtype, device=local.device)
+    full[where], copies[where] = local.detach(), 1.0
+    dist.all_reduce(full)
+    dist.all_reduce(copies)
+    return full / copies
+
+
 def index_runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     """``index`` as maximal runs of consecutive positions: (local start, global start, length)."""
     runs: list[tuple[int, int, int]] = []
