@@ -107,6 +107,7 @@ from shardlm.parallel.latent import place_latents
 from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
+from shardlm.parallel.summed import place_direct, place_summed
 from shardlm.parallel.tp import localize_geometry
 from shardlm.parallel.trace import (
     RUNNING_NOTE,
@@ -314,6 +315,8 @@ def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
+    place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
+    place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj
     local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
     return plan
 
