@@ -606,6 +606,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
                 source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
         if fqn in plan.latent_readers:
             source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
+        if fqn in plan.summed:
+            source += "; its output, read back inside the split channels, has its gradient summed over TP"
         rows.append(
             {
                 "module": fqn,

@@ -68,9 +68,7 @@ def track(tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str
     if not rows:
         return
     if sources:  # it meets split activations: its gradient from this rank is a partial one
-        tracker.rows_met |= frozenset().union(
-            *(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad)
-        )
+        tracker.rows_met |= frozenset().union(*(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad))
         return
     readers = tuple(f"{r} (" for r in tracker.rows_readers)
     for t in whole:

@@ -139,7 +139,8 @@ class SummedRowwise(Rowwise):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         out = Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return DTensor.from_local(out, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+        return whole.to_local(grad_placements=[Partial()])
 
 
 class ReplicateParallel(ParallelStyle):
