@@ -593,7 +593,11 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source += "; its sub-block is kept replicated (listed below)"
         if fqn in plan.experts and style == "experts":  # MoE
             source += f"; {describe_experts(plan.experts[fqn])}"
+        if set(plan.channels.get(fqn, {}).values()) == {fqn}:  # ``summed.place_direct``: its own rows
+            source += "; column-parallel, its weight multiplied directly by its parent (split by rows, local views)"
         for pname, linear in plan.channels.get(fqn, {}).items():
+            if linear == fqn:
+                continue
             whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
             linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
             source += f"; {pname} split with the output channels of {linears}{whole}"
