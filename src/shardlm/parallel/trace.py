@@ -645,7 +645,8 @@ def trace_model(
         name: {a for a in names if type(meta.get_submodule(name).__dict__.get(a)) is int}
         for name, names in reads.items()
     }
-    for fqn in tracker.direct - styles.keys():  # multiplied directly by its parent (``summed.py``)
+    direct = tracker.direct - styles.keys()  # multiplied directly by its parent, its forward never run
+    for fqn in direct:  # (``summed.py``)
         styles[fqn] = "colwise"
     for fqn in sorted(tracker.rows_met & tracker.rows_leaks.keys()):
         tracker.violations.append(
@@ -682,7 +683,7 @@ def trace_model(
         latent_candidates(tracker, styles, outputs, closer_inputs),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
-        set(tracker.direct),
+        direct,
         summed,
         {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
     )
