@@ -34,7 +34,7 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba's [x, B, C] cut
+  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba-2's [x, B, C] cut
   only after the conv, a state-space parameter not aligned with split channels, a learned
   activation), or a per-head
   tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
@@ -59,7 +59,7 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   router and shared experts placed by the trace like any other module; the trace runs the
   experts eagerly (on meta the loop over hit experts is empty: they are opaque to it). Any other
   MoE layer is refused by name (``experts.refuse_unhandled_moe``); so is a model none of whose
-  block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
+  block layers can be split, and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
 * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): a column-parallel linear read by a

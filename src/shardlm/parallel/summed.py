@@ -22,7 +22,8 @@ every rank, which the sum would count tp times: that is a violation (its sub-blo
 
 Also here: a linear whose weight its parent multiplies directly (``self.dt_proj.weight @ dt``, its
 own forward never run) with whole activations is a column-parallel linear all the same
-(``direct_product``): the product is split by the weight's rows. It gets the ``per_channel`` style
+(``direct_product``): the product is split by the weight's rows (where ``x`` needs a gradient, only
+inside such a region, which sums it). It gets the ``per_channel`` style
 (weight and bias split by rows; the parent, ``per_channel`` too, computes on local views of them:
 ``channels.py``), and the parameters meeting the product along its rows (Mamba's ``A_log``) follow it.
 """
@@ -51,6 +52,8 @@ def direct_product(tracker, name: str, args: tuple, out) -> bool:
         return False
     if w.dim() != 2 or out.shape[-2] != w.shape[0]:
         return False
+    if x.requires_grad and id(x) not in tracker.rows:
+        return False  # its gradient from this rank's rows would be partial, and nothing would sum it
     tracker.direct.add(fqn)
     tracker.widths[fqn] = w.shape[0]
     tracker.legit[tracker.param_owner[id(w)]] = True  # its bias, used directly too, is placed with it

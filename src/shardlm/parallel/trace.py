@@ -23,7 +23,10 @@ first), is found packed at that cut (``later_parts``). A tensor made at a size r
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
 rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
 such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
-(``latent.py``: its gradient is summed over TP at the latent's input). The model's own
+(``latent.py``: its gradient is summed over TP at the latent's input). A row-parallel output read
+back inside the split region (Mamba-1's ``x_proj``: whole dt, B, C meeting each rank's channels)
+has its gradient summed over TP, and a linear whose weight its parent multiplies directly there
+(``dt_proj.weight @ dt``) is column-parallel (``summed.py``). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
