@@ -237,5 +237,13 @@ def test_mamba1_mixers_are_split_by_channels(tmp_path):
         }, name
         assert plan.summed == [f"backbone.layers.{i}.mixer.x_proj" for i in range(2)] and not plan.replicated
         assert plan.styles["backbone.embeddings"] == "embedding" and plan.styles["lm_head"] == "lm_head"
+    # LoRA on x_proj would all-reduce its output without summing the gradient back: refused by name
+    from shardlm import ConfigError
+    from shardlm.config.schema import LoraConfig
+    from shardlm.parallel.lora import check_lora
+
+    model = build_meta_model(write_tiny_dir(str(tmp_path / "mamba"), "mamba"))
+    with pytest.raises(ConfigError, match="x_proj' is a row-parallel layer whose output is read back inside"):
+        check_lora(LoraConfig(target_modules=["x_proj"]), model, infer_plan(model, 2))
     # nothing else reads a row-parallel output back inside its split channels
     assert not infer_plan(build_meta_model(write_tiny_dir(str(tmp_path / "qwen35"), "qwen3_5_text")), 2).summed
