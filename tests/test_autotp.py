@@ -2,7 +2,8 @@
 
 Reference: the plain transformers + torch loop of ``helpers.plain_reference`` on the same
 global batch (4 sequences), 5 steps, fp32, clipping active. Tolerances from the issue:
-loss 1e-5 and grad_norm 1e-4 relative (measured: <= 3e-7 for every family).
+loss 1e-5 and grad_norm 1e-4 relative (measured: <= 3e-7 for every family; Mamba-1 mixers
+<= 8.5e-7 grad_norm).
 Communication is counted at the dispatcher (every c10d op, as DTensor's CommDebugMode does,
 without its module hooks, which break on in-place adds) and must be the Megatron minimum.
 """
