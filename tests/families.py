@@ -108,6 +108,9 @@ TINY = {
     "olmo_hybrid": ("olmo_hybrid", {"linear_num_key_heads": 2}),
     "lfm3": ("lfm3", {}),
     "kimi_linear": ("kimi_linear", {}),
+    "jamba": ("jamba", {}),
+    "mamba": ("mamba", {}),
+    "falcon_mamba": ("falcon_mamba", {}),
 }
 
 

@@ -193,3 +193,57 @@ def test_kimi_delta_attention_gates_are_latents_and_its_heads_split(tmp_path):
     assert local["forget_gate"] == {"dt_bias": (32,), "A_log": (1, 1, 2, 1)}
     assert local["conv1d"] == {"weight": (96, 1, 4)} and local["forget_gate.f_a_proj"] == {"weight": (16, 64)}
     assert not plan.replicated
+
+
+def test_mamba1_mixers_are_split_by_channels(tmp_path):
+    """Mamba-1 (Jamba, Mamba, Falcon-Mamba): in_proj packed [x, z]; x_proj reads the split channels
+    (row-parallel) and its whole dt, B, C go back into them (``summed.py``: its output gradient summed
+    over TP; Jamba's norms of dt, B, C partial, summed after backward); dt_proj, multiplied directly by
+    the mixer (``dt_proj.weight @ dt``), split by rows; A_log [I, N] meets dt's channels through
+    ``A[None, :, None, :] * dt[:, :, :, None]`` and follows them, D and the conv follow x's."""
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.styles import ExpertParam
+
+    mixer = "model.layers.0.mamba"
+    plan, styles, local = mixer_plan(write_tiny_dir(str(tmp_path / "jamba"), "jamba"), mixer)
+    assert styles == {
+        "": "per_channel",  # owns A_log, D; uses conv1d's and dt_proj's parameters directly
+        "conv1d": "per_channel",
+        "dt_proj": "per_channel",
+        "in_proj": "packed_colwise",
+        "x_proj": "rowwise",
+        "dt_layernorm": "replicate_grad_allreduce",
+        "b_layernorm": "replicate_grad_allreduce",
+        "c_layernorm": "replicate_grad_allreduce",
+        "out_proj": "rowwise",
+    }
+    assert plan.parts[f"{mixer}.in_proj"] == [128, 128] and f"{mixer}.x_proj" in plan.summed
+    assert plan.channels[mixer] == {"A_log": f"{mixer}.dt_proj", "D": f"{mixer}.in_proj"}
+    assert plan.experts[f"{mixer}.dt_proj"] == {"weight": ExpertParam(0), "bias": ExpertParam(0)}
+    assert local[""] == {"A_log": (64, 8), "D": (64,)} and local["dt_proj"] == {"weight": (64, 8), "bias": (64,)}
+    assert local["conv1d"] == {"weight": (64, 1, 4), "bias": (64,)} and local["x_proj"] == {"weight": (24, 64)}
+    assert not plan.replicated
+    mixer = "backbone.layers.0.mixer"
+    for name in ("mamba", "falcon_mamba"):
+        plan, styles, local = mixer_plan(write_tiny_dir(str(tmp_path / name), name), mixer)
+        assert styles == {
+            "": "per_channel",
+            "conv1d": "per_channel",
+            "dt_proj": "per_channel",
+            "in_proj": "packed_colwise",
+            "x_proj": "rowwise",
+            "out_proj": "rowwise",
+        }, name
+        assert plan.summed == [f"backbone.layers.{i}.mixer.x_proj" for i in range(2)] and not plan.replicated
+        assert plan.styles["backbone.embeddings"] == "embedding" and plan.styles["lm_head"] == "lm_head"
+    # LoRA on x_proj would all-reduce its output without summing the gradient back: refused by name
+    from shardlm import ConfigError
+    from shardlm.config.schema import LoraConfig
+    from shardlm.parallel.lora import check_lora
+
+    model = build_meta_model(write_tiny_dir(str(tmp_path / "mamba"), "mamba"))
+    with pytest.raises(ConfigError, match="x_proj' is a row-parallel layer whose output is read back inside"):
+        check_lora(LoraConfig(target_modules=["x_proj"]), model, infer_plan(model, 2))
+    # nothing else reads a row-parallel output back inside its split channels
+    assert not infer_plan(build_meta_model(write_tiny_dir(str(tmp_path / "qwen35"), "qwen3_5_text")), 2).summed

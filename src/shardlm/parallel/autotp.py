@@ -34,7 +34,7 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
 
 * every split tensor carries its *sources* (the column-parallel linears it came from). A module
   or parameter that would act on split activations and is none of the above (a depthwise
-  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba's [x, B, C] cut
+  ``conv1d`` over channels whose split the trace cannot follow, as over Mamba-2's [x, B, C] cut
   only after the conv, a state-space parameter not aligned with split channels, a learned
   activation), or a per-head
   tensor that is not split with the heads (BLOOM's and MPT's ALiBi slopes, position biases:
@@ -59,7 +59,7 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   router and shared experts placed by the trace like any other module; the trace runs the
   experts eagerly (on meta the loop over hit experts is empty: they are opaque to it). Any other
   MoE layer is refused by name (``experts.refuse_unhandled_moe``); so is a model none of whose
-  block layers can be split (Mamba, RWKV), and any unexpected exception while tracing becomes a
+  block layers can be split, and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
 * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): a column-parallel linear read by a
@@ -107,6 +107,7 @@ from shardlm.parallel.latent import place_latents
 from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
+from shardlm.parallel.summed import place_direct, place_summed
 from shardlm.parallel.tp import localize_geometry
 from shardlm.parallel.trace import (
     RUNNING_NOTE,
@@ -314,6 +315,8 @@ def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
+    place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
+    place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj
     local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
     return plan
 
@@ -590,7 +593,11 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source += "; its sub-block is kept replicated (listed below)"
         if fqn in plan.experts and style == "experts":  # MoE
             source += f"; {describe_experts(plan.experts[fqn])}"
+        if set(plan.channels.get(fqn, {}).values()) == {fqn}:  # ``summed.place_direct``: its own rows
+            source += "; column-parallel, its weight multiplied directly by its parent (split by rows, local views)"
         for pname, linear in plan.channels.get(fqn, {}).items():
+            if linear == fqn:
+                continue
             whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
             linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
             source += f"; {pname} split with the output channels of {linears}{whole}"
@@ -603,6 +610,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
                 source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
         if fqn in plan.latent_readers:
             source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
+        if fqn in plan.summed:
+            source += "; its output, read back inside the split channels, has its gradient summed over TP"
         rows.append(
             {
                 "module": fqn,

@@ -13,7 +13,8 @@ whole with each rank using its rows (``channels.py``).
 
 ``propagate`` follows a layout through the ops a mixer applies between its projections and the
 parameters: transposes, cuts and concatenations along the split dim or beside it, views that
-split the split dim into heads or merge heads back, and any op that keeps the rank and the
+split the split dim into heads or merge heads back, indexing that adds dims of size 1 around it (Mamba's
+``A[None, :, None, :]``, ``dt[:, :, :, None]``), and any op that keeps the rank and the
 split dim's size (elementwise math, activations, casts, slicing of other dims). Anything else
 drops the layout; a parameter meeting a tensor without one is then judged by its source's whole
 width only (``ShardTracker._follows``).
@@ -34,6 +35,7 @@ _TRANSPOSE = {"transpose", "swapaxes", "swapdims", "transpose_"}
 _CUTS = {"split", "chunk", "split_with_sizes", "tensor_split"}
 _RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 _CATS = {"cat", "concat", "concatenate"}
+_INDEX = {"__getitem__", "unsqueeze"}  # new dims of size 1 (``A[None, :, None, :]``), other dims sliced
 
 
 def _neg(dim: int, ndim: int) -> int:
@@ -65,6 +67,11 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
         if name in _CUTS and isinstance(out, (tuple, list)):
             _cut(name, first, args, kwargs, out, (dim, parts), layouts)
             return
+        if name in _INDEX and isinstance(out, torch.Tensor):
+            found = _indexed(name, first, args, dim)
+            if found is not None and out.shape[found] == first.shape[dim]:
+                layouts[id(out)] = (found, parts)
+                return
         if name in _RESHAPES and isinstance(out, torch.Tensor):
             found = _reshaped(tuple(first.shape), tuple(out.shape), dim, parts)
             if found is not None:
@@ -110,6 +117,46 @@ def _cut(name, t, args, kwargs, out, layout: Layout, layouts: dict[int, Layout])
         elif len(parts) == 1:  # a cut of one part: it becomes a packed part of its own (``later_parts``)
             layouts[id(piece)] = (dim, (stop - start,))
         start = stop
+
+
+def _indexed(name: str, t: torch.Tensor, args: tuple, dim: int) -> int | None:
+    """The split dim ``dim`` of ``t`` in ``t.unsqueeze(d)`` or ``t[index]`` (counted from the end), where
+    the index adds dims (None), slices or picks other dims, and takes the split dim whole; else None."""
+    ndim, pos = t.dim(), t.dim() + dim
+    if name == "unsqueeze":
+        d = args[1] if len(args) > 1 else None
+        if not isinstance(d, int):
+            return None
+        d = d % (ndim + 1)
+        return dim - 1 if d > pos else dim
+    index = args[1] if len(args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is not None and i is not Ellipsis and not isinstance(i, (int, slice)) for i in index):
+        return None  # advanced (tensor) indexing
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    items = []  # per item: the input dims it takes (0 or 1), or the run of an Ellipsis
+    for i in index:
+        items.append((i, ndim - consumed if i is Ellipsis else 0 if i is None else 1))
+    src, dst, found = 0, 0, None
+    for i, n in items:
+        if i is Ellipsis:
+            if src <= pos < src + n:
+                found = dst + pos - src
+            src, dst = src + n, dst + n
+        elif i is None:
+            dst += 1
+        elif src == pos:
+            if not (isinstance(i, slice) and i == slice(None)):
+                return None  # the split dim cut or picked
+            found, src, dst = dst, src + 1, dst + 1
+        else:
+            src, dst = src + 1, dst + (0 if isinstance(i, int) else 1)
+    if found is None:
+        found = dst + pos - src  # after the index: untouched trailing dims
+    out_ndim = dst + ndim - src
+    return found - out_ndim
 
 
 def _reshaped(old: tuple[int, ...], new: tuple[int, ...], dim: int, parts: tuple[int, ...]) -> Layout | None:

@@ -249,6 +249,12 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                 "parallelism (multi-head latent attention), which LoRA cannot adapt there yet; remove it from "
                 "target_modules or use parallel.fsdp instead of tp"
             )
+        if _is_lora_layer(module) and fqn in plan.summed:
+            raise ConfigError(
+                f"lora.target_modules: '{fqn}' is a row-parallel layer whose output is read back inside the split "
+                "channels (Mamba's x_proj), which LoRA cannot adapt there under tensor parallelism yet; remove it "
+                "from target_modules or use parallel.fsdp instead of tp"
+            )
         if _is_lora_layer(module) and fqn in plan.sliced:
             styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
         elif _is_lora_layer(module):

@@ -40,3 +40,6 @@ class Plan:
     # MLA (``latent.py``): module reading a low-rank latent kept whole (a column-parallel up-projection,
     # a norm) -> that latent; their input gradients are partial, summed over TP at the latent's input
     latent_readers: dict[str, str] = field(default_factory=dict)
+    # row-parallel linears whose whole output is read back inside the split region (Mamba's x_proj:
+    # ``summed.py``): the backward of their output's all-reduce sums its partial gradient over TP
+    summed: list[str] = field(default_factory=list)

@@ -131,6 +131,18 @@ class Rowwise(_Conv1DAware, RowwiseParallel):
         return out.clone() if use_local_output else out
 
 
+class SummedRowwise(Rowwise):
+    """``rowwise`` whose whole output is read back inside the split region (Mamba's ``x_proj``:
+    ``parallel/summed.py``): each rank's gradient of it covers its own channels only, so the backward
+    of the output's all-reduce is an all-reduce of that gradient."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+        return whole.to_local(grad_placements=[Partial()])
+
+
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the TP mesh; inputs enter as replicated DTensors, outputs leave local."""
 
@@ -408,19 +420,21 @@ def make_style(
     experts: dict[str, ExpertParam] | None = None,
     views: dict | None = None,
     latent_input: bool = False,
+    summed: bool = False,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
     output rows); ``experts``: the plan's ``experts`` entry of an experts or ``per_channel``
     module; ``views``: a ``per_channel`` module's ``channels.local_views``; ``latent_input``: a
-    ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``)."""
+    ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``); ``summed``: a
+    ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
         case Style.COLWISE:
             return LatentColwise() if latent_input else Colwise()
         case Style.ROWWISE:
-            return Rowwise()
+            return SummedRowwise() if summed else Rowwise()
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(len(parts))
         case Style.EMBEDDING:
@@ -454,6 +468,7 @@ def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
             plan.experts.get(fqn),
             local_views(plan, fqn),
             fqn in plan.latent_readers,
+            fqn in plan.summed,
         )
         for fqn, s in plan.styles.items()
     }

@@ -23,7 +23,10 @@ first), is found packed at that cut (``later_parts``). A tensor made at a size r
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
 rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
 such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
-(``latent.py``: its gradient is summed over TP at the latent's input). The model's own
+(``latent.py``: its gradient is summed over TP at the latent's input). A row-parallel output read
+back inside the split region (Mamba-1's ``x_proj``: whole dt, B, C meeting each rank's channels)
+has its gradient summed over TP, and a linear whose weight its parent multiplies directly there
+(``dt_proj.weight @ dt``) is column-parallel (``summed.py``). The model's own
 ``base_model_tp_plan`` is used as a cross-check of the colwise/rowwise directions.
 
 Data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``mask.all()``,
@@ -45,12 +48,14 @@ from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_
 from shardlm.parallel.hf import (
     all_head_widths,
     head_counts,
+    is_conv1d,
     is_linear,
     out_features,
     rms_norm_eps,
 )
 from shardlm.parallel.latent import latent_candidates
 from shardlm.parallel.layouts import Layout, lead_dim, propagate
+from shardlm.parallel.summed import direct_product, track, track_output
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -143,6 +148,15 @@ class ShardTracker(TorchFunctionMode):
         self.latent: dict[int, frozenset[str]] = {}
         self.latent_readers: dict[str, frozenset[str]] = {}
         self.latent_leaks: dict[str, str] = {}
+        # ``summed.py``: the weights of block linears a parent may multiply directly (id -> linear), those
+        # found so; id(tensor) -> the row-parallel linears whose whole output it is computed from alone,
+        # those whose region meets split activations, the modules with parameters reading it, its leaks
+        self.direct_weights: dict[int, str] = {}
+        self.direct: set[str] = set()
+        self.rows: dict[int, frozenset[str]] = {}
+        self.rows_met: set[str] = set()
+        self.rows_readers: dict[str, frozenset[str]] = {}
+        self.rows_leaks: dict[str, str] = {}
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``dropout.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -203,6 +217,8 @@ class ShardTracker(TorchFunctionMode):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
                     self.foreign.setdefault(owner, self.running[-1])
+        if direct_product(self, name, args, out):
+            return out  # a linear's column-parallel output (``summed.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
         elif isinstance(out, torch.Tensor) and len(inputs) > 1:
@@ -212,6 +228,7 @@ class ShardTracker(TorchFunctionMode):
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             self._record_slice(args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        track(self, name, inputs, sources, out)
         if inputs and not sources and all(self._owners(t) for t in inputs):
             owners = frozenset().union(*(self._owners(t) for t in inputs))
             ids = frozenset().union(*(self._param_ids(t) for t in inputs))
@@ -301,17 +318,16 @@ class ShardTracker(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
                 return False
-            met, dim, tdim = [x], 1 - x.dim(), 0
+            met, dim, tdim, spread = [x], 1 - x.dim(), 0, False
         else:
             # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
             # their split dim, and the result has their shape (not a product or reduction over the channels)
             if not isinstance(out, torch.Tensor) or not all(
-                t.dim() <= s.dim()
-                and out.shape == s.shape
-                and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
-                for s in sharded
+                t.dim() <= s.dim() and (_along(t, s, out) or _spread(t, s, out)) for s in sharded
             ):
                 return False
+            # both broadcast (Mamba's ``A[None, :, None, :] * dt[:, :, :, None]``): only along a known layout
+            spread = not all(_along(t, s, out) for s in sharded)
             # its leading dims of size 1 broadcast (Kimi-Linear's ``A_log`` of shape [1, 1, heads, 1])
             met, tdim = sharded, lead_dim(t)
             dim = tdim - t.dim()
@@ -322,6 +338,7 @@ class ShardTracker(TorchFunctionMode):
             follow = (sources, None if whole else layout[1])
         elif (
             len(sources) == 1
+            and not spread
             and param.shape[0] == self.widths.get(next(iter(sources)))
             and (name in ("conv1d", "conv2d", "convolution") or any(a == param.shape[0] for a in t.shape))
         ):
@@ -401,6 +418,21 @@ class ShardTracker(TorchFunctionMode):
             for b in (index[1].start, index[1].stop):
                 if isinstance(b, int):
                     bounds.add(b)
+
+
+def _along(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:
+    """``t`` broadcast along the split tensor ``s`` (its dims equal to or 1 against ``s``'s trailing
+    ones), giving ``s``'s shape: elementwise, not a product or reduction over the channels."""
+    return out.shape == s.shape and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
+
+
+def _spread(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:
+    """``t`` and the split tensor ``s`` both broadcast into ``out`` (an outer product per channel:
+    Mamba's ``A[None, :, None, :] * dt[:, :, :, None]``, each channel's state row)."""
+    try:
+        return out.dim() == s.dim() and out.shape == torch.broadcast_shapes(t.shape, s.shape)
+    except RuntimeError:
+        return False
 
 
 def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool:
@@ -483,6 +515,11 @@ class Traced:
     # latent -> why its gradient cannot stay partial (``ShardTracker.latent_leaks``)
     latent_readers: dict[str, set[str]]
     latent_leaks: dict[str, str]
+    # ``summed.py``: linears multiplied directly by their parent; row-parallel linears whose whole output is
+    # read inside the split region (its gradient summed over TP); module with parameters reading it -> those
+    direct: set[str]
+    summed: set[str]
+    summed_readers: dict[str, set[str]]
 
 
 def trace_model(
@@ -519,6 +556,11 @@ def trace_model(
     tracker.running = running
     block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
     widths_of_heads = all_head_widths(meta.config)
+    tracker.direct_weights = {
+        id(m.weight): name
+        for name, m in meta.named_modules()
+        if is_linear(m) and name.startswith(block_prefixes) and name not in forced and not is_conv1d(m)
+    }
 
     def pre(name):
         label = f"{name} ({{}})"
@@ -530,6 +572,8 @@ def trace_model(
                 return
             if id(args[0]) in tracker.latent and any(True for _ in module.parameters(recurse=False)):
                 tracker.latent_readers[name] = tracker.latent[id(args[0])]
+            if id(args[0]) in tracker.rows and any(True for _ in module.parameters(recurse=False)):
+                tracker.rows_readers[name] = tracker.rows[id(args[0])]
             sources = tracker.sources(args[0])
             owner = label.format(type(module).__name__)
             if is_linear(module) and name in forced:
@@ -571,6 +615,7 @@ def trace_model(
                 if styles[name] == "colwise":
                     tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                 outputs[name] = out
+            track_output(tracker, name, out, styles.get(name) == "rowwise")
             if name in latents and isinstance(out, torch.Tensor):
                 tracker.latent[id(out)] = frozenset({name})
             for t in tree_flatten(out)[0]:
@@ -603,6 +648,17 @@ def trace_model(
         name: {a for a in names if type(meta.get_submodule(name).__dict__.get(a)) is int}
         for name, names in reads.items()
     }
+    direct = tracker.direct - styles.keys()  # multiplied directly by its parent, its forward never run
+    for fqn in direct:  # (``summed.py``)
+        styles[fqn] = "colwise"
+    for fqn in sorted(tracker.rows_met & tracker.rows_leaks.keys()):
+        tracker.violations.append(
+            (
+                closer_inputs.get(fqn, frozenset()),
+                f"the output of {fqn}, whole, meets its split activations and {tracker.rows_leaks[fqn]}",
+            )
+        )
+    summed = tracker.rows_met - tracker.rows_leaks.keys()
     parts, views = {}, {}
     for name, style in styles.items():
         if style == "colwise" and name in outputs:
@@ -630,6 +686,9 @@ def trace_model(
         latent_candidates(tracker, styles, outputs, closer_inputs),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
+        direct,
+        summed,
+        {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
     )
 
 
