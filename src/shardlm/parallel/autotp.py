@@ -314,7 +314,8 @@ def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_kv_and_unequal_parts(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
-    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
+    reads = {f: r - traced.whole_ints.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
+    local_sizes(model, plan, reads, traced.split_sizes, tp)
     return plan
 
 

@@ -61,7 +61,7 @@ def place_channels(
         owner, _, pname = pfqn.rpartition(".")
         if any(plan.styles.get(s) not in (Style.COLWISE, Style.PACKED_COLWISE) for s in sources):
             continue  # its sources stay whole (a kept-replicated sub-block): so does it
-        if any(s in plan.sliced and layout is not None for s in sources):
+        if any(s in plan.sliced and layout is not None and not _chunked(plan, s, tp) for s in sources):
             continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole
         (source, *_) = sorted(sources)
         width = out_features(model.get_submodule(source))
@@ -85,6 +85,13 @@ def place_channels(
         ):
             plan.styles[user] = Style.PER_CHANNEL.value
             plan.channels.setdefault(user, {})
+
+
+def _chunked(plan: Plan, linear: str, tp: int) -> bool:
+    """Whether each rank computes its chunk of every part of sliced ``linear`` (unequal parts, as
+    Mamba-2's [z, x, B, C, dt]), so that what follows a run of its parts takes its chunk of each too."""
+    parts = plan.parts.get(linear)
+    return parts is not None and plan.sliced[linear] == [rank_rows(parts, r, tp) for r in range(tp)]
 
 
 def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:

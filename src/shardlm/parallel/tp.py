@@ -488,8 +488,8 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             continue
         for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + _WIDTH_ATTRS:
             value = getattr(module, attr, None)
-            if isinstance(value, bool) or not isinstance(value, int):
-                continue
+            if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
+                continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes above
             if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
                 setattr(module, attr, value // tp)
             elif attr in MODULE_KV_ATTRS and value == kv:

@@ -50,7 +50,8 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.latent import latent_candidates
-from shardlm.parallel.layouts import Layout, lead_dim, propagate
+from shardlm.parallel.layouts import Cuts, Layout, lead_dim, propagate
+from shardlm.parallel.sizes import NamedInt, record_uses, whole_only
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -129,12 +130,19 @@ class ShardTracker(TorchFunctionMode):
         # the parts of their channel layout, or None: the one linear's whole output)
         self.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
         self.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
+        self.cuts = Cuts()  # origins of split tensors in their linear's columns, and where those were cut
+        self.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows
         # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
         self.split_sizes: dict[str, set[int]] = {}
+        self.int_uses: dict[str, dict[str, set[str]]] = {}  # ``sizes.record_uses``
         # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
         # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
         self.later_parts: dict[str, list[int]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
+        # running modules with one parameter of the split width, judged by their ops (name, the violation
+        # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
+        # the split keeps whole (each rank reducing its own groups) has its weight follow the channels
+        self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
         # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
@@ -230,7 +238,8 @@ class ShardTracker(TorchFunctionMode):
                     if isinstance(t, torch.Tensor):
                         self.latent[id(t)] = latent
         if sources:
-            propagate(name, args, kwargs, out, self.layouts)
+            propagate(name, args, kwargs, out, self.layouts, self.cuts)
+            record_uses(name, args, kwargs, out, self.layouts, self.int_uses)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and id(t) in self.layouts and self.running:
                     self.split_sizes.setdefault(self.running[-1], set()).add(t.shape[self.layouts[id(t)][0]])
@@ -317,9 +326,13 @@ class ShardTracker(TorchFunctionMode):
             dim = tdim - t.dim()
         found = {self.layouts.get(id(s)) for s in met}
         layout = found.pop() if len(found) == 1 else None
+        origin = None
         if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
             whole = len(sources) == 1 and layout[1] == (self.widths.get(next(iter(sources))),)
             follow = (sources, None if whole else layout[1])
+            origins = {self.cuts.origins.get(id(s)) for s in met}
+            if not whole and len(origins) == 1 and None not in origins and len(layout[1]) == 1:
+                origin = origins.pop()  # its parts: those the linear's cuts make of its columns (``Cuts``)
         elif (
             len(sources) == 1
             and param.shape[0] == self.widths.get(next(iter(sources)))
@@ -331,6 +344,8 @@ class ShardTracker(TorchFunctionMode):
         if self.follows.get(pid, follow) != follow:
             return False
         self.follows[pid] = follow
+        if origin is not None:
+            self.follow_origins[pid] = origin
         return True
 
     def _check(
@@ -377,7 +392,9 @@ class ShardTracker(TorchFunctionMode):
         ):
             return
         t = args[0]
-        if not t.dim() or t.shape[-1] not in {self.widths.get(src) for src in sources}:
+        layout = self.layouts.get(id(t)) if self.deferred else None  # inside a deferred module: any split dim
+        full = bool(t.dim()) and t.shape[-1] in {self.widths.get(src) for src in sources}
+        if not t.dim() or not (full or layout):
             return
         if name in ("layer_norm", "rms_norm", "group_norm"):
             dims = {t.dim() - 1}
@@ -391,7 +408,7 @@ class ShardTracker(TorchFunctionMode):
             if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
                 dim = -1
             dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
-        if dims is None or t.dim() - 1 in dims:
+        if dims is None or t.dim() - 1 in dims if full else layout[0] % t.dim() in dims:
             self.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
 
     def _record_slice(self, tensor: torch.Tensor, index) -> None:
@@ -447,6 +464,18 @@ def _parts_from_consumer(tracker: ShardTracker, out: torch.Tensor) -> list[int] 
     return list(arg)
 
 
+def _refined(parts: list[int], cut: tuple[int, ...]) -> list[int]:
+    """The parts both ``parts`` and ``cut`` (of the same width) make: every boundary of either."""
+    bounds = {0}
+    for sizes in (parts, cut):
+        offset = 0
+        for p in sizes:
+            offset += p
+            bounds.add(offset)
+    edges = sorted(bounds)
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
 def build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
     """A fresh meta copy of ``model``'s architecture (``eager``: eager attention, every op visible;
     else the attention the ranks will run)."""
@@ -476,6 +505,7 @@ class Traced:
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
     split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
+    whole_ints: dict[str, set[str]]  # module -> int attributes it sized only unsplit dims with (``sizes.py``)
     # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
     # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
     latents: dict[str, str]
@@ -554,8 +584,14 @@ def trace_model(
                     legit[owner] = True
                     tracker.inside.append(name)
                 else:
-                    what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
-                    tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
+                    across = all(p.numel() == width for p in params)
+                    why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
+                    if across and len(params) == 1:
+                        # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
+                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
+                        tracker.deferred.append((name, why, len(tracker.violations)))
+                    else:
+                        tracker.violations.append(why)
 
         return hook
 
@@ -565,11 +601,16 @@ def trace_model(
                 running.pop()
             if tracker.inside and tracker.inside[-1] == name:
                 tracker.inside.pop()
+            if tracker.deferred and tracker.deferred[-1][0] == name:
+                _, why, start = tracker.deferred.pop()
+                if len(tracker.violations) > start or any(id(p) not in tracker.follows for p in module.parameters()):
+                    tracker.violations.insert(start, why)
             tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 if styles[name] == "colwise":
                     tracker.layouts[id(out)] = (-1, (out.shape[-1],))
+                    tracker.cuts.origins[id(out)] = (name, 0)
                 outputs[name] = out
             if name in latents and isinstance(out, torch.Tensor):
                 tracker.latent[id(out)] = frozenset({name})
@@ -585,7 +626,9 @@ def trace_model(
         hooks.append(module.register_forward_hook(post(name)))
     reads: dict[str, set[str]] = {}
     watched = {
-        name: _watch_reads(m, reads.setdefault(name, set())) for name, m in meta.named_modules() if _holds_linear(m)
+        name: _watch_reads(m, reads.setdefault(name, set()), name)
+        for name, m in meta.named_modules()
+        if _holds_linear(m)
     }
     try:
         with tracker:
@@ -608,6 +651,7 @@ def trace_model(
         if style == "colwise" and name in outputs:
             views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
             found = _parts_from_consumer(tracker, outputs[name]) or tracker.later_parts.get(name)
+            found = _refined(found or [outputs[name].shape[-1]], tracker.cuts.parts(name, 0, outputs[name].shape[-1]))
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
     names = {
@@ -616,6 +660,9 @@ def trace_model(
         for p_name, p in m.named_parameters(recurse=False)
     }
     follows = {names[pid]: source for pid, source in tracker.follows.items()}
+    for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
+        sources, (width,) = tracker.follows[pid]
+        follows[names[pid]] = (sources, tracker.cuts.parts(linear, start, width))
     return Traced(
         styles,
         parts,
@@ -627,6 +674,7 @@ def trace_model(
         follows,
         {name: names for name, names in int_reads.items() if names},
         tracker.split_sizes,
+        whole_only(tracker.int_uses),
         latent_candidates(tracker, styles, outputs, closer_inputs),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
@@ -637,15 +685,17 @@ def _holds_linear(module: nn.Module) -> bool:
     return any(is_linear(child) for child in module.children())
 
 
-def _watch_reads(module: nn.Module, names: set[str]) -> type:
+def _watch_reads(module: nn.Module, names: set[str], fqn: str) -> type:
     """Record in ``names`` every attribute read on ``module`` (until its class is restored: the
     returned original). The trace learns which sizes a mixer's forward reads (``self.key_dim``),
-    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache."""
+    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache;
+    an int attribute is read as a ``NamedInt`` (``sizes.py``: what it sizes)."""
     cls = type(module)
 
     def __getattribute__(self, attr):  # noqa: N807 - the hook is this dunder
         names.add(attr)
-        return cls.__getattribute__(self, attr)
+        value = cls.__getattribute__(self, attr)
+        return NamedInt(value, fqn, attr) if type(value) is int else value
 
     module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
     return cls
