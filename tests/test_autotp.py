@@ -37,11 +37,12 @@ FAMILIES = [
     "olmo2",
 ]
 # and the hybrids of families.TINY, their mixers split by heads (parallel/channels.py): Qwen3.5 text,
-# Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution)
+# Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution), Mamba2 and
+# Nemotron-H (Mamba-2 mixers, n_groups=2: in_proj packed [z, x, B, C, dt], the conv over [x, B, C])
 HYBRID = list(TINY)
 # models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
 # gated norm per value head, and the conv1d over q/k/v of unequal widths, stored whole; LFM3: its
-# attention's q/k norms)
+# attention's q/k norms; Mamba2, Nemotron-H: in_proj of unequal parts and the conv over them, stored whole)
 PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID}
 # the parameter elements of their mixers, global and per rank: halved but for what each rank stores
 # whole (Qwen3.5's in_proj_qkv of unequal parts and the conv1d over it, 8192 + 512; Qwen3-Next's and
@@ -54,9 +55,15 @@ MIXERS = {
     # Kimi-Linear: 2 delta-attention mixers (21588 -> 11826 per rank each: the gates' latents f_a_proj,
     # g_a_proj whole, 1024 each, and o_norm, 16) and 1 MLA (16928 -> 9760), all named self_attn
     "kimi_linear": ("self_attn", 1, 60104, 33412),
+    # Mamba-2 (Mamba2's 2 mixers, Nemotron-H's one, block 0): in_proj of unequal parts [128, 128, 16, 16, 8]
+    # and the conv over [128, 16, 16] stored whole (18944 + 800); A_log, D, dt_bias, the gated norm's
+    # weight (per group) and out_proj halved
+    "mamba2": ("mixer", 2, 28088, 23916),
+    "nemotron_h": ("0.mixer", 1, 28088, 23916),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear"]
+TP2_FSDP2 += ["mamba2", "nemotron_h"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +127,8 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way;
         # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert),
         # Kimi-Linear (2 delta-attention blocks, one dense MLP, then two MoE: 2 + 3 + 3; the gates' and MLA's
-        # latent partial gradients summed with the mixer's input gradient, no extra all-reduce).
+        # latent partial gradients summed with the mixer's input gradient, no extra all-reduce); Mamba2 (2
+        # mixers), Nemotron-H (Mamba-2 mixer 1, MoE 2: experts and shared expert, attention 1, MLP 1).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
@@ -129,11 +137,13 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
             "olmo_hybrid": (9, 3, 9),
             "lfm3": (9, 3, 9),
             "kimi_linear": (9, 3, 9),
+            "mamba2": (3, 3, 3),
+            "nemotron_h": (6, 3, 6),
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
     # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's, 0.515 of Qwen3-Next's and
-    # OLMo-hybrid's, 0.5 of LFM3's)
+    # OLMo-hybrid's, 0.5 of LFM3's, 0.85 of the Mamba-2 mixers')
     for family, (_, count, whole, local) in MIXERS.items():
         assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
 
