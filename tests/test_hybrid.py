@@ -261,7 +261,7 @@ def test_cuts_of_a_stretch_of_a_linear_refine_its_parts():
 def test_ints_sizing_only_unsplit_dims_are_not_made_local():
     import torch
 
-    from shardlm.parallel.sizes import NamedInt, record_uses, whole_only
+    from shardlm.parallel.sizes import NamedInt, record_uses, used_only
 
     layouts, uses = {}, {}
     b = torch.empty(1, 13, 16, device="meta")
@@ -271,4 +271,6 @@ def test_ints_sizing_only_unsplit_dims_are_not_made_local():
     layouts[id(out)] = (-2, (2,))
     record_uses("view", (b, 1, 13, groups, state), {}, out, layouts, uses)
     assert uses == {"mixer": {"n_groups": {"split"}, "ssm_state_size": {"whole"}}}
-    assert whole_only(uses) == {"mixer": {"ssm_state_size"}}
+    assert used_only(uses, "whole") == {"mixer": {"ssm_state_size"}} and used_only(uses, "split") == {
+        "mixer": {"n_groups"}
+    }

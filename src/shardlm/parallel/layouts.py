@@ -192,10 +192,26 @@ def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
         layouts[id(out)] = layouts[id(tensors[0])]
 
 
-def rank_rows(parts: tuple[int, ...] | list[int], rank: int, tp: int) -> list[tuple[int, int]]:
-    """Rank's rows of a dim of ``parts`` (its chunk of every part)."""
+def rank_rows(
+    parts: tuple[int, ...] | list[int], rank: int, tp: int, whole: list[bool] | None = None
+) -> list[tuple[int, int]]:
+    """Rank's rows of a dim of ``parts`` (its chunk of every part; all of a part ``whole`` flags)."""
     out, offset = [], 0
-    for p in parts:
-        out.append((offset + rank * p // tp, offset + (rank + 1) * p // tp))
+    for p, held in zip(parts, whole or [False] * len(parts)):
+        out.append((offset, offset + p) if held else (offset + rank * p // tp, offset + (rank + 1) * p // tp))
         offset += p
     return out
+
+
+def local_width(parts: list[int], whole: list[bool], width: int, tp: int) -> int | None:
+    """One rank's share of ``width`` where it is a run of consecutive ``parts`` with a part held whole
+    (Mamba-2's ``conv_dim``, x|B|C: x/tp + B + C), None where no such run is that wide or one without
+    a whole part is (then it is split like any width)."""
+    found = set()
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts) + 1):
+            if sum(parts[i:j]) == width:
+                if not any(whole[i:j]):
+                    return None
+                found.add(sum(p if w else p // tp for p, w in zip(parts[i:j], whole[i:j])))
+    return found.pop() if len(found) == 1 else None

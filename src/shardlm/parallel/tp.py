@@ -43,6 +43,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -298,8 +299,10 @@ class ShardedRMSNorm(ParallelStyle):
         eps, width = rms_norm_eps(module), module.weight.shape[0]
         shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
             h = x.float()
+            if gate is not None:  # Mamba-2's gated norm: gated first (``hf.gates_before_norm``)
+                h = h * F.silu(gate.float())
             squares = DTensor.from_local(h.pow(2).sum(-1, keepdim=True), device_mesh, [Partial()], run_check=False)
             total = squares.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             return (module.weight.to_local() * (h * torch.rsqrt(total / width + eps))).to(x.dtype)

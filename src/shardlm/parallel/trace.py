@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.parallel.hf import (
     all_head_widths,
+    gates_before_norm,
     head_counts,
     is_linear,
     out_features,
@@ -51,7 +52,7 @@ from shardlm.parallel.hf import (
 )
 from shardlm.parallel.latent import latent_candidates
 from shardlm.parallel.layouts import Cuts, Layout, lead_dim, propagate
-from shardlm.parallel.sizes import NamedInt, record_uses, whole_only
+from shardlm.parallel.sizes import NamedInt, record_uses
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
 _SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -93,8 +94,18 @@ class ShardTracker(TorchFunctionMode):
     recorded as a violation: ``trace_model`` then keeps that whole sub-block replicated.
     """
 
-    def __init__(self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=()) -> None:
+    def __init__(
+        self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=(), wholes=frozenset()
+    ) -> None:
         super().__init__()
+        # stretches of linears' outputs held whole on every rank, (linear, first column, width): found
+        # contracted over their split channels by a previous trace (``_record_contraction``), and found now;
+        # the tensors cut to one of them, and those computed from such tensors alone
+        self.wholes: frozenset[tuple[str, int, int]] = frozenset(wholes)
+        self.found_wholes: set[tuple[str, int, int]] = set()
+        self.whole_ids: set[int] = set()
+        self.buffers: dict[int, str] = {}  # id(buffer) -> its fqn
+        self.buffer_follows: dict[str, tuple[frozenset[str], None]] = {}  # see ``_buffer_follows``
         self.sharded: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
@@ -249,7 +260,37 @@ class ShardTracker(TorchFunctionMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
+            if name == "einsum":
+                self._record_contraction(args)
+            if self.wholes:
+                self._hold_whole(out)
+        elif inputs and any(id(t) in self.whole_ids for t in inputs):
+            self.whole_ids |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+            record_uses(name, args, kwargs, out, self.layouts, self.int_uses)  # B.view(.., n_groups, state)
         return out
+
+    def _record_contraction(self, args: tuple) -> None:
+        """An einsum summing a split tensor over its split dim (Mamba-2's B and C at n_groups < tp, over
+        their state dim: each rank would sum its own channels only). Where that tensor is one stretch of a
+        linear's output (its ``Cuts`` origin), the stretch is held whole on every rank (``found_wholes``:
+        ``Plan.sliced`` rows, traced again), as kv heads fewer than tp are."""
+        if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+            return
+        lhs, rhs = args[0].replace(" ", "").split("->")
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        for spec, t in zip(lhs.split(","), operands):
+            layout, origin = self.layouts.get(id(t)), self.cuts.origins.get(id(t))
+            if layout and origin and len(layout[1]) == 1 and len(spec) == t.dim() and spec[layout[0]] not in rhs:
+                self.found_wholes.add((*origin, layout[1][0]))
+
+    def _hold_whole(self, out) -> None:
+        """Tensors cut to a stretch held whole (``wholes``): whole on every rank, no longer split."""
+        for t in tree_flatten(out)[0]:
+            origin, layout = self.cuts.origins.get(id(t)), self.layouts.get(id(t))
+            if origin and layout and (*origin, sum(layout[1])) in self.wholes:
+                self.mark(t, None)
+                self.layouts.pop(id(t))
+                self.whole_ids.add(id(t))
 
     def _check_latent(self, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
         """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
@@ -348,6 +389,20 @@ class ShardTracker(TorchFunctionMode):
             self.follow_origins[pid] = origin
         return True
 
+    def _buffer_follows(self, t: torch.Tensor, sharded: list[torch.Tensor], out) -> bool:
+        """A buffer of one column-parallel linear's output width multiplied into that whole output
+        (Falcon-H1's ``mup_vector``, [1, 1, width]): it follows the linear's rows (``buffer_follows``)."""
+        fqn = self.buffers.get(id(t))
+        if fqn is None or not isinstance(out, torch.Tensor) or len(sharded) != 1 or out.shape != sharded[0].shape:
+            return False
+        sources = self.sharded[id(sharded[0])]
+        (source, *rest) = sorted(sources)
+        width = self.widths.get(source)
+        if rest or self.layouts.get(id(sharded[0])) != (-1, (width,)) or t.shape[-1] != width or t.numel() != width:
+            return False
+        self.buffer_follows[fqn] = (sources, None)
+        return True
+
     def _check(
         self, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None, out=None
     ) -> None:
@@ -356,7 +411,7 @@ class ShardTracker(TorchFunctionMode):
         for t in inputs:
             if id(t) in self.sharded:
                 continue
-            if self._follows(name, t, sharded, args, kwargs or {}, out):
+            if self._follows(name, t, sharded, args, kwargs or {}, out) or self._buffer_follows(t, sharded, out):
                 continue
             if isinstance(t, nn.Parameter):
                 owner = self.param_owner.get(id(t), "?")
@@ -367,7 +422,7 @@ class ShardTracker(TorchFunctionMode):
                 self.violations.append(
                     (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
                 )
-            elif t.dim() and t.numel() > 1 and self.heads and id(t) not in self.from_split_shape:
+            elif t.dim() and t.numel() > 1 and self.heads and id(t) not in self.from_split_shape | self.whole_ids:
                 for s in sharded:
                     # the heads dim of split activations is never the last (that is head_dim or keys)
                     for i in range(2, min(t.dim(), s.dim()) + 1):
@@ -464,6 +519,15 @@ def _parts_from_consumer(tracker: ShardTracker, out: torch.Tensor) -> list[int] 
     return list(arg)
 
 
+def _whole_flags(wholes, linear: str, start: int, parts) -> list[bool]:
+    """Per part of ``linear``'s columns from ``start``: whether it is a stretch held whole."""
+    flags = []
+    for p in parts:
+        flags.append((linear, start, p) in wholes)
+        start += p
+    return flags
+
+
 def _refined(parts: list[int], cut: tuple[int, ...]) -> list[int]:
     """The parts both ``parts`` and ``cut`` (of the same width) make: every boundary of either."""
     bounds = {0}
@@ -505,7 +569,11 @@ class Traced:
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
     split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
-    whole_ints: dict[str, set[str]]  # module -> int attributes it sized only unsplit dims with (``sizes.py``)
+    int_uses: dict[str, dict[str, set[str]]]  # module -> int attribute -> what it sized (``sizes.py``)
+    # stretches of linears' outputs found summed over their split channels, not yet held whole (traced
+    # again with them in ``wholes``); and per packed linear or following parameter, which parts are whole
+    new_wholes: set[tuple[str, int, int]]
+    whole: dict[str, list[bool]]
     # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
     # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
     latents: dict[str, str]
@@ -521,6 +589,7 @@ def trace_model(
     meta: nn.Module | None = None,
     shape: tuple[int, int] = (1, TRACE_SEQ),
     latents: frozenset[str] = frozenset(),
+    wholes: frozenset[tuple[str, int, int]] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
@@ -539,9 +608,10 @@ def trace_model(
         for p in m.parameters(recurse=False)
     }
     legit: dict[str, bool] = {}
-    tracker = ShardTracker(param_owner, legit, head_counts(meta.config))
+    tracker = ShardTracker(param_owner, legit, head_counts(meta.config), wholes)
     tracker.tied = {i for i, n in registrations.items() if n > 1}
     tracker.params = {id(p): p for p in meta.parameters()}
+    tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
     outputs: dict[str, torch.Tensor] = {}
     closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
@@ -579,7 +649,11 @@ def trace_model(
                     styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     legit[owner] = True
                     tracker.inside.append(name)
-                elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
+                elif (
+                    all(p.numel() == width for p in params)
+                    and rms_norm_eps(module) is not None
+                    and (len(args) < 2 or gates_before_norm(module))  # Mamba-2's gated norm, one group
+                ):
                     styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
                     legit[owner] = True
                     tracker.inside.append(name)
@@ -659,10 +733,12 @@ def trace_model(
         for m_name, m in meta.named_modules()
         for p_name, p in m.named_parameters(recurse=False)
     }
-    follows = {names[pid]: source for pid, source in tracker.follows.items()}
+    follows = {names[pid]: source for pid, source in tracker.follows.items()} | tracker.buffer_follows
+    whole = {name: _whole_flags(wholes, name, 0, p) for name, p in parts.items()}
     for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
         sources, (width,) = tracker.follows[pid]
         follows[names[pid]] = (sources, tracker.cuts.parts(linear, start, width))
+        whole[names[pid]] = _whole_flags(wholes, linear, start, follows[names[pid]][1])
     return Traced(
         styles,
         parts,
@@ -674,7 +750,9 @@ def trace_model(
         follows,
         {name: names for name, names in int_reads.items() if names},
         tracker.split_sizes,
-        whole_only(tracker.int_uses),
+        tracker.int_uses,
+        tracker.found_wholes - wholes,
+        {name: flags for name, flags in whole.items() if any(flags)},
         latent_candidates(tracker, styles, outputs, closer_inputs),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
