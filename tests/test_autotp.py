@@ -38,11 +38,12 @@ FAMILIES = [
 ]
 # and the hybrids of families.TINY, their mixers split by heads (parallel/channels.py): Qwen3.5 text,
 # Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution), Mamba2 and
-# Nemotron-H (Mamba-2 mixers, n_groups=2: in_proj packed [z, x, B, C, dt], the conv over [x, B, C])
+# Nemotron-H (Mamba-2 mixers, n_groups=2: in_proj packed [z, x, B, C, dt], the conv over [x, B, C]), Bamba
+# and Falcon-H1 (n_groups=1: B and C whole on every rank, the gated norm over the split width all-reduced)
 HYBRID = list(TINY)
 # models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
 # gated norm per value head, and the conv1d over q/k/v of unequal widths, stored whole; LFM3: its
-# attention's q/k norms; Mamba2, Nemotron-H: in_proj of unequal parts and the conv over them, stored whole)
+# attention's q/k norms; Mamba-2 mixers: in_proj of unequal parts and the conv over them, stored whole)
 PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID}
 # the parameter elements of their mixers, global and per rank: halved but for what each rank stores
 # whole (Qwen3.5's in_proj_qkv of unequal parts and the conv1d over it, 8192 + 512; Qwen3-Next's and
@@ -60,10 +61,13 @@ MIXERS = {
     # weight (per group) and out_proj halved
     "mamba2": ("mixer", 2, 28088, 23916),
     "nemotron_h": ("0.mixer", 1, 28088, 23916),
+    # n_groups=1: in_proj [128, 128, 8, 8, 8] (Falcon-H1's dt: 16 heads) and the conv, stored whole
+    "bamba": ("mamba", 2, 26984, 22812),
+    "falcon_h1": ("mamba", 2, 27392, 23272),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear"]
-TP2_FSDP2 += ["mamba2", "nemotron_h"]
+TP2_FSDP2 += ["mamba2", "nemotron_h", "bamba"]  # Falcon-H1, GraniteMoE-hybrid: measured standalone
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +132,8 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert),
         # Kimi-Linear (2 delta-attention blocks, one dense MLP, then two MoE: 2 + 3 + 3; the gates' and MLA's
         # latent partial gradients summed with the mixer's input gradient, no extra all-reduce); Mamba2 (2
-        # mixers), Nemotron-H (Mamba-2 mixer 1, MoE 2: experts and shared expert, attention 1, MLP 1).
+        # mixers), Nemotron-H (Mamba-2 mixer 1, MoE 2: experts and shared expert, attention 1, MLP 1); Bamba
+        # (2 blocks of mixer 1, its gated norm's sum of squares 1, MLP 1), Falcon-H1 (mixer 1, attention 1, MLP 1).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
@@ -139,6 +144,8 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
             "kimi_linear": (9, 3, 9),
             "mamba2": (3, 3, 3),
             "nemotron_h": (6, 3, 6),
+            "bamba": (7, 3, 7),
+            "falcon_h1": (7, 3, 7),
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)

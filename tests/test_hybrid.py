@@ -274,3 +274,37 @@ def test_ints_sizing_only_unsplit_dims_are_not_made_local():
     assert used_only(uses, "whole") == {"mixer": {"ssm_state_size"}} and used_only(uses, "split") == {
         "mixer": {"n_groups"}
     }
+
+
+@pytest.fixture(scope="module")
+def one_group(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("one_group")
+    return {name: write_tiny_dir(str(root / name), name) for name in ("bamba", "falcon_h1")}
+
+
+def test_mamba2_groups_fewer_than_tp_are_held_whole(one_group):
+    """n_groups=1 < tp=2 (Bamba, Falcon-H1 as published): B and C are summed over their state dim (an
+    einsum over their split channels), so they are held whole on every rank, like kv heads fewer than
+    tp: in_proj stored whole, each rank computing its chunk of z, x, dt and all of B and C; the conv the
+    same; ``conv_dim`` on one rank is x/2 + B + C; the gated norm over the whole split width all-reduces
+    its sum of squares (``sharded_norm`` with the gate); Falcon-H1's ``mup_vector`` follows in_proj."""
+    mixer = "model.layers.0.mamba"
+    plan, styles, local = mixer_plan(one_group["bamba"], mixer)
+    assert styles == {
+        "": "per_channel",
+        "conv1d": "per_channel",
+        "in_proj": "packed_colwise",
+        "norm": "sharded_norm",
+        "out_proj": "rowwise",
+    }
+    assert not plan.replicated
+    assert plan.parts[f"{mixer}.in_proj"] == [128, 128, 8, 8, 8]
+    assert plan.whole_parts[f"{mixer}.in_proj"] == [False, False, True, True, False]
+    assert plan.sliced[f"{mixer}.in_proj"][1] == [(64, 128), (192, 256), (256, 264), (264, 272), (276, 280)]
+    assert plan.channel_rows[f"{mixer}.conv1d.weight"][1] == [(64, 128), (128, 136), (136, 144)]
+    assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 4}  # n_groups stays 1
+    assert local["norm"] == {"weight": (64,)} and local[""] == {"A_log": (4,), "D": (4,), "dt_bias": (4,)}
+    plan, styles, _ = mixer_plan(one_group["falcon_h1"], mixer)
+    assert styles[""] == "per_channel" and "norm" not in styles  # mamba_rms_norm=False: no norm
+    assert plan.channels[mixer]["mup_vector"] == f"{mixer}.in_proj"  # a buffer: each rank uses its rows
+    assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 8}  # 16 = head_dim
