@@ -19,7 +19,12 @@ tensor along its channel dim (a depthwise convolution with ``groups`` equal to i
 elementwise op), *follows* the split (``ShardTracker._follows``; ``channels.py`` splits it the
 same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused projection whose
 output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
-first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
+first), is found packed at that cut (``later_parts``); a cut of a stretch of a linear's output
+(Mamba-2's x|B|C, cut again after its conv) refines that linear's parts (``layouts.Cuts``). A
+stretch an einsum sums over its split channels (Mamba-2's B and C with fewer groups than tp) is
+held whole on every rank and the model traced again (``ShardTracker.wholes``); a module with one
+parameter of the split width is judged by its ops (``ShardTracker.deferred``: a norm over groups
+the split keeps whole has its weight follow the channels). A tensor made at a size read off a split
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
 rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
 such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
