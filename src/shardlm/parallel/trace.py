@@ -398,7 +398,9 @@ class ShardTracker(TorchFunctionMode):
         """A buffer of one column-parallel linear's output width multiplied into that whole output
         (Falcon-H1's ``mup_vector``, [1, 1, width]): it follows the linear's rows (``buffer_follows``)."""
         fqn = self.buffers.get(id(t))
-        if fqn is None or not isinstance(out, torch.Tensor) or len(sharded) != 1 or out.shape != sharded[0].shape:
+        if fqn is None or not t.dim() or not isinstance(out, torch.Tensor) or len(sharded) != 1:
+            return False  # a scalar buffer (XIELU's beta) multiplies every channel alike
+        if out.shape != sharded[0].shape:
             return False
         sources = self.sharded[id(sharded[0])]
         (source, *rest) = sorted(sources)
