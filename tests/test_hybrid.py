@@ -308,3 +308,21 @@ def test_mamba2_groups_fewer_than_tp_are_held_whole(one_group):
     assert styles[""] == "per_channel" and "norm" not in styles  # mamba_rms_norm=False: no norm
     assert plan.channels[mixer]["mup_vector"] == f"{mixer}.in_proj"  # a buffer: each rank uses its rows
     assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 8}  # 16 = head_dim
+
+
+def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
+    """Falcon-H1's ``mup_vector`` ([1, 1, width], multiplied into in_proj's output) follows in_proj's
+    rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
+    import torch
+
+    from shardlm.parallel.trace import ShardTracker
+
+    tracker = ShardTracker()
+    out = torch.empty(1, 13, 24, device="meta")
+    tracker.mark(out, frozenset({"in_proj"}))
+    tracker.layouts[id(out)], tracker.widths["in_proj"] = (-1, (24,)), 24
+    beta, mup = torch.empty((), device="meta"), torch.empty(1, 1, 24, device="meta")
+    tracker.buffers = {id(beta): "act.beta", id(mup): "mixer.mup_vector"}
+    with tracker:
+        _ = out * beta, out * mup
+    assert tracker.buffer_follows == {"mixer.mup_vector": (frozenset({"in_proj"}), None)} and not tracker.violations
