@@ -101,7 +101,10 @@ def family_config(family: str, **overrides):
 # twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones; so
 # have Qwen3-Next's (its q/k/v/z fused per key head) and OLMo-hybrid's (q, k, v projections apart).
 # LFM3: a short convolution over one third of a fused in_proj. Kimi-Linear: delta attention (its
-# forget and output gates low-rank pairs, ``latent.py``) and MLA, MoE.
+# forget and output gates low-rank pairs, ``latent.py``) and MLA, MoE. Mamba2 and Nemotron-H (a Mamba-2
+# mixer, MoE, attention, MLP): n_groups=2 where their published configs have 8 (``tiny.py`` shrinks it to
+# 1), so that tp=2 divides the groups of B and C. Bamba and Falcon-H1 (a Mamba-2 mixer beside attention)
+# as published, n_groups=1: B and C held whole on every rank; Falcon-H1's mup_vector follows in_proj.
 TINY = {
     "qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2}),
     "qwen3_next": ("qwen3_next", {"linear_num_key_heads": 2}),
@@ -111,6 +114,10 @@ TINY = {
     "jamba": ("jamba", {}),
     "mamba": ("mamba", {}),
     "falcon_mamba": ("falcon_mamba", {}),
+    "mamba2": ("mamba2", {"n_groups": 2}),
+    "nemotron_h": ("nemotron_h", {"n_groups": 2}),
+    "bamba": ("bamba", {}),
+    "falcon_h1": ("falcon_h1", {}),
 }
 
 

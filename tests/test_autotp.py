@@ -38,12 +38,15 @@ FAMILIES = [
     "olmo2",
 ]
 # and the hybrids of families.TINY, their mixers split by heads (parallel/channels.py): Qwen3.5 text,
-# Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution); and by
-# channels: Jamba, Mamba, Falcon-Mamba (Mamba-1, x_proj's output gradient summed: parallel/summed.py)
+# Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution), Mamba2 and
+# Nemotron-H (Mamba-2 mixers, n_groups=2: in_proj packed [z, x, B, C, dt], the conv over [x, B, C]), Bamba
+# and Falcon-H1 (n_groups=1: B and C whole on every rank, the gated norm over the split width all-reduced);
+# and by channels: Jamba, Mamba, Falcon-Mamba (Mamba-1, x_proj's output gradient summed: parallel/summed.py)
 HYBRID = list(TINY)
 # models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
 # gated norm per value head, and the conv1d over q/k/v of unequal widths, stored whole; LFM3: its
-# attention's q/k norms; Jamba: the RMSNorms of dt, B, C, read from x_proj's output)
+# attention's q/k norms; Mamba-2 mixers: in_proj of unequal parts and the conv over them, stored whole;
+# Jamba: the RMSNorms of dt, B, C, read from x_proj's output)
 PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID} - {"mamba", "falcon_mamba"}
 # the parameter elements of their mixers, global and per rank: halved but for what each rank stores
 # whole (Qwen3.5's in_proj_qkv of unequal parts and the conv1d over it, 8192 + 512; Qwen3-Next's and
@@ -60,9 +63,18 @@ MIXERS = {
     "jamba": ("mamba", 2, 30616, 15320),
     "mamba": ("mixer", 2, 30592, 15296),
     "falcon_mamba": ("mixer", 2, 30592, 15296),
+    # Mamba-2 (Mamba2's 2 mixers, Nemotron-H's one, block 0): in_proj of unequal parts [128, 128, 16, 16, 8]
+    # and the conv over [128, 16, 16] stored whole (18944 + 800); A_log, D, dt_bias, the gated norm's
+    # weight (per group) and out_proj halved
+    "mamba2": ("mixer", 2, 28088, 23916),
+    "nemotron_h": ("0.mixer", 1, 28088, 23916),
+    # n_groups=1: in_proj [128, 128, 8, 8, 8] (Falcon-H1's dt: 16 heads) and the conv, stored whole
+    "bamba": ("mamba", 2, 26984, 22812),
+    "falcon_h1": ("mamba", 2, 27392, 23272),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear", "jamba"]
+TP2_FSDP2 += ["mamba2", "nemotron_h", "bamba"]  # Falcon-H1, GraniteMoE-hybrid: measured standalone
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +140,9 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # Kimi-Linear (2 delta-attention blocks, one dense MLP, then two MoE: 2 + 3 + 3; the gates' and MLA's
         # latent partial gradients summed with the mixer's input gradient, no extra all-reduce); Mamba-1
         # mixers (2 blocks): 2 each way per mixer (x_proj's and out_proj's forward, x_proj's output
-        # gradient and in_proj's input gradient backward), Jamba's second block MoE.
+        # gradient and in_proj's input gradient backward), Jamba's second block MoE; Mamba2 (2
+        # mixers), Nemotron-H (Mamba-2 mixer 1, MoE 2: experts and shared expert, attention 1, MLP 1); Bamba
+        # (2 blocks of mixer 1, its gated norm's sum of squares 1, MLP 1), Falcon-H1 (mixer 1, attention 1, MLP 1).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
@@ -138,11 +152,15 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
             "lfm3": (9, 3, 9),
             "kimi_linear": (9, 3, 9),
             "jamba": (7, 3, 7),
+            "mamba2": (3, 3, 3),
+            "nemotron_h": (6, 3, 6),
+            "bamba": (7, 3, 7),
+            "falcon_h1": (7, 3, 7),
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
     # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's, 0.515 of Qwen3-Next's and
-    # OLMo-hybrid's, 0.5 of LFM3's and of Mamba-1's but Jamba's norms)
+    # OLMo-hybrid's, 0.5 of LFM3's and of Mamba-1's but Jamba's norms, 0.85 of the Mamba-2 mixers')
     for family, (_, count, whole, local) in MIXERS.items():
         assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
 

@@ -247,3 +247,136 @@ def test_mamba1_mixers_are_split_by_channels(tmp_path):
         check_lora(LoraConfig(target_modules=["x_proj"]), model, infer_plan(model, 2))
     # nothing else reads a row-parallel output back inside its split channels
     assert not infer_plan(build_meta_model(write_tiny_dir(str(tmp_path / "qwen35"), "qwen3_5_text")), 2).summed
+
+
+@pytest.fixture(scope="module")
+def mamba2(tmp_path_factory) -> str:
+    return write_tiny_dir(str(tmp_path_factory.mktemp("mamba2") / "mamba2"), "mamba2")
+
+
+def test_mamba2_mixer_is_split_by_heads_and_groups(mamba2):
+    """Mamba-2 at n_groups=2, tp=2: in_proj cut into [z, xBC, dt] at once and xBC into [x, B, C] after
+    the conv: both cuts make its parts (``layouts.Cuts``), the conv follows [x, B, C], the gated norm over
+    groups the split keeps whole has its weight follow the channels, and the sizes its forward views by
+    are made local, but not ``ssm_state_size``, equal to ``num_heads`` (8) yet sizing B's state dim."""
+    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.build import build_meta_model
+
+    mixer = "backbone.layers.0.mixer"
+    model = build_meta_model(mamba2)
+    plan = infer_plan(model, 2)
+    styles = {f[len(mixer) + 1 :] or "": s for f, s in plan.styles.items() if f.startswith(mixer)}
+    assert styles == {
+        "": "per_channel",  # owns A_log, D, dt_bias; uses conv1d.weight directly
+        "conv1d": "per_channel",
+        "in_proj": "packed_colwise",
+        "norm": "per_channel",
+        "out_proj": "rowwise",
+    }
+    assert not plan.replicated
+    assert plan.parts[f"{mixer}.in_proj"] == [128, 128, 16, 16, 8]  # z, x, B (2 groups of 8), C, dt (8 heads)
+    assert plan.sliced[f"{mixer}.in_proj"][1] == [(64, 128), (192, 256), (264, 272), (280, 288), (292, 296)]
+    assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [128, 16, 16]
+    assert plan.channel_parts[f"{mixer}.norm.weight"] == [128]
+    assert plan.channels[mixer] == dict.fromkeys(("A_log", "D", "dt_bias"), f"{mixer}.in_proj")
+    assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "n_groups": 1, "num_heads": 4}
+    rows = {r["module"]: r["local"] for r in describe_plan(model, plan, 2)}
+    assert rows[mixer] == {"A_log": (4,), "D": (4,), "dt_bias": (4,)}
+    assert rows[f"{mixer}.norm"] == {"weight": (64,)} and rows[f"{mixer}.conv1d"]["weight"] == (160, 1, 4)
+
+
+def test_cuts_of_a_stretch_of_a_linear_refine_its_parts():
+    """``layouts.Cuts``: a cut of a piece of a linear's output, after a transpose and a per-channel op,
+    is a cut of the linear at those columns; a regrouping view drops the origin."""
+    import torch
+
+    from shardlm.parallel.layouts import Cuts, propagate
+
+    layouts, cuts = {}, Cuts()
+    out = torch.empty(1, 13, 40, device="meta")
+    layouts[id(out)], cuts.origins[id(out)] = (-1, (40,)), ("in_proj", 0)
+    z, xbc, dt = out.split([8, 28, 4], dim=-1)
+    propagate("split", (out, [8, 28, 4]), {"dim": -1}, (z, xbc, dt), layouts, cuts)
+    t = xbc.transpose(1, 2)
+    propagate("transpose", (xbc, 1, 2), {}, t, layouts, cuts)
+    act = torch.nn.functional.silu(t)
+    propagate("silu", (t,), {}, act, layouts, cuts)
+    back = act.transpose(1, 2)
+    propagate("transpose", (act, 1, 2), {}, back, layouts, cuts)
+    x, b, c = back.split([20, 4, 4], dim=-1)
+    propagate("split", (back, [20, 4, 4], -1), {}, (x, b, c), layouts, cuts)
+    assert cuts.parts("in_proj", 0, 40) == (8, 20, 4, 4, 4)
+    assert cuts.parts("in_proj", 8, 28) == (20, 4, 4)  # what the conv over xBC follows
+    heads = x.view(1, 13, 5, 4)
+    propagate("view", (x, 1, 13, 5, 4), {}, heads, layouts, cuts)
+    assert layouts[id(heads)] == (-2, (5,)) and id(heads) not in cuts.origins
+
+
+def test_ints_sizing_only_unsplit_dims_are_not_made_local():
+    import torch
+
+    from shardlm.parallel.sizes import NamedInt, record_uses, used_only
+
+    layouts, uses = {}, {}
+    b = torch.empty(1, 13, 16, device="meta")
+    layouts[id(b)] = (-1, (16,))
+    groups, state = NamedInt(2, "mixer", "n_groups"), NamedInt(8, "mixer", "ssm_state_size")
+    out = b.view(1, 13, groups, state)
+    layouts[id(out)] = (-2, (2,))
+    record_uses("view", (b, 1, 13, groups, state), {}, out, layouts, uses)
+    assert uses == {"mixer": {"n_groups": {"split"}, "ssm_state_size": {"whole"}}}
+    assert used_only(uses, "whole") == {"mixer": {"ssm_state_size"}} and used_only(uses, "split") == {
+        "mixer": {"n_groups"}
+    }
+
+
+@pytest.fixture(scope="module")
+def one_group(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("one_group")
+    return {name: write_tiny_dir(str(root / name), name) for name in ("bamba", "falcon_h1")}
+
+
+def test_mamba2_groups_fewer_than_tp_are_held_whole(one_group):
+    """n_groups=1 < tp=2 (Bamba, Falcon-H1 as published): B and C are summed over their state dim (an
+    einsum over their split channels), so they are held whole on every rank, like kv heads fewer than
+    tp: in_proj stored whole, each rank computing its chunk of z, x, dt and all of B and C; the conv the
+    same; ``conv_dim`` on one rank is x/2 + B + C; the gated norm over the whole split width all-reduces
+    its sum of squares (``sharded_norm`` with the gate); Falcon-H1's ``mup_vector`` follows in_proj."""
+    mixer = "model.layers.0.mamba"
+    plan, styles, local = mixer_plan(one_group["bamba"], mixer)
+    assert styles == {
+        "": "per_channel",
+        "conv1d": "per_channel",
+        "in_proj": "packed_colwise",
+        "norm": "sharded_norm",
+        "out_proj": "rowwise",
+    }
+    assert not plan.replicated
+    assert plan.parts[f"{mixer}.in_proj"] == [128, 128, 8, 8, 8]
+    assert plan.whole_parts[f"{mixer}.in_proj"] == [False, False, True, True, False]
+    assert plan.sliced[f"{mixer}.in_proj"][1] == [(64, 128), (192, 256), (256, 264), (264, 272), (276, 280)]
+    assert plan.channel_rows[f"{mixer}.conv1d.weight"][1] == [(64, 128), (128, 136), (136, 144)]
+    assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 4}  # n_groups stays 1
+    assert local["norm"] == {"weight": (64,)} and local[""] == {"A_log": (4,), "D": (4,), "dt_bias": (4,)}
+    plan, styles, _ = mixer_plan(one_group["falcon_h1"], mixer)
+    assert styles[""] == "per_channel" and "norm" not in styles  # mamba_rms_norm=False: no norm
+    assert plan.channels[mixer]["mup_vector"] == f"{mixer}.in_proj"  # a buffer: each rank uses its rows
+    assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 8}  # 16 = head_dim
+
+
+def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
+    """Falcon-H1's ``mup_vector`` ([1, 1, width], multiplied into in_proj's output) follows in_proj's
+    rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
+    import torch
+
+    from shardlm.parallel.trace import ShardTracker
+
+    tracker = ShardTracker()
+    out = torch.empty(1, 13, 24, device="meta")
+    tracker.mark(out, frozenset({"in_proj"}))
+    tracker.layouts[id(out)], tracker.widths["in_proj"] = (-1, (24,)), 24
+    beta, mup = torch.empty((), device="meta"), torch.empty(1, 1, 24, device="meta")
+    tracker.buffers = {id(beta): "act.beta", id(mup): "mixer.mup_vector"}
+    with tracker:
+        _ = out * beta, out * mup
+    assert tracker.buffer_follows == {"mixer.mup_vector": (frozenset({"in_proj"}), None)} and not tracker.violations

@@ -123,7 +123,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ranks = "; ".join(
                 f"rank {r} rows " + " ".join(f"{a}:{b}" for a, b in rows) for r, rows in enumerate(plan.sliced[fqn])
             )
-            print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks})")
+            whole = [p for p, held in zip(parts, plan.whole_parts.get(fqn, [])) if held]
+            held = f"; parts {whole} whole on every rank (summed over their split channels)" if whole else ""
+            print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks}){held}")
         else:
             print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
     by_reason: dict[str, list[str]] = {}

@@ -106,6 +106,7 @@ from shardlm.parallel.hf import (
 from shardlm.parallel.latent import place_latents
 from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.plan import Plan
+from shardlm.parallel.sizes import used_only
 from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
 from shardlm.parallel.summed import place_direct, place_summed
 from shardlm.parallel.tp import localize_geometry
@@ -194,10 +195,14 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
+    wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     reasons: dict[str, str] = {}
     meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
-        traced = trace_model(model, forced, meta, latents=latents)
+        traced = trace_model(model, forced, meta, latents=latents, wholes=wholes)
+        if traced.new_wholes:  # summed over their split channels: held whole on every rank, traced again
+            wholes = wholes | traced.new_wholes
+            continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -291,7 +296,7 @@ def _closure(traced: Traced, bad: set[str]) -> set[str]:
 
 
 def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str] = frozenset()) -> Plan:
-    plan = Plan(parts=dict(traced.parts))
+    plan = Plan(parts=dict(traced.parts), whole_parts=dict(traced.whole))
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
@@ -317,7 +322,9 @@ def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str]
     place_channels(model, plan, traced.follows, traced.foreign, tp)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj
-    local_sizes(model, plan, {f: r for f, r in traced.reads.items() if f in plan.attention}, traced.split_sizes, tp)
+    whole, split = used_only(traced.int_uses, "whole"), used_only(traced.int_uses, "split")
+    reads = {f: r - whole.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
+    local_sizes(model, plan, reads, traced.split_sizes, tp, split)
     return plan
 
 
@@ -447,6 +454,7 @@ def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))
         elif style == "sharded_norm":
             module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+            module.forward = lambda x, gate=None: x  # ``tp.ShardedRMSNorm`` keeps the shape (groups by width)
         elif style == "per_channel":
             for pname in plan.channels.get(fqn, {}):
                 shape = list(getattr(module, pname).shape)
@@ -536,12 +544,13 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
         elif style == "packed_colwise":
             parts = plan.parts[fqn]
             kv_part = [replicated and p == kv * d and kv != heads for p in parts]
-            bad = [p for p, rep in zip(parts, kv_part) if p % tp and not rep]
+            whole = plan.whole_parts.get(fqn, [False] * len(parts))  # Mamba-2's B, C at n_groups < tp
+            bad = [p for p, rep, w in zip(parts, kv_part, whole) if p % tp and not rep and not w]
             if bad:
                 raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
-            if len(set(parts)) > 1 or any(kv_part):
+            if len(set(parts)) > 1 or any(kv_part) or any(whole):
                 plan.sliced[fqn] = [
-                    _packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0) for r in range(tp)
+                    _packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0, whole) for r in range(tp)
                 ]
     if replicated:
         owners = {f.rpartition(".")[0] for f in plan.sliced}
@@ -556,11 +565,15 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
                 )
 
 
-def _packed_rows(parts: list[int], kv_part: list[bool], rank: int, tp: int, d: int, head: int) -> list[tuple[int, int]]:
-    """Rank's rows of a packed projection: its chunk of every part, or its kv head's rows."""
+def _packed_rows(
+    parts: list[int], kv_part: list[bool], rank: int, tp: int, d: int, head: int, whole: list[bool]
+) -> list[tuple[int, int]]:
+    """Rank's rows of a packed projection: its chunk of every part, its kv head's rows, or a whole part."""
     rows, offset = [], 0
-    for size, replicated_kv in zip(parts, kv_part):
-        if replicated_kv:
+    for size, replicated_kv, held in zip(parts, kv_part, whole):
+        if held:
+            rows.append((offset, offset + size))
+        elif replicated_kv:
             rows.append((offset + head * d, offset + (head + 1) * d))
         else:
             rows.append((offset + rank * size // tp, offset + (rank + 1) * size // tp))

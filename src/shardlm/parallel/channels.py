@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardlm.distributed.shards import LocalParams
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import all_head_widths, out_features
-from shardlm.parallel.layouts import lead_dim, rank_rows
+from shardlm.parallel.layouts import lead_dim, local_width, rank_rows
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
 
@@ -61,12 +61,15 @@ def place_channels(
         owner, _, pname = pfqn.rpartition(".")
         if any(plan.styles.get(s) not in (Style.COLWISE, Style.PACKED_COLWISE) for s in sources):
             continue  # its sources stay whole (a kept-replicated sub-block): so does it
-        if any(s in plan.sliced and layout is not None for s in sources):
+        if any(s in plan.sliced and layout is not None and not _chunked(plan, s, tp) for s in sources):
             continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole
         (source, *_) = sorted(sources)
+        if pname in dict(model.get_submodule(owner).named_buffers(recurse=False)) and source not in plan.sliced:
+            continue  # a buffer is only ever used by rows (Falcon-H1's mup_vector), never sharded
         width = out_features(model.get_submodule(source))
         parts = list(layout) if layout is not None else plan.parts.get(source, [width])
-        if any(p % tp for p in parts):
+        whole = plan.whole_parts.get(pfqn, [False] * len(parts))  # held whole on every rank (Mamba-2's B, C)
+        if any(p % tp for p, held in zip(parts, whole) if not held):
             raise ConfigError(
                 f"parallel.tp={tp} does not divide the channels {parts if len(parts) > 1 else parts[0]} of "
                 f"{', '.join(sorted(sources))}, which {pfqn} acts on; choose a tp that divides them"
@@ -75,8 +78,8 @@ def place_channels(
         plan.channels.setdefault(owner, {})[pname] = " + ".join(sorted(sources))
         if layout is not None:
             plan.channel_parts[pfqn] = list(layout)
-            if len(set(layout)) > 1:
-                plan.channel_rows[pfqn] = [rank_rows(layout, r, tp) for r in range(tp)]
+            if len(set(layout)) > 1 or any(whole):
+                plan.channel_rows[pfqn] = [rank_rows(layout, r, tp, whole) for r in range(tp)]
     for owner, user in foreign.items():
         if owner.split(" (")[0] in plan.channels and plan.styles.get(user) in (
             None,
@@ -85,6 +88,13 @@ def place_channels(
         ):
             plan.styles[user] = Style.PER_CHANNEL.value
             plan.channels.setdefault(user, {})
+
+
+def _chunked(plan: Plan, linear: str, tp: int) -> bool:
+    """Whether each rank computes its chunk of every part of sliced ``linear`` (unequal parts, as
+    Mamba-2's [z, x, B, C, dt]), so that what follows a run of its parts takes its chunk of each too."""
+    parts, whole = plan.parts.get(linear), plan.whole_parts.get(linear)
+    return parts is not None and plan.sliced[linear] == [rank_rows(parts, r, tp, whole) for r in range(tp)]
 
 
 def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:
@@ -116,26 +126,42 @@ def channel_placements(model: nn.Module, plan: Plan) -> dict[str, dict[str, Expe
 
 
 def local_sizes(
-    model: nn.Module, plan: Plan, reads: dict[str, set[str]], split_sizes: dict[str, set[int]], tp: int
+    model: nn.Module,
+    plan: Plan,
+    reads: dict[str, set[str]],
+    split_sizes: dict[str, set[int]],
+    tp: int,
+    split_only: dict[str, set[str]] | None = None,
 ) -> None:
     """``plan.local_sizes``: in ``per_channel`` modules (mixers; attention's sizes are set from its
     head counts by ``tp.localize_geometry``), every int attribute the forward reads that equals a
     split width of one of its linears (its output width, or one of its packed parts) or the size
     of a split dim of a tensor its own code made (``split_sizes``: Qwen3-Next's ``num_k_heads``,
-    its heads viewed out of the fused projection), and is not a head width: divided by tp."""
+    its heads viewed out of the fused projection), and is not a head width (unless only ever used
+    as the size of a split dim: ``split_only``, ``sizes.py``): divided by tp, or its share of a
+    run of parts some held whole (``layouts.local_width``)."""
     heads = all_head_widths(model.config)  # never split (Llama's head_dim is its kv width at 1 kv head)
     for fqn, names in reads.items():
         module = model.get_submodule(fqn)
         if fqn not in plan.channels:
             continue  # attention: ``localize_geometry`` sets its sizes from the head counts
-        names = {n for n in names if getattr(module, n) not in heads}
+        names = {n for n in names if getattr(module, n) not in heads or n in (split_only or {}).get(fqn, ())}
         widths: set[int] = set(split_sizes.get(fqn, ()))
         for child, style in plan.styles.items():
             if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):
                 widths |= {out_features(model.get_submodule(child)), *plan.parts.get(child, [])}
         found = {n: getattr(module, n) for n in sorted(names) if getattr(module, n) in widths}
+        packed = [(plan.parts[c], plan.whole_parts[c]) for c in plan.whole_parts if c.rpartition(".")[0] == fqn]
+        found = {n: _local(v, packed, tp) for n, v in found.items()}
+        found = {n: v for n, v in found.items() if v != getattr(module, n)}  # a whole part's size stays
         if found:
-            plan.local_sizes[fqn] = {n: v // tp for n, v in found.items()}
+            plan.local_sizes[fqn] = found
+
+
+def _local(width: int, packed: list[tuple[list[int], list[bool]]], tp: int) -> int:
+    """A split width on one rank: ``width // tp``, or a share of a run of parts some held whole."""
+    shares = {local_width(parts, whole, width, tp) for parts, whole in packed} - {None}
+    return shares.pop() if len(shares) == 1 else width // tp
 
 
 def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:
@@ -153,7 +179,10 @@ def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int
 def channel_partial_grads(model: nn.Module, plan: Plan) -> list[str]:
     """Parameters stored whole whose gradient each rank computes for its rows only: summed over TP."""
     return [
-        f"{fqn}.{p}" for fqn, params in plan.channels.items() for p in params if param_rows(plan, fqn, p) is not None
+        f"{fqn}.{p}"
+        for fqn, params in plan.channels.items()
+        for p in params
+        if param_rows(plan, fqn, p) is not None and p in dict(model.get_submodule(fqn).named_parameters(recurse=False))
     ]
 
 
@@ -183,7 +212,7 @@ class PerChannel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
         rank = device_mesh.get_local_rank()
         views = {path: {p: rows[rank] for p, rows in params.items()} for path, params in self.views.items()}
-        params = LocalParams()
+        params, buffers = LocalParams(), []
 
         def to_local(mod, args):
             for path, rows in views.items():
@@ -192,7 +221,18 @@ class PerChannel(ParallelStyle):
                     if isinstance(param, DTensor):
                         local = param.to_local()
                         params.swap(sub, name, _rows(local, rows[name]) if name in rows else local)
+                for name, buffer in list(sub._buffers.items()):
+                    if name in rows:  # Falcon-H1's mup_vector: its rows along its channel dim
+                        buffers.append((sub, name, buffer))
+                        dim = lead_dim(buffer)
+                        sub._buffers[name] = torch.cat([buffer.narrow(dim, a, b - a) for a, b in rows[name]], dim)
+
+        def restore(mod, args, out):
+            params.restore()
+            while buffers:
+                sub, name, buffer = buffers.pop()
+                sub._buffers[name] = buffer
 
         module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(lambda mod, args, out: params.restore())
+        module.register_forward_hook(restore)
         return module

@@ -145,3 +145,23 @@ def rms_norm_eps(module: nn.Module) -> float | None:
         except TypeError:  # a forward of more arguments (a gated norm's gate): not a plain RMSNorm
             return None
         return eps if torch.allclose(got, want, rtol=1e-5, atol=1e-6) else None
+
+
+def gates_before_norm(module: nn.Module) -> bool:
+    """Whether ``module(x, gate)`` computes ``weight * h / sqrt(mean(h^2) + eps)`` of ``h = x * silu(gate)``
+    (Mamba-2's gated RMSNorm with one group, ``norm_before_gate=False``), checked like ``rms_norm_eps``."""
+    eps = rms_norm_eps(module)
+    if eps is None:
+        return False
+    probe = copy.deepcopy(module).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
+        x, gate = (torch.randn(3, probe.weight.shape[0], generator=g) for _ in range(2))
+        h = x * torch.nn.functional.silu(gate)
+        want = probe.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        try:
+            got = probe(x, gate)
+        except TypeError:
+            return False
+        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))

@@ -21,6 +21,13 @@ width only (``ShardTracker._follows``).
 
 A layout is ``(dim, parts)``: ``dim`` counted from the end (negative, so broadcasting keeps it),
 ``parts`` in elements of that dim.
+
+A tensor that is one contiguous stretch of one linear's output columns, not regrouped on the way
+(transposed, convolved per channel, cut), also has an *origin* ``(linear, first column)``. A cut
+of such a tensor along its split dim is then a cut of the linear's output at known columns
+(``Cuts``): Mamba-2's ``in_proj`` is cut into [z, xBC, dt] and, after the convolution, xBC into
+[x, B, C], so its parts are [z, x, B, C, dt] and the conv over xBC follows [x, B, C]. Two cuts
+found at two places of the dataflow make one set of parts; no name is read.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import math
 import torch
 
 Layout = tuple[int, tuple[int, ...]]
+Origin = tuple[str, int]  # (column-parallel linear, the first of its output columns a tensor holds)
 
 _TRANSPOSE = {"transpose", "swapaxes", "swapdims", "transpose_"}
 _CUTS = {"split", "chunk", "split_with_sizes", "tensor_split"}
@@ -52,36 +60,75 @@ def lead_dim(t: torch.Tensor) -> int:
     return next((d for d, n in enumerate(t.shape) if n > 1), 0)
 
 
-def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
-    """Set ``layouts`` for the tensor(s) ``out`` of op ``name`` from its inputs' layouts."""
+class Cuts:
+    """Origins of tensors (see the module docstring) and the columns at which each linear's output
+    was cut: ``parts(linear)`` are the part sizes all its cuts make together."""
+
+    def __init__(self) -> None:
+        self.origins: dict[int, Origin] = {}
+        self.bounds: dict[str, set[int]] = {}
+
+    def parts(self, linear: str, start: int, width: int) -> tuple[int, ...]:
+        """The parts of ``linear``'s columns ``start`` to ``start + width`` that its cuts make."""
+        inner = sorted(b for b in self.bounds.get(linear, ()) if start < b < start + width)
+        edges = [start, *inner, start + width]
+        return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+    def record(self, t: torch.Tensor, out, widths: list[int]) -> None:
+        origin = self.origins.get(id(t))
+        if origin is None:
+            return
+        linear, offset = origin
+        self.bounds.setdefault(linear, set()).add(offset)
+        for piece, width in zip(out, widths):
+            self.origins[id(piece)] = (linear, offset)
+            offset += width
+            self.bounds[linear].add(offset)
+
+
+def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layout], cuts: Cuts | None = None) -> None:
+    """Set ``layouts`` for the tensor(s) ``out`` of op ``name`` from its inputs' layouts (and
+    ``cuts``: their origins, and the columns a cut of one cuts its linear's output at)."""
+    cuts = cuts if cuts is not None else Cuts()
     if name in _CATS:
         _cat(args, kwargs, out, layouts)
         return
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if first is not None and id(first) in layouts:
         dim, parts = layouts[id(first)]
+        origin = cuts.origins.get(id(first))
         if name in _TRANSPOSE and isinstance(out, torch.Tensor):
             a, b = (_neg(d, first.dim()) for d in (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1")))
             layouts[id(out)] = (b if dim == a else a if dim == b else dim, parts)
+            _keep_origin(cuts, origin, out)
             return
         if name in _CUTS and isinstance(out, (tuple, list)):
-            _cut(name, first, args, kwargs, out, (dim, parts), layouts)
+            _cut(name, first, args, kwargs, out, (dim, parts), layouts, cuts)
             return
         if name in _INDEX and isinstance(out, torch.Tensor):
             found = _indexed(name, first, args, dim)
             if found is not None and out.shape[found] == first.shape[dim]:
                 layouts[id(out)] = (found, parts)
+                _keep_origin(cuts, origin, out)
                 return
         if name in _RESHAPES and isinstance(out, torch.Tensor):
             found = _reshaped(tuple(first.shape), tuple(out.shape), dim, parts)
             if found is not None:
                 layouts[id(out)] = found
+                _keep_origin(cuts, origin if found[1] == parts else None, out)  # regrouped: no columns
             return
     for t in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(t, torch.Tensor):
             found = _kept(args, kwargs, t, layouts)
             if found is not None:
                 layouts[id(t)] = found
+                origins = {cuts.origins.get(id(a)) for a in (*args, *kwargs.values()) if id(a) in layouts}
+                _keep_origin(cuts, origins.pop() if len(origins) == 1 else None, t)
+
+
+def _keep_origin(cuts: Cuts, origin: Origin | None, out: torch.Tensor) -> None:
+    if origin is not None:
+        cuts.origins[id(out)] = origin
 
 
 def _kept(args: tuple, kwargs: dict, out: torch.Tensor, layouts: dict[int, Layout]) -> Layout | None:
@@ -97,13 +144,16 @@ def _kept(args: tuple, kwargs: dict, out: torch.Tensor, layouts: dict[int, Layou
     return found.pop() if len(found) == 1 else None
 
 
-def _cut(name, t, args, kwargs, out, layout: Layout, layouts: dict[int, Layout]) -> None:
+def _cut(name, t, args, kwargs, out, layout: Layout, layouts: dict[int, Layout], cuts: Cuts) -> None:
     dim, parts = layout
     cut = _neg(_arg(args, kwargs, 2, "dim", 0), t.dim())
     if cut != dim:
         for piece in out:
             layouts[id(piece)] = layout
+            _keep_origin(cuts, cuts.origins.get(id(t)), piece)
         return
+    if len(parts) == 1:
+        cuts.record(t, out, [piece.shape[dim] for piece in out])
     bounds, offset = [0], 0
     for p in parts:
         offset += p
@@ -190,10 +240,26 @@ def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
         layouts[id(out)] = layouts[id(tensors[0])]
 
 
-def rank_rows(parts: tuple[int, ...] | list[int], rank: int, tp: int) -> list[tuple[int, int]]:
-    """Rank's rows of a dim of ``parts`` (its chunk of every part)."""
+def rank_rows(
+    parts: tuple[int, ...] | list[int], rank: int, tp: int, whole: list[bool] | None = None
+) -> list[tuple[int, int]]:
+    """Rank's rows of a dim of ``parts`` (its chunk of every part; all of a part ``whole`` flags)."""
     out, offset = [], 0
-    for p in parts:
-        out.append((offset + rank * p // tp, offset + (rank + 1) * p // tp))
+    for p, held in zip(parts, whole or [False] * len(parts)):
+        out.append((offset, offset + p) if held else (offset + rank * p // tp, offset + (rank + 1) * p // tp))
         offset += p
     return out
+
+
+def local_width(parts: list[int], whole: list[bool], width: int, tp: int) -> int | None:
+    """One rank's share of ``width`` where it is a run of consecutive ``parts`` with a part held whole
+    (Mamba-2's ``conv_dim``, x|B|C: x/tp + B + C), None where no such run is that wide or one without
+    a whole part is (then it is split like any width)."""
+    found = set()
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts) + 1):
+            if sum(parts[i:j]) == width:
+                if not any(whole[i:j]):
+                    return None
+                found.add(sum(p if w else p // tp for p, w in zip(parts[i:j], whole[i:j])))
+    return found.pop() if len(found) == 1 else None

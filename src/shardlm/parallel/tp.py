@@ -43,6 +43,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -310,8 +311,10 @@ class ShardedRMSNorm(ParallelStyle):
         eps, width = rms_norm_eps(module), module.weight.shape[0]
         shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
             h = x.float()
+            if gate is not None:  # Mamba-2's gated norm: gated first (``hf.gates_before_norm``)
+                h = h * F.silu(gate.float())
             squares = DTensor.from_local(h.pow(2).sum(-1, keepdim=True), device_mesh, [Partial()], run_check=False)
             total = squares.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             return (module.weight.to_local() * (h * torch.rsqrt(total / width + eps))).to(x.dtype)
@@ -503,8 +506,8 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
             continue
         for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + _WIDTH_ATTRS:
             value = getattr(module, attr, None)
-            if isinstance(value, bool) or not isinstance(value, int):
-                continue
+            if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
+                continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes above
             if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
                 setattr(module, attr, value // tp)
             elif attr in MODULE_KV_ATTRS and value == kv:

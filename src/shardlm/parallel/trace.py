@@ -19,7 +19,12 @@ tensor along its channel dim (a depthwise convolution with ``groups`` equal to i
 elementwise op), *follows* the split (``ShardTracker._follows``; ``channels.py`` splits it the
 same way): Qwen3.5 DeltaNet's conv1d weight, ``A_log``, ``dt_bias``. A fused projection whose
 output is cut into parts only later, after such per-channel ops (DeltaNet's q/k/v, convolved
-first), is found packed at that cut (``later_parts``). A tensor made at a size read off a split
+first), is found packed at that cut (``later_parts``); a cut of a stretch of a linear's output
+(Mamba-2's x|B|C, cut again after its conv) refines that linear's parts (``layouts.Cuts``). A
+stretch an einsum sums over its split channels (Mamba-2's B and C with fewer groups than tp) is
+held whole on every rank and the model traced again (``ShardTracker.wholes``); a module with one
+parameter of the split width is judged by its ops (``ShardTracker.deferred``: a norm over groups
+the split keeps whole has its weight follow the channels). A tensor made at a size read off a split
 tensor's shape (a recurrent state ``zeros(batch, value.shape[-2], ...)``) is per head at each
 rank's own head count, unlike ALiBi slopes made from the config's; so is a tensor broadcast to
 such a size (MLA's one rope key expanded over the heads) when it belongs to a low-rank latent
@@ -47,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.dropout import dropout_input_shape, dropout_p, is_dropout_call
 from shardlm.parallel.hf import (
     all_head_widths,
+    gates_before_norm,
     head_counts,
     is_conv1d,
     is_linear,
@@ -54,7 +60,8 @@ from shardlm.parallel.hf import (
     rms_norm_eps,
 )
 from shardlm.parallel.latent import latent_candidates
-from shardlm.parallel.layouts import Layout, lead_dim, propagate
+from shardlm.parallel.layouts import Cuts, Layout, lead_dim, propagate
+from shardlm.parallel.sizes import NamedInt, record_uses
 from shardlm.parallel.summed import direct_product, track, track_output
 
 # torch ops by which a consumer cuts a fused projection's output into parts along the last dim
@@ -97,8 +104,18 @@ class ShardTracker(TorchFunctionMode):
     recorded as a violation: ``trace_model`` then keeps that whole sub-block replicated.
     """
 
-    def __init__(self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=()) -> None:
+    def __init__(
+        self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=(), wholes=frozenset()
+    ) -> None:
         super().__init__()
+        # stretches of linears' outputs held whole on every rank, (linear, first column, width): found
+        # contracted over their split channels by a previous trace (``_record_contraction``), and found now;
+        # the tensors cut to one of them, and those computed from such tensors alone
+        self.wholes: frozenset[tuple[str, int, int]] = frozenset(wholes)
+        self.found_wholes: set[tuple[str, int, int]] = set()
+        self.whole_ids: set[int] = set()
+        self.buffers: dict[int, str] = {}  # id(buffer) -> its fqn
+        self.buffer_follows: dict[str, tuple[frozenset[str], None]] = {}  # see ``_buffer_follows``
         self.sharded: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.first_consumer: dict[int, tuple[str, tuple]] = {}
@@ -134,12 +151,19 @@ class ShardTracker(TorchFunctionMode):
         # the parts of their channel layout, or None: the one linear's whole output)
         self.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
         self.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
+        self.cuts = Cuts()  # origins of split tensors in their linear's columns, and where those were cut
+        self.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows
         # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
         self.split_sizes: dict[str, set[int]] = {}
+        self.int_uses: dict[str, dict[str, set[str]]] = {}  # ``sizes.record_uses``
         # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
         # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
         self.later_parts: dict[str, list[int]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
+        # running modules with one parameter of the split width, judged by their ops (name, the violation
+        # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
+        # the split keeps whole (each rank reducing its own groups) has its weight follow the channels
+        self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
         # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
@@ -247,7 +271,8 @@ class ShardTracker(TorchFunctionMode):
                     if isinstance(t, torch.Tensor):
                         self.latent[id(t)] = latent
         if sources:
-            propagate(name, args, kwargs, out, self.layouts)
+            propagate(name, args, kwargs, out, self.layouts, self.cuts)
+            record_uses(name, args, kwargs, out, self.layouts, self.int_uses)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and id(t) in self.layouts and self.running:
                     self.split_sizes.setdefault(self.running[-1], set()).add(t.shape[self.layouts[id(t)][0]])
@@ -257,7 +282,37 @@ class ShardTracker(TorchFunctionMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
+            if name == "einsum":
+                self._record_contraction(args)
+            if self.wholes:
+                self._hold_whole(out)
+        elif inputs and any(id(t) in self.whole_ids for t in inputs):
+            self.whole_ids |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+            record_uses(name, args, kwargs, out, self.layouts, self.int_uses)  # B.view(.., n_groups, state)
         return out
+
+    def _record_contraction(self, args: tuple) -> None:
+        """An einsum summing a split tensor over its split dim (Mamba-2's B and C at n_groups < tp, over
+        their state dim: each rank would sum its own channels only). Where that tensor is one stretch of a
+        linear's output (its ``Cuts`` origin), the stretch is held whole on every rank (``found_wholes``:
+        ``Plan.sliced`` rows, traced again), as kv heads fewer than tp are."""
+        if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+            return
+        lhs, rhs = args[0].replace(" ", "").split("->")
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        for spec, t in zip(lhs.split(","), operands):
+            layout, origin = self.layouts.get(id(t)), self.cuts.origins.get(id(t))
+            if layout and origin and len(layout[1]) == 1 and len(spec) == t.dim() and spec[layout[0]] not in rhs:
+                self.found_wholes.add((*origin, layout[1][0]))
+
+    def _hold_whole(self, out) -> None:
+        """Tensors cut to a stretch held whole (``wholes``): whole on every rank, no longer split."""
+        for t in tree_flatten(out)[0]:
+            origin, layout = self.cuts.origins.get(id(t)), self.layouts.get(id(t))
+            if origin and layout and (*origin, sum(layout[1])) in self.wholes:
+                self.mark(t, None)
+                self.layouts.pop(id(t))
+                self.whole_ids.add(id(t))
 
     def _check_latent(self, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
         """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
@@ -333,9 +388,13 @@ class ShardTracker(TorchFunctionMode):
             dim = tdim - t.dim()
         found = {self.layouts.get(id(s)) for s in met}
         layout = found.pop() if len(found) == 1 else None
+        origin = None
         if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
             whole = len(sources) == 1 and layout[1] == (self.widths.get(next(iter(sources))),)
             follow = (sources, None if whole else layout[1])
+            origins = {self.cuts.origins.get(id(s)) for s in met}
+            if not whole and len(origins) == 1 and None not in origins and len(layout[1]) == 1:
+                origin = origins.pop()  # its parts: those the linear's cuts make of its columns (``Cuts``)
         elif (
             len(sources) == 1
             and not spread
@@ -348,6 +407,24 @@ class ShardTracker(TorchFunctionMode):
         if self.follows.get(pid, follow) != follow:
             return False
         self.follows[pid] = follow
+        if origin is not None:
+            self.follow_origins[pid] = origin
+        return True
+
+    def _buffer_follows(self, t: torch.Tensor, sharded: list[torch.Tensor], out) -> bool:
+        """A buffer of one column-parallel linear's output width multiplied into that whole output
+        (Falcon-H1's ``mup_vector``, [1, 1, width]): it follows the linear's rows (``buffer_follows``)."""
+        fqn = self.buffers.get(id(t))
+        if fqn is None or not t.dim() or not isinstance(out, torch.Tensor) or len(sharded) != 1:
+            return False  # a scalar buffer (XIELU's beta) multiplies every channel alike
+        if out.shape != sharded[0].shape:
+            return False
+        sources = self.sharded[id(sharded[0])]
+        (source, *rest) = sorted(sources)
+        width = self.widths.get(source)
+        if rest or self.layouts.get(id(sharded[0])) != (-1, (width,)) or t.shape[-1] != width or t.numel() != width:
+            return False
+        self.buffer_follows[fqn] = (sources, None)
         return True
 
     def _check(
@@ -358,7 +435,7 @@ class ShardTracker(TorchFunctionMode):
         for t in inputs:
             if id(t) in self.sharded:
                 continue
-            if self._follows(name, t, sharded, args, kwargs or {}, out):
+            if self._follows(name, t, sharded, args, kwargs or {}, out) or self._buffer_follows(t, sharded, out):
                 continue
             if isinstance(t, nn.Parameter):
                 owner = self.param_owner.get(id(t), "?")
@@ -369,7 +446,7 @@ class ShardTracker(TorchFunctionMode):
                 self.violations.append(
                     (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
                 )
-            elif t.dim() and t.numel() > 1 and self.heads and id(t) not in self.from_split_shape:
+            elif t.dim() and t.numel() > 1 and self.heads and id(t) not in self.from_split_shape | self.whole_ids:
                 for s in sharded:
                     # the heads dim of split activations is never the last (that is head_dim or keys)
                     for i in range(2, min(t.dim(), s.dim()) + 1):
@@ -394,7 +471,9 @@ class ShardTracker(TorchFunctionMode):
         ):
             return
         t = args[0]
-        if not t.dim() or t.shape[-1] not in {self.widths.get(src) for src in sources}:
+        layout = self.layouts.get(id(t)) if self.deferred else None  # inside a deferred module: any split dim
+        full = bool(t.dim()) and t.shape[-1] in {self.widths.get(src) for src in sources}
+        if not t.dim() or not (full or layout):
             return
         if name in ("layer_norm", "rms_norm", "group_norm"):
             dims = {t.dim() - 1}
@@ -408,7 +487,7 @@ class ShardTracker(TorchFunctionMode):
             if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
                 dim = -1
             dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
-        if dims is None or t.dim() - 1 in dims:
+        if dims is None or t.dim() - 1 in dims if full else layout[0] % t.dim() in dims:
             self.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
 
     def _record_slice(self, tensor: torch.Tensor, index) -> None:
@@ -479,6 +558,27 @@ def _parts_from_consumer(tracker: ShardTracker, out: torch.Tensor) -> list[int] 
     return list(arg)
 
 
+def _whole_flags(wholes, linear: str, start: int, parts) -> list[bool]:
+    """Per part of ``linear``'s columns from ``start``: whether it is a stretch held whole."""
+    flags = []
+    for p in parts:
+        flags.append((linear, start, p) in wholes)
+        start += p
+    return flags
+
+
+def _refined(parts: list[int], cut: tuple[int, ...]) -> list[int]:
+    """The parts both ``parts`` and ``cut`` (of the same width) make: every boundary of either."""
+    bounds = {0}
+    for sizes in (parts, cut):
+        offset = 0
+        for p in sizes:
+            offset += p
+            bounds.add(offset)
+    edges = sorted(bounds)
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
 def build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
     """A fresh meta copy of ``model``'s architecture (``eager``: eager attention, every op visible;
     else the attention the ranks will run)."""
@@ -508,6 +608,11 @@ class Traced:
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
     split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
+    int_uses: dict[str, dict[str, set[str]]]  # module -> int attribute -> what it sized (``sizes.py``)
+    # stretches of linears' outputs found summed over their split channels, not yet held whole (traced
+    # again with them in ``wholes``); and per packed linear or following parameter, which parts are whole
+    new_wholes: set[tuple[str, int, int]]
+    whole: dict[str, list[bool]]
     # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
     # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
     latents: dict[str, str]
@@ -528,6 +633,7 @@ def trace_model(
     meta: nn.Module | None = None,
     shape: tuple[int, int] = (1, TRACE_SEQ),
     latents: frozenset[str] = frozenset(),
+    wholes: frozenset[tuple[str, int, int]] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
@@ -546,9 +652,10 @@ def trace_model(
         for p in m.parameters(recurse=False)
     }
     legit: dict[str, bool] = {}
-    tracker = ShardTracker(param_owner, legit, head_counts(meta.config))
+    tracker = ShardTracker(param_owner, legit, head_counts(meta.config), wholes)
     tracker.tied = {i for i, n in registrations.items() if n > 1}
     tracker.params = {id(p): p for p in meta.parameters()}
+    tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
     outputs: dict[str, torch.Tensor] = {}
     closer_inputs: dict[str, frozenset[str]] = {}
     hooks = []
@@ -593,13 +700,23 @@ def trace_model(
                     styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     legit[owner] = True
                     tracker.inside.append(name)
-                elif all(p.numel() == width for p in params) and rms_norm_eps(module) is not None:
+                elif (
+                    all(p.numel() == width for p in params)
+                    and rms_norm_eps(module) is not None
+                    and (len(args) < 2 or gates_before_norm(module))  # Mamba-2's gated norm, one group
+                ):
                     styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
                     legit[owner] = True
                     tracker.inside.append(name)
                 else:
-                    what = "normalizes across" if all(p.numel() == width for p in params) else "acts on"
-                    tracker.violations.append((sources, f"{owner} {what} the split width {width}"))
+                    across = all(p.numel() == width for p in params)
+                    why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
+                    if across and len(params) == 1:
+                        # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
+                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
+                        tracker.deferred.append((name, why, len(tracker.violations)))
+                    else:
+                        tracker.violations.append(why)
 
         return hook
 
@@ -609,11 +726,16 @@ def trace_model(
                 running.pop()
             if tracker.inside and tracker.inside[-1] == name:
                 tracker.inside.pop()
+            if tracker.deferred and tracker.deferred[-1][0] == name:
+                _, why, start = tracker.deferred.pop()
+                if len(tracker.violations) > start or any(id(p) not in tracker.follows for p in module.parameters()):
+                    tracker.violations.insert(start, why)
             tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
             if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
                 tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
                 if styles[name] == "colwise":
                     tracker.layouts[id(out)] = (-1, (out.shape[-1],))
+                    tracker.cuts.origins[id(out)] = (name, 0)
                 outputs[name] = out
             track_output(tracker, name, out, styles.get(name) == "rowwise")
             if name in latents and isinstance(out, torch.Tensor):
@@ -630,7 +752,9 @@ def trace_model(
         hooks.append(module.register_forward_hook(post(name)))
     reads: dict[str, set[str]] = {}
     watched = {
-        name: _watch_reads(m, reads.setdefault(name, set())) for name, m in meta.named_modules() if _holds_linear(m)
+        name: _watch_reads(m, reads.setdefault(name, set()), name)
+        for name, m in meta.named_modules()
+        if _holds_linear(m)
     }
     try:
         with tracker:
@@ -664,6 +788,7 @@ def trace_model(
         if style == "colwise" and name in outputs:
             views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
             found = _parts_from_consumer(tracker, outputs[name]) or tracker.later_parts.get(name)
+            found = _refined(found or [outputs[name].shape[-1]], tracker.cuts.parts(name, 0, outputs[name].shape[-1]))
             if found and len(found) > 1:
                 styles[name], parts[name] = "packed_colwise", found
     names = {
@@ -671,7 +796,12 @@ def trace_model(
         for m_name, m in meta.named_modules()
         for p_name, p in m.named_parameters(recurse=False)
     }
-    follows = {names[pid]: source for pid, source in tracker.follows.items()}
+    follows = {names[pid]: source for pid, source in tracker.follows.items()} | tracker.buffer_follows
+    whole = {name: _whole_flags(wholes, name, 0, p) for name, p in parts.items()}
+    for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
+        sources, (width,) = tracker.follows[pid]
+        follows[names[pid]] = (sources, tracker.cuts.parts(linear, start, width))
+        whole[names[pid]] = _whole_flags(wholes, linear, start, follows[names[pid]][1])
     return Traced(
         styles,
         parts,
@@ -683,6 +813,9 @@ def trace_model(
         follows,
         {name: names for name, names in int_reads.items() if names},
         tracker.split_sizes,
+        tracker.int_uses,
+        tracker.found_wholes - wholes,
+        {name: flags for name, flags in whole.items() if any(flags)},
         latent_candidates(tracker, styles, outputs, closer_inputs),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
@@ -696,15 +829,17 @@ def _holds_linear(module: nn.Module) -> bool:
     return any(is_linear(child) for child in module.children())
 
 
-def _watch_reads(module: nn.Module, names: set[str]) -> type:
+def _watch_reads(module: nn.Module, names: set[str], fqn: str) -> type:
     """Record in ``names`` every attribute read on ``module`` (until its class is restored: the
     returned original). The trace learns which sizes a mixer's forward reads (``self.key_dim``),
-    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache."""
+    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache;
+    an int attribute is read as a ``NamedInt`` (``sizes.py``: what it sizes)."""
     cls = type(module)
 
     def __getattribute__(self, attr):  # noqa: N807 - the hook is this dunder
         names.add(attr)
-        return cls.__getattribute__(self, attr)
+        value = cls.__getattribute__(self, attr)
+        return NamedInt(value, fqn, attr) if type(value) is int else value
 
     module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
     return cls
