@@ -101,9 +101,15 @@ def family_config(family: str, **overrides):
 # twice as many value heads as key heads (16 / 32), each key head serving two consecutive ones; so
 # have Qwen3-Next's (its q/k/v/z fused per key head) and OLMo-hybrid's (q, k, v projections apart).
 # LFM3: a short convolution over one third of a fused in_proj. Kimi-Linear: delta attention (its
-# forget and output gates low-rank pairs, ``latent.py``) and MLA, MoE.
+# forget and output gates low-rank pairs, ``latent.py``) and MLA, MoE. Qwen3.5-MoE text: Qwen3.5's
+# mixers with MoE (a shared expert and its gate) in every block; one block of each kind (its tiny
+# config keeps two Gated DeltaNet blocks, which Qwen3.5 text covers: 5 s less on the spawns).
 TINY = {
     "qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2}),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe_text",
+        {"linear_num_key_heads": 2, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    ),
     "qwen3_next": ("qwen3_next", {"linear_num_key_heads": 2}),
     "olmo_hybrid": ("olmo_hybrid", {"linear_num_key_heads": 2}),
     "lfm3": ("lfm3", {}),

@@ -48,6 +48,7 @@ PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID}
 # OLMo-hybrid's conv1d over q|k|v of unequal widths, 512; the norms per value head, 16), per mixer
 MIXERS = {
     "qwen3_5_text": ("linear_attn", 2, 17432, 13076),
+    "qwen3_5_moe_text": ("linear_attn", 1, 17432, 13076),
     "qwen3_next": ("linear_attn", 2, 17432, 8980),
     "olmo_hybrid": ("linear_attn", 2, 17432, 8980),
     "lfm3": ("conv", 2, 16832, 8416),
@@ -56,7 +57,7 @@ MIXERS = {
     "kimi_linear": ("self_attn", 1, 60104, 33412),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
-TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear"]
+TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm3", "kimi_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +121,13 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # Qwen3.5 (3 blocks, 2 of them Gated DeltaNet): like attention, one all-reduce per mixer each way;
         # so OLMo-hybrid and LFM3 (4 blocks), Qwen3-Next (3 blocks, 3 per block: mixer, experts, shared expert),
         # Kimi-Linear (2 delta-attention blocks, one dense MLP, then two MoE: 2 + 3 + 3; the gates' and MLA's
-        # latent partial gradients summed with the mixer's input gradient, no extra all-reduce).
+        # latent partial gradients summed with the mixer's input gradient, no extra all-reduce);
+        # Qwen3.5-MoE (2 blocks, mixer or attention, experts, shared expert: 3 per block).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
             "qwen3_5_text": (7, 3, 7),
+            "qwen3_5_moe_text": (7, 3, 7),
             "qwen3_next": (10, 3, 10),
             "olmo_hybrid": (9, 3, 9),
             "lfm3": (9, 3, 9),
@@ -132,7 +135,7 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
-    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's, 0.515 of Qwen3-Next's and
+    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's and Qwen3.5-MoE's, 0.515 of Qwen3-Next's and
     # OLMo-hybrid's, 0.5 of LFM3's)
     for family, (_, count, whole, local) in MIXERS.items():
         assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
