@@ -83,7 +83,8 @@ def state_and_mixer_bytes(path: str, layouts: list[dict], hybrid: list[str]):
 @pytest.mark.ranks
 def test_state_bytes_match_two_real_ranks(tmp_path):
     """The state rows on two real ranks; and each hybrid mixer's activations at tp=2 (its heads
-    split by ``parallel/channels.py``) against ``mixer_elements`` at tp=2, as the plan says."""
+    split by ``parallel/channels.py``) against ``mixer_elements`` at tp=2 plus the weight rows the
+    rank copies (``row_copies``): Qwen3.5, Qwen3-Next, OLMo-hybrid and LFM3, one padded chunk."""
     from families import write_tiny_dir
 
     from shardlm.estimate import row_copies
@@ -93,7 +94,7 @@ def test_state_bytes_match_two_real_ranks(tmp_path):
     from shardlm.parallel.styles import Style
 
     path = write_model_dir(str(tmp_path / "llama"), **MODEL)
-    hybrid = [write_tiny_dir(str(tmp_path / name), name) for name in ("qwen3_5_text", "lfm3")]
+    hybrid = [write_tiny_dir(str(tmp_path / n), n) for n in ("qwen3_5_text", "qwen3_next", "olmo_hybrid", "lfm3")]
     held, mixers = run_ranks(state_and_mixer_bytes, 2, path, LAYOUTS, hybrid)
     for hpath in hybrid:
         model = build_meta_model(hpath)
