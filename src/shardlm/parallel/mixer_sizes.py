@@ -8,11 +8,12 @@ states of transformers' torch path, ``torch_chunk_gated_delta_rule``), and their
 read where they live, in the mixer's own parameters:
 
 * a **mixer** is the module holding a depthwise ``nn.Conv1d`` (weight ``[C, 1, K]``: ``C``
-  channels, kernel ``K``) inside a decoder block;
+  channels, kernel ``K``; not the decoder blocks, which hybrids make of several classes);
 * a **delta-rule** mixer (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo-hybrid) also holds a per-head
   decay ``A_log``: its ``H`` elements are the value heads; its gated norm per value head (the
   1-D weight beside the projections) gives the value head dim ``dv``; the convolution runs over
-  q|k|v, so the key width is ``(C - H dv) / 2``, cut into heads of ``linear_key_head_dim``;
+  q|k|v, so the key width is ``(C - H dv) / 2``, cut into heads of the config's
+  ``linear_key_head_dim`` (the one size the parameters do not tell; else heads of ``H``);
 * without ``A_log`` it is a **short convolution** (LFM2, LFM3): ``in_proj`` makes B, C and x of
   ``C`` channels each, the conv runs over ``B * x``, ``out_proj`` reads ``C * conv``.
 
