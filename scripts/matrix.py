@@ -38,7 +38,7 @@ FSDP_SUBSET = [
     "gpt2", "llama", "bloom", "codegen", "falcon", "gpt_bigcode", "lfm2", "qwen3", "gemma3_text", "opt",
     "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/channels.py)
     "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/summed.py)
-    "mamba2", "bamba",  # Mamba-2 mixers, B and C held whole (n_groups=1 < tp)
+    "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",  # Mamba-2 mixers (n_groups=1 < tp: B, C whole)
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

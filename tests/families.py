@@ -105,8 +105,15 @@ def family_config(family: str, **overrides):
 # mixer, MoE, attention, MLP): n_groups=2 where their published configs have 8 (``tiny.py`` shrinks it to
 # 1), so that tp=2 divides the groups of B and C. Bamba and Falcon-H1 (a Mamba-2 mixer beside attention)
 # as published, n_groups=1: B and C held whole on every rank; Falcon-H1's mup_vector follows in_proj.
+# Jamba, Mamba, Falcon-Mamba: Mamba-1 mixers, as published. Qwen3.5-MoE text: Qwen3.5's mixers with
+# MoE (a shared expert and its gate) in every block; one block of each kind (its tiny config keeps
+# two Gated DeltaNet blocks, which Qwen3.5 text covers: 5 s less on the spawns).
 TINY = {
     "qwen3_5_text": ("qwen3_5_text", {"linear_num_key_heads": 2}),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe_text",
+        {"linear_num_key_heads": 2, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    ),
     "qwen3_next": ("qwen3_next", {"linear_num_key_heads": 2}),
     "olmo_hybrid": ("olmo_hybrid", {"linear_num_key_heads": 2}),
     "lfm3": ("lfm3", {}),

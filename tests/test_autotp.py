@@ -53,6 +53,7 @@ PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID} - {"mamba", "falcon_mamba"}
 # OLMo-hybrid's conv1d over q|k|v of unequal widths, 512; the norms per value head, 16), per mixer
 MIXERS = {
     "qwen3_5_text": ("linear_attn", 2, 17432, 13076),
+    "qwen3_5_moe_text": ("linear_attn", 1, 17432, 13076),
     "qwen3_next": ("linear_attn", 2, 17432, 8980),
     "olmo_hybrid": ("linear_attn", 2, 17432, 8980),
     "lfm3": ("conv", 2, 16832, 8416),
@@ -73,8 +74,9 @@ MIXERS = {
     "falcon_h1": ("mamba", 2, 27392, 23272),
 }
 TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv heads
-TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_next", "lfm3", "kimi_linear", "jamba"]
-TP2_FSDP2 += ["mamba2", "nemotron_h", "bamba"]  # Falcon-H1, GraniteMoE-hybrid: measured standalone
+TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm3"]
+# Falcon-H1, GraniteMoE-hybrid, Mamba, Falcon-Mamba at tp=2 x fsdp=2: in the matrix (docs/compatibility.md)
+TP2_FSDP2 += ["kimi_linear", "jamba", "mamba2", "nemotron_h", "bamba"]
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +145,12 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         # gradient and in_proj's input gradient backward), Jamba's second block MoE; Mamba2 (2
         # mixers), Nemotron-H (Mamba-2 mixer 1, MoE 2: experts and shared expert, attention 1, MLP 1); Bamba
         # (2 blocks of mixer 1, its gated norm's sum of squares 1, MLP 1), Falcon-H1 (mixer 1, attention 1, MLP 1).
+        # Qwen3.5-MoE (2 blocks, mixer or attention, experts, shared expert: 3 per block).
         expected = {
             "phi": (5, 3, 3),
             "olmo2": (9, 3, 9),
             "qwen3_5_text": (7, 3, 7),
+            "qwen3_5_moe_text": (7, 3, 7),
             "qwen3_next": (10, 3, 10),
             "olmo_hybrid": (9, 3, 9),
             "lfm3": (9, 3, 9),
@@ -159,8 +163,8 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
-    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's, 0.515 of Qwen3-Next's and
-    # OLMo-hybrid's, 0.5 of LFM3's and of Mamba-1's but Jamba's norms, 0.85 of the Mamba-2 mixers')
+    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's and Qwen3.5-MoE's, 0.515 of Qwen3-Next's
+    # and OLMo-hybrid's, 0.5 of LFM3's and of Mamba-1's but Jamba's norms, 0.85 of the Mamba-2 mixers')
     for family, (_, count, whole, local) in MIXERS.items():
         assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
 

@@ -69,6 +69,14 @@ def test_resume_on_other_layouts(tp2_runs, one_process):
     assert_close(four, tp2_runs["full"][5:], 1e-5)
 
 
+def test_kimi_linear_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process):
+    """Kimi-Linear's delta attention split by heads (its ``A_log`` [1, 1, heads, 1] sharded on
+    dim 2, the gates' latents whole), MLA and experts: a tp=2 save continues in one process."""
+    step5 = str(tp2_runs["root"] / "k" / "checkpoints" / "step-5")
+    one = train(tp2_runs["kimi"], "one", str(tp2_runs["root"] / "k1"), resume=step5)
+    assert_close(one, tp2_runs["kimi_full"][5:], 1e-5)
+
+
 def test_load_restores_state_and_refuses_a_different_run(tp2_runs, one_process):
     from safetensors.torch import load_file
 

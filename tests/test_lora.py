@@ -26,6 +26,14 @@ MODELS = {
     "llama_kv1": ("llama", {"num_key_value_heads": 1}, LLAMA),
     # Qwen3.5's hybrid stack (families.TINY): Gated DeltaNet mixers split by heads, full attention
     "qwen3_5_text": ("qwen3_5_text", None, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", *LLAMA]),
+    # Kimi-Linear: delta attention split by heads (q/k/v, beta, the gates' latent in-projections,
+    # o_proj), MLA's latent in-projection, the dense MLP and shared experts. Not the projections
+    # reading a latent (f_b_proj, g_b_proj, kv_b_proj): refused by name under TP (``lora.lora_styles``)
+    "kimi_linear": (
+        "kimi_linear",
+        None,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "f_a_proj", "g_a_proj", "kv_a_proj_with_mqa", *LLAMA[4:]],
+    ),
 }
 # models whose fp32 grad_norm is compared only on steps 1-3 (each adapter's step-1 gradient is
 # compared elementwise instead): measured with the transformers model and shardlm's loss in fp64,
@@ -194,8 +202,9 @@ def test_lora_matches_one_process_peft(lora_models, layout, per_device):
             # all-reduce, less one in the backward: with the embedding and the first norm frozen,
             # nothing needs the gradient of the first block's input. The replicated adapters'
             # gradients are summed in one all-reduce per optimizer step.
-            # Qwen3.5's 3 blocks (test_autotp: 7, 3, 7): one all-reduce per mixer or attention each way
-            expected = {"qwen3_5_text": (7, 3, 6, 1)}.get(family, (5, 3, 4, 1))
+            # Qwen3.5's 3 blocks (test_autotp: 7, 3, 7): one all-reduce per mixer or attention each way;
+            # Kimi-Linear's (test_autotp: 9, 3, 9)
+            expected = {"qwen3_5_text": (7, 3, 6, 1), "kimi_linear": (9, 3, 8, 1)}.get(family, (5, 3, 4, 1))
             assert got[path]["counts"] == expected, (family, got[path]["counts"])
 
 

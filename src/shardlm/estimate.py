@@ -47,6 +47,23 @@ the all-to-all buffers (the rows sent, received and returned, ``3kh`` per token)
 a layer's forward or backward. Routing that sends a rank more than its share of the pairs is not
 in it, nor per-head q/k norms (Qwen3, OLMoE).
 
+A hybrid model's recurrent mixers (``parallel/mixer_sizes.py``: a module holding a depthwise
+``Conv1d``, its sizes read off its parameters) save instead of attention's terms what
+transformers' torch paths keep: for a short convolution (LFM2, LFM3) ``T*5C/t + batch*C/t*(seq +
+K - 1)``; for Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) the conv's input and padded output,
+the gates, and the chunked tensors and per-chunk recurrent states of ``torch_chunk_gated_delta_rule``
+(the sequence padded to chunks of 64: ``~batch*H/t*P*(6dk + 3dv + 5*64)``), which it computes in
+fp32 whatever the activation dtype. Checked per mixer against autograd's saved tensors (fp32, one
+process and per rank at tp=2): the same but for the delta rule's 4 KiB chunk mask; the whole Qwen3.5
+text stack is 5.6% under (its attention layer's q/k norms and output gate). Under bf16 autocast the
+delta rule's matmul operands are saved in bf16: the count is an upper bound there (+16% measured on
+the tiny Qwen3.5 mixer). Not modeled: the fused kernels (fla, causal-conv1d) on GPU, which save less;
+Kimi-Linear's delta attention (a decay per key channel, its own chunk path) and the state-space
+mixers (Mamba, Mamba-2, in Bamba, Falcon-H1, Jamba...), counted as attention.
+A sliced projection of unequal packed parts (Qwen3.5's ``in_proj_qkv``) and the conv over it are
+stored whole; each rank copies its rows of their weights in each forward and autograd keeps the
+copy (``row_copies``).
+
 With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
 while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
 really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
@@ -82,10 +99,13 @@ from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
+from shardlm.parallel.channels import param_rows
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.experts import MoeSizes, experts_modules, moe_sizes
 from shardlm.parallel.hf import config_size, config_value, is_conv1d
-from shardlm.parallel.styles import local_shape, lora_dims, sharded_dim
+from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
+from shardlm.parallel.plan import Plan
+from shardlm.parallel.styles import Style, local_shape, lora_dims, sharded_dim
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GIB = 1024**3
@@ -234,20 +254,44 @@ def moe_elements(config, sizes: MoeSizes, tokens: int, tp: int) -> int:
 
 
 def activation_elements(
-    config, tokens: int, tp: int, checkpointing: bool, lora_r: int | None = None, moe: list[MoeSizes] = ()
+    config,
+    tokens: int,
+    tp: int,
+    checkpointing: bool,
+    lora_r: int | None = None,
+    moe: list[MoeSizes] = (),
+    mixers: list[int] = (),
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
-    model's mixture-of-experts layers (``experts.moe_sizes``), the other layers dense."""
+    model's mixture-of-experts layers (``experts.moe_sizes``), the other layers dense; ``mixers``:
+    the elements of each recurrent mixer (``mixer_sizes.mixer_elements``), in place of attention
+    in as many layers."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
-    attention = tokens * (6 * h + 2 + a * d // t + 2 * local_kv * d + a * d // t + a // t)
+    norms = tokens * (6 * h + 2)
+    attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
     if lora_r:
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
-    layers = [attention + tokens * (4 * f // t)] * (g["L"] - len(moe))
-    layers += [attention + moe_elements(config, sizes, tokens, tp) for sizes in moe]
-    stack = g["L"] * tokens * h + max(layers) if checkpointing else sum(layers)
+    mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
+    mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
+    stack = g["L"] * tokens * h + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
     return stack + tokens * (3 * h + 1)
+
+
+def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
+    """Per parameter fqn, the elements a TP rank copies out of several row ranges of it where it is
+    stored whole (``tp.take_rows``: a sliced projection of unequal packed parts such as Qwen3.5's
+    ``in_proj_qkv``, the conv following it), saved for backward by the op using them: one copy per
+    forward of their layer."""
+    ranks_rows = [(fqn, "weight", rows) for fqn, rows in plan.sliced.items()]  # per rank: its row ranges
+    ranks_rows += [(fqn, p, param_rows(plan, fqn, p)) for fqn, names in plan.channels.items() for p in names]
+    copies = {}
+    for fqn, pname, rows in ranks_rows:
+        if rows is not None and len(rows[0]) > 1:  # one range: a view, no copy
+            p = getattr(model.get_submodule(fqn), pname)
+            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[0])
+    return copies
 
 
 def tp_local_elements(
@@ -359,6 +403,12 @@ def estimate(
     grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq
+    # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
+    copies = row_copies(model, plan).values()
+    mixers = [
+        mixer_elements(m, batch, seq, tp if styles.get(m.conv) == Style.PER_CHANNEL else 1, 4 // act_bytes)
+        for m in mixer_sizes(model)
+    ]
     vocab = _dims(model.config)["V"]
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/lora.py``); what trains stays fp32
@@ -366,7 +416,11 @@ def estimate(
         "gradients": 4 * grads,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes
-        * activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model)),
+        * (
+            activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers)
+            # with gradient checkpointing one layer's at a time: the largest
+            + (max(copies, default=0) if gradient_checkpointing else sum(copies))
+        ),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
         "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (
