@@ -312,6 +312,37 @@ def test_cuts_of_a_stretch_of_a_linear_refine_its_parts():
     assert layouts[id(heads)] == (-2, (5,)) and id(heads) not in cuts.origins
 
 
+def test_permutes_and_einsums_move_the_split_dim_by_position_not_by_size():
+    """Mamba-2's chunk scan (``mamba2_chunk_scan``) permutes per-head decays and contracts them in
+    einsums; in the tiny configs the head count equals the state and chunk sizes (8, 16), so a layout
+    judged by size would land on the wrong dim (and a wrong dim summed over holds dt whole: Bamba's and
+    Falcon-H1's mixers were kept replicated after the Mamba-1 and Mamba-2 work merged)."""
+    import torch
+
+    from shardlm.parallel.layouts import Cuts, propagate
+
+    layouts, cuts = {}, Cuts()
+    a = torch.empty(1, 2, 16, 8, device="meta")  # [b, c, l, h], h split
+    layouts[id(a)], cuts.origins[id(a)] = (-1, (8,)), ("in_proj", 272)
+    p = a.permute(0, 3, 1, 2)  # [b, h, c, l]: l (16) is not h even where h is 16
+    propagate("permute", (a, 0, 3, 1, 2), {}, p, layouts, cuts)
+    assert layouts[id(p)] == (-3, (8,)) and cuts.origins[id(p)] == ("in_proj", 272)
+    back = p.permute(0, -2, -1, 1)
+    propagate("permute", (p, 0, -2, -1, 1), {}, back, layouts, cuts)
+    assert layouts[id(back)] == (-1, (8,))
+    decay = torch.empty(1, 3, 3, 8, device="meta")  # [b, z, c, h]
+    states = torch.empty(1, 3, 8, 16, 8, device="meta")  # [b, z, h, p, n], n == h == 8
+    layouts[id(decay)], layouts[id(states)] = (-1, (8,)), (-3, (8,))
+    out = torch.einsum("bzch,bzhpn->bchpn", decay, states)
+    propagate("einsum", ("bzch,bzhpn->bchpn", decay, states), {}, out, layouts, cuts)
+    assert layouts[id(out)] == (-3, (8,))  # h, not n
+    c = torch.empty(1, 2, 16, 8, 8, device="meta")  # B over its split state dim n: no layout
+    layouts[id(c)] = (-1, (8,))
+    g = torch.einsum("bclhn,bcshn->bclsh", c, c)
+    propagate("einsum", ("bclhn,bcshn->bclsh", c, c), {}, g, layouts, cuts)
+    assert id(g) not in layouts
+
+
 def test_ints_sizing_only_unsplit_dims_are_not_made_local():
     import torch
 

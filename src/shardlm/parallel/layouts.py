@@ -13,9 +13,11 @@ whole with each rank using its rows (``channels.py``).
 
 ``propagate`` follows a layout through the ops a mixer applies between its projections and the
 parameters: transposes, cuts and concatenations along the split dim or beside it, views that
-split the split dim into heads or merge heads back, indexing that adds dims of size 1 around it (Mamba's
-``A[None, :, None, :]``, ``dt[:, :, :, None]``), and any op that keeps the rank and the
-split dim's size (elementwise math, activations, casts, slicing of other dims). Anything else
+split the split dim into heads or merge heads back, permutations, einsums (by subscript),
+indexing that adds dims of size 1 around it (Mamba's ``A[None, :, None, :]``, ``dt[:, :, :, None]``),
+and any op that keeps the rank and the split dim's size (elementwise math, activations, casts,
+slicing of other dims; judged by size, so the ops that move dims are followed by position first).
+Anything else
 drops the layout; a parameter meeting a tensor without one is then judged by its source's whole
 width only (``ShardTracker._follows``).
 
@@ -93,6 +95,9 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
     if name in _CATS:
         _cat(args, kwargs, out, layouts)
         return
+    if name == "einsum":
+        _einsum(args, out, layouts, cuts)
+        return
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if first is not None and id(first) in layouts:
         dim, parts = layouts[id(first)]
@@ -104,6 +109,13 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
             return
         if name in _CUTS and isinstance(out, (tuple, list)):
             _cut(name, first, args, kwargs, out, (dim, parts), layouts, cuts)
+            return
+        if name == "permute" and isinstance(out, torch.Tensor):
+            order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+            order = [d % first.dim() for d in kwargs.get("dims", order)]
+            if len(order) == first.dim():  # the split dim goes where the permutation puts it
+                layouts[id(out)] = (order.index(first.dim() + dim) - first.dim(), parts)
+                _keep_origin(cuts, origin, out)
             return
         if name in _INDEX and isinstance(out, torch.Tensor):
             found = _indexed(name, first, args, dim)
@@ -129,6 +141,30 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
 def _keep_origin(cuts: Cuts, origin: Origin | None, out: torch.Tensor) -> None:
     if origin is not None:
         cuts.origins[id(out)] = origin
+
+
+def _einsum(args: tuple, out, layouts: dict[int, Layout], cuts: Cuts) -> None:
+    """An einsum's output keeps the split dim under its operands' split subscript (Mamba-2's per-head
+    chunk states), wherever the output spec puts it; summed over (B and C over their state dim: the
+    trace's ``_record_contraction``), it has none. By subscript, not by size: a head count equal to
+    a state or chunk size must not pass for it."""
+    if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], str) or "->" not in args[0]:
+        return
+    lhs, rhs = args[0].replace(" ", "").split("->")
+    if "." in lhs:
+        return
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    found, origins = set(), set()
+    for spec, t in zip(lhs.split(","), operands):
+        if isinstance(t, torch.Tensor) and id(t) in layouts and len(spec) == t.dim():
+            dim, parts = layouts[id(t)]
+            if spec[dim] not in rhs:
+                return
+            found.add((rhs.index(spec[dim]) - len(rhs), parts))
+            origins.add(cuts.origins.get(id(t)))
+    if len(found) == 1:
+        layouts[id(out)] = found.pop()
+        _keep_origin(cuts, origins.pop() if len(origins) == 1 else None, out)
 
 
 def _kept(args: tuple, kwargs: dict, out: torch.Tensor, layouts: dict[int, Layout]) -> Layout | None:
