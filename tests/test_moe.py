@@ -318,7 +318,7 @@ def router_body(paths: list[str]) -> dict:
         logits = tuple(torch.randn(8, trainer.router_loss.num_experts) for _ in range(2))
         mode = CountCollectives()
         with mode:
-            trainer.router_loss.terms(logits, trainer._all_reduce_dp)
+            trainer.router_loss.terms(logits, trainer.mesh.sum_over_dp)
         out[("collectives", layout)] = dict(mode.counts)
     return out
 
