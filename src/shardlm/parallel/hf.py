@@ -134,34 +134,28 @@ def rms_norm_eps(module: nn.Module) -> float | None:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if [n for n, _ in module.named_parameters(recurse=False)] != ["weight"] or not isinstance(eps, float):
         return None
-    probe = copy.deepcopy(module).to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
-        x = torch.randn(3, probe.weight.shape[0], generator=g)
-        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        try:
-            got = probe(x)
-        except TypeError:  # a forward of more arguments (a gated norm's gate): not a plain RMSNorm
-            return None
-        return eps if torch.allclose(got, want, rtol=1e-5, atol=1e-6) else None
+    return eps if _computes_rms_norm(module, eps, gated=False) else None
 
 
 def gates_before_norm(module: nn.Module) -> bool:
     """Whether ``module(x, gate)`` computes ``weight * h / sqrt(mean(h^2) + eps)`` of ``h = x * silu(gate)``
     (Mamba-2's gated RMSNorm with one group, ``norm_before_gate=False``), checked like ``rms_norm_eps``."""
     eps = rms_norm_eps(module)
-    if eps is None:
-        return False
+    return eps is not None and _computes_rms_norm(module, eps, gated=True)
+
+
+def _computes_rms_norm(module: nn.Module, eps: float, gated: bool) -> bool:
+    """Run a CPU copy of ``module`` on random numbers, ``probe(x)`` (or ``probe(x, gate)``), against
+    the RMSNorm of ``x`` (or of ``x * silu(gate)``); a forward taking other arguments does not match."""
     probe = copy.deepcopy(module).to_empty(device="cpu")
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
         x, gate = (torch.randn(3, probe.weight.shape[0], generator=g) for _ in range(2))
-        h = x * torch.nn.functional.silu(gate)
+        h = x * torch.nn.functional.silu(gate) if gated else x
         want = probe.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         try:
-            got = probe(x, gate)
-        except TypeError:
+            got = probe(x, gate) if gated else probe(x)
+        except TypeError:  # a forward of other arguments (a gated norm's gate when ungated): not this norm
             return False
         return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
