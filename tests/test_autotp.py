@@ -44,18 +44,18 @@ FAMILIES = [
 # and by channels: Jamba, Mamba, Falcon-Mamba (Mamba-1, x_proj's output gradient summed: parallel/summed.py)
 HYBRID = list(TINY)
 # models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
-# gated norm per value head, and the conv1d over q/k/v of unequal widths, stored whole; LFM3: its
-# attention's q/k norms; Mamba-2 mixers: in_proj of unequal parts and the conv over them, stored whole;
-# Jamba: the RMSNorms of dt, B, C, read from x_proj's output)
-PARTIAL_GRADS = {"qwen3", "phi3_gqa", *HYBRID} - {"mamba", "falcon_mamba"}
+# gated norm per value head; LFM3: its attention's q/k norms; Bamba, Falcon-H1 (n_groups=1): in_proj and
+# the conv stored whole, B and C whole on every rank; Jamba: the RMSNorms of dt, B, C, read from x_proj's
+# output). Not Phi-3 with GQA, Mamba2, Nemotron-H: their projections of unequal parts are split part by
+# part (``shards.PartsShard``), no longer stored whole
+PARTIAL_GRADS = {"qwen3", *HYBRID} - {"mamba", "falcon_mamba", "mamba2", "nemotron_h"}
 # the parameter elements of their mixers, global and per rank: halved but for what each rank stores
-# whole (Qwen3.5's in_proj_qkv of unequal parts and the conv1d over it, 8192 + 512; Qwen3-Next's and
-# OLMo-hybrid's conv1d over q|k|v of unequal widths, 512; the norms per value head, 16), per mixer
+# whole (the norms per value head, 16), per mixer
 MIXERS = {
-    "qwen3_5_text": ("linear_attn", 2, 17432, 13076),
-    "qwen3_5_moe_text": ("linear_attn", 1, 17432, 13076),
-    "qwen3_next": ("linear_attn", 2, 17432, 8980),
-    "olmo_hybrid": ("linear_attn", 2, 17432, 8980),
+    "qwen3_5_text": ("linear_attn", 2, 17432, 8724),
+    "qwen3_5_moe_text": ("linear_attn", 1, 17432, 8724),
+    "qwen3_next": ("linear_attn", 2, 17432, 8724),
+    "olmo_hybrid": ("linear_attn", 2, 17432, 8724),
     "lfm3": ("conv", 2, 16832, 8416),
     # Kimi-Linear: 2 delta-attention mixers (21588 -> 11826 per rank each: the gates' latents f_a_proj,
     # g_a_proj whole, 1024 each, and o_norm, 16) and 1 MLA (16928 -> 9760), all named self_attn
@@ -64,11 +64,10 @@ MIXERS = {
     "jamba": ("mamba", 2, 30616, 15320),
     "mamba": ("mixer", 2, 30592, 15296),
     "falcon_mamba": ("mixer", 2, 30592, 15296),
-    # Mamba-2 (Mamba2's 2 mixers, Nemotron-H's one, block 0): in_proj of unequal parts [128, 128, 16, 16, 8]
-    # and the conv over [128, 16, 16] stored whole (18944 + 800); A_log, D, dt_bias, the gated norm's
-    # weight (per group) and out_proj halved
-    "mamba2": ("mixer", 2, 28088, 23916),
-    "nemotron_h": ("0.mixer", 1, 28088, 23916),
+    # Mamba-2 (Mamba2's 2 mixers, Nemotron-H's one, block 0): every parameter halved, in_proj of unequal
+    # parts [128, 128, 16, 16, 8] and the conv over [128, 16, 16] part by part
+    "mamba2": ("mixer", 2, 28088, 14044),
+    "nemotron_h": ("0.mixer", 1, 28088, 14044),
     # n_groups=1: in_proj [128, 128, 8, 8, 8] (Falcon-H1's dt: 16 heads) and the conv, stored whole
     "bamba": ("mamba", 2, 26984, 22812),
     "falcon_h1": ("mamba", 2, 27392, 23272),
@@ -163,8 +162,8 @@ def test_every_family_at_tp2_matches_one_process_with_minimal_communication(dirs
         }.get(family, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (family, fwd, loss, bwd)
         assert grads == (family in PARTIAL_GRADS), (family, grads)
-    # each rank holds its heads of the mixers (MIXERS: 0.75 of Qwen3.5's and Qwen3.5-MoE's, 0.515 of Qwen3-Next's
-    # and OLMo-hybrid's, 0.5 of LFM3's and of Mamba-1's but Jamba's norms, 0.85 of the Mamba-2 mixers')
+    # each rank holds its heads of the mixers (MIXERS: 0.5 of every mixer but for norms shared by the heads
+    # (the Gated DeltaNets', 0.5005; Jamba's) and Bamba's and Falcon-H1's (n_groups=1), 0.85)
     for family, (_, count, whole, local) in MIXERS.items():
         assert mixers[tp2[family]] == (count * whole, count * local), (family, mixers[tp2[family]])
 
@@ -316,8 +315,14 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
     table = capsys.readouterr().out
     assert "key/value heads replicated: num_key_value_heads=2 < tp=4, so rank r reads kv head r // 2" in table
     assert table.count("stored replicated, each rank computes 8 of its rows") == 4  # k_proj, v_proj x 2 layers
+    # unequal parts (q 4 heads, k and v 2 each): each split on its own, rank 0 holding rows 0:16 32:40 48:56
     assert main(["plan", tp2["phi3_gqa"], "--tp", "2"]) == 0
-    assert "parts [32, 16, 16], not equal: stored whole on every rank (rank 0 rows 0:16 32:40 48:56;" in (
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("model.layers.0.self_attn.qkv_proj"))
+    assert "parts [32, 16, 16], each split 2 ways" in table and row.split()[2:4] == ["64x32", "32x32"], row
+    # at tp=4 its 2 kv heads are shared by ranks: stored whole, each rank computing its rows
+    assert main(["plan", tp2["phi3_gqa"], "--tp", "4"]) == 0
+    assert "parts [32, 16, 16], rows shared by ranks: stored whole on every rank (rank 0 rows 0:8 32:40 48:56;" in (
         capsys.readouterr().out
     )
     # Falcon fuses kv heads per group: no replication, refused naming the tp values that work

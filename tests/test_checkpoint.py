@@ -63,18 +63,44 @@ def test_resume_on_other_layouts(tp2_runs, one_process):
     assert_close(tp2_runs["tied_fsdp"], tp2_runs["tied_full"][5:], 1e-5)
     one = train(tp2_runs["model"], "one", str(tp2_runs["root"] / "d"), resume=tp2_runs["step5"])
     assert_close(one, tp2_runs["full"][5:], 1e-5)
-    four = run_ranks(
-        train_jobs, 4, [(tp2_runs["model"], "tp2_fsdp2", str(tp2_runs["root"] / "e"), {"resume": tp2_runs["step5"]})]
-    )[0]
+    root = tp2_runs["root"]
+    qwen_step5 = str(root / "q" / "checkpoints" / "step-5")
+    four, qwen = run_ranks(
+        train_jobs,
+        4,
+        [
+            (tp2_runs["model"], "tp2_fsdp2", str(root / "e"), {"resume": tp2_runs["step5"]}),
+            (tp2_runs["qwen35"], "tp2_fsdp2", str(root / "qe"), {"resume": qwen_step5}),
+        ],
+    )
     assert_close(four, tp2_runs["full"][5:], 1e-5)
+    # Qwen3.5: PartsShard under FSDP's chunks, loaded from tp=2 and saved again at tp=2 x fsdp=2 (step 10):
+    # its consolidation equals the tp=2 run's
+    assert_close(qwen, tp2_runs["qwen35_full"][5:], 1e-5)
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint import export
+
+    weights = []
+    for run in ("q", "qe"):
+        export.consolidate(str(root / run), str(root / f"hf-{run}-10"))
+        weights.append(load_file(str(root / f"hf-{run}-10" / "model.safetensors")))
+    assert weights[0].keys() == weights[1].keys()
+    for key, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_kimi_linear_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process):
-    """Kimi-Linear's delta attention split by heads (its ``A_log`` [1, 1, heads, 1] sharded on
-    dim 2, the gates' latents whole), MLA and experts: a tp=2 save continues in one process."""
-    step5 = str(tp2_runs["root"] / "k" / "checkpoints" / "step-5")
-    one = train(tp2_runs["kimi"], "one", str(tp2_runs["root"] / "k1"), resume=step5)
-    assert_close(one, tp2_runs["kimi_full"][5:], 1e-5)
+@pytest.mark.parametrize("model", ["kimi", "qwen35"])
+def test_hybrid_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process, model):
+    """A tp=2 save continues in one process. Kimi-Linear: delta attention split by heads (its
+    ``A_log`` [1, 1, heads, 1] sharded on dim 2, the gates' latents whole), MLA and experts.
+    Qwen3.5 text: ``in_proj_qkv`` (q|k|v of unequal widths) and the conv over it hold each rank's
+    chunk of every part (``PartsShard``), parameters and AdamW states saved at their HF rows (a
+    state saved at the wrong rows would change every step after the resume)."""
+    run = {"kimi": "k", "qwen35": "q"}[model]
+    step5 = str(tp2_runs["root"] / run / "checkpoints" / "step-5")
+    one = train(tp2_runs[model], "one", str(tp2_runs["root"] / f"{run}1"), resume=step5)
+    assert_close(one, tp2_runs[f"{model}_full"][5:], 1e-5)
 
 
 def test_load_restores_state_and_refuses_a_different_run(tp2_runs, one_process):

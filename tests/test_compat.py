@@ -56,7 +56,7 @@ EXPECT = {
     # its in_proj cut into [z, x|B|C, dt] and x|B|C again after the conv: packed by both cuts; at n_groups=1
     # B and C (summed over their state dim) are held whole on every rank, the gated norm all-reduces its
     # sum of squares; ``self.lm_head.weight.dtype`` in its LM forward is metadata, not a use of the weight
-    "mamba2": (0, "packed backbone.layers.0.mixer.in_proj: parts [128, 128, 8, 8, 8], not equal", None),
+    "mamba2": (0, "packed backbone.layers.0.mixer.in_proj: parts [128, 128, 8, 8, 8], rows shared by ranks", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
     # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
     "jetmoe": (2, "error: parallel.tp: model.layers.0.mlp (JetMoeMoE) is a mixture-of-experts", None),

@@ -42,15 +42,17 @@ def test_gated_deltanet_is_split_by_heads(qwen35, capsys):
     assert not plan.replicated
     # 2 key heads of 16, 4 value heads of 16: [key, key, value] cut after the conv
     assert plan.parts[f"{MIXER}.in_proj_qkv"] == [32, 32, 64]
-    # unequal parts: stored whole, each rank its key head and the two value heads it serves
-    assert plan.sliced[f"{MIXER}.in_proj_qkv"] == [[(0, 16), (32, 48), (64, 96)], [(16, 32), (48, 64), (96, 128)]]
+    # unequal parts, each split on its own (``shards.PartsShard``): each rank its key head of q and of k
+    # and the two value heads it serves, not stored whole
+    assert f"{MIXER}.in_proj_qkv" not in plan.sliced
     assert plan.channels[MIXER] == {"A_log": f"{MIXER}.in_proj_a", "dt_bias": f"{MIXER}.in_proj_a"}
     assert plan.channels[f"{MIXER}.conv1d"] == {"weight": f"{MIXER}.in_proj_qkv"}
     assert plan.local_sizes[MIXER] == {"key_dim": 16, "value_dim": 32}  # read by its split; not hidden_size
     rows = {r["module"]: r for r in describe_plan(model, plan, 2)}
     assert rows[MIXER]["local"] == {"A_log": (2,), "dt_bias": (2,)}
-    assert rows[f"{MIXER}.conv1d"]["local"] == {"weight": (128, 1, 4)}  # whole, like in_proj_qkv
-    assert "stored whole, each rank uses its rows" in rows[f"{MIXER}.conv1d"]["source"]
+    assert rows[f"{MIXER}.in_proj_qkv"]["local"] == {"weight": (64, 64)}  # 128 rows of q|k|v, half each
+    assert rows[f"{MIXER}.conv1d"]["local"] == {"weight": (64, 1, 4)}  # its channels, split like in_proj_qkv
+    assert "stored whole" not in rows[f"{MIXER}.conv1d"]["source"]
     # the 2 key heads cannot be split 4 ways: the mixers stay whole (the dry run at one rank's shapes)
     plan = infer_plan(model, 4)
     assert plan.styles[f"{MIXER}.in_proj_qkv"] == "replicate_local"
@@ -121,7 +123,7 @@ def test_convolutions_over_reshaped_split_channels_follow_them():
 
 def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     # Qwen3-Next: q/k/v/z fused per key head (plain colwise: each rank holds whole key heads); the conv
-    # over cat(q, k, v) follows their channels, [32, 32, 64], unequal: stored whole, each rank its rows
+    # over cat(q, k, v) follows their channels, [32, 32, 64], unequal: each part split on its own
     mixer = "model.layers.0.linear_attn"
     plan, styles, local = mixer_plan(mixers["qwen3_next"], mixer)
     assert styles == {
@@ -133,12 +135,9 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
         "out_proj": "rowwise",
     }
     assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
-    assert plan.channel_rows[f"{mixer}.conv1d.weight"] == [
-        [(0, 16), (32, 48), (64, 96)],
-        [(16, 32), (48, 64), (96, 128)],
-    ]
+    assert f"{mixer}.conv1d.weight" not in plan.channel_rows  # not stored whole
     assert plan.channel_parts[f"{mixer}.A_log"] == plan.channel_parts[f"{mixer}.dt_bias"] == [4]
-    assert local[""] == {"A_log": (2,), "dt_bias": (2,)} and local["conv1d"] == {"weight": (128, 1, 4)}
+    assert local[""] == {"A_log": (2,), "dt_bias": (2,)} and local["conv1d"] == {"weight": (64, 1, 4)}
     # the head counts its forward views the fused projections by, and the widths it splits at
     assert plan.local_sizes[mixer] == {"key_dim": 16, "num_k_heads": 1, "num_v_heads": 2, "value_dim": 32}
     assert not [f for f in plan.replicated if "linear_attn" in f]
@@ -152,7 +151,7 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     from shardlm.parallel.build import build_meta_model
 
     rows = {r["module"]: r["source"] for r in describe_plan(build_meta_model(mixers["olmo_hybrid"]), plan, 2)}
-    assert "weight split with the output channels of k_proj + q_proj + v_proj (stored whole" in rows[f"{mixer}.conv1d"]
+    assert rows[f"{mixer}.conv1d"].endswith("weight split with the output channels of k_proj + q_proj + v_proj")
     # LFM3: in_proj packed [B, C, x]; the conv over B * x follows x's part, Shard(0)
     mixer = "model.layers.0.conv"
     plan, styles, local = mixer_plan(mixers["lfm3"], mixer)
@@ -275,14 +274,15 @@ def test_mamba2_mixer_is_split_by_heads_and_groups(mamba2):
     }
     assert not plan.replicated
     assert plan.parts[f"{mixer}.in_proj"] == [128, 128, 16, 16, 8]  # z, x, B (2 groups of 8), C, dt (8 heads)
-    assert plan.sliced[f"{mixer}.in_proj"][1] == [(64, 128), (192, 256), (264, 272), (280, 288), (292, 296)]
+    assert f"{mixer}.in_proj" not in plan.sliced  # each part split on its own: rank 1 its second half of each
     assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [128, 16, 16]
     assert plan.channel_parts[f"{mixer}.norm.weight"] == [128]
     assert plan.channels[mixer] == dict.fromkeys(("A_log", "D", "dt_bias"), f"{mixer}.in_proj")
     assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "n_groups": 1, "num_heads": 4}
     rows = {r["module"]: r["local"] for r in describe_plan(model, plan, 2)}
     assert rows[mixer] == {"A_log": (4,), "D": (4,), "dt_bias": (4,)}
-    assert rows[f"{mixer}.norm"] == {"weight": (64,)} and rows[f"{mixer}.conv1d"]["weight"] == (160, 1, 4)
+    assert rows[f"{mixer}.norm"] == {"weight": (64,)} and rows[f"{mixer}.conv1d"]["weight"] == (80, 1, 4)
+    assert rows[f"{mixer}.in_proj"]["weight"] == (148, 64)  # 296 rows of [z, x, B, C, dt], half each
 
 
 def test_cuts_of_a_stretch_of_a_linear_refine_its_parts():
@@ -411,3 +411,29 @@ def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     with tracker:
         _ = out * beta, out * mup
     assert tracker.buffer_follows == {"mixer.mup_vector": (frozenset({"in_proj"}), None)} and not tracker.violations
+
+
+def test_fused_mamba_kernels_on_gpu_are_refused_before_spawning(tmp_path, monkeypatch):
+    """With mamba_ssm on a CUDA machine, transformers' Mamba and Mamba-2 mixers train through fused
+    kernels that take ``x_proj``'s and ``out_proj``'s weights themselves, bypassing their split: a
+    split mixer is refused by name before any process starts (and in ``parallelize``); Gated DeltaNet's
+    kernels take activations and the conv weight, which the mixer sees as local views: not refused.
+    No GPU here: the kernels' availability and the device are patched."""
+    from helpers import train_config
+
+    from shardlm import ConfigError, preflight
+    from shardlm.parallel import channels
+
+    monkeypatch.setattr(channels, "weight_kernels_available", lambda: True)
+    monkeypatch.setattr(preflight, "device_type", lambda: "cuda")
+    for name, kernel in (("mamba", "mamba_inner_fn"), ("mamba2", "split_conv1d_scan_combined"), ("qwen3_5_text", "")):
+        cfg = train_config(write_tiny_dir(str(tmp_path / name), name), {"tp": 2}, 1, 1, 1, output_dir=str(tmp_path))
+        if kernel:
+            with pytest.raises(ConfigError, match=f"mixer .* would train through the fused kernel {kernel}"):
+                preflight.check_run(cfg)
+        else:
+            preflight.check_run(cfg)
+    cfg = train_config(str(tmp_path / "mamba"), {"fsdp": 2}, 1, 1, 1, output_dir=str(tmp_path))
+    preflight.check_run(cfg)  # not split: the kernel computes the whole mixer
+    monkeypatch.setattr(channels, "weight_kernels_available", lambda: False)
+    preflight.check_run(train_config(str(tmp_path / "mamba"), {"tp": 2}, 1, 1, 1, output_dir=str(tmp_path)))

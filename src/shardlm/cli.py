@@ -125,7 +125,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
             whole = [p for p, held in zip(parts, plan.whole_parts.get(fqn, [])) if held]
             held = f"; parts {whole} whole on every rank (summed over their split channels)" if whole else ""
-            print(f"packed {fqn}: parts {parts}, not equal: stored whole on every rank ({ranks}){held}")
+            print(f"packed {fqn}: parts {parts}, rows shared by ranks: stored whole on every rank ({ranks}){held}")
         else:
             print(f"packed {fqn}: parts {parts}, each split {args.tp} ways")
     by_reason: dict[str, list[str]] = {}

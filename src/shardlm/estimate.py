@@ -60,9 +60,10 @@ delta rule's matmul operands are saved in bf16: the count is an upper bound ther
 the tiny Qwen3.5 mixer). Not modeled: the fused kernels (fla, causal-conv1d) on GPU, which save less;
 Kimi-Linear's delta attention (a decay per key channel, its own chunk path) and the state-space
 mixers (Mamba, Mamba-2, in Bamba, Falcon-H1, Jamba...), counted as attention.
-A sliced projection of unequal packed parts (Qwen3.5's ``in_proj_qkv``) and the conv over it are
-stored whole; each rank copies its rows of their weights in each forward and autograd keeps the
-copy (``row_copies``).
+A sliced projection whose rows some ranks share (Mamba-2's ``in_proj`` with B and C held whole at
+``n_groups < tp``) and the conv over it are stored whole; each rank copies its rows of their weights
+in each forward and autograd keeps the copy (``row_copies``). Packed projections of unequal parts
+(Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
 
 With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
 while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
@@ -281,9 +282,9 @@ def activation_elements(
 
 def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
     """Per parameter fqn, the elements a TP rank copies out of several row ranges of it where it is
-    stored whole (``tp.take_rows``: a sliced projection of unequal packed parts such as Qwen3.5's
-    ``in_proj_qkv``, the conv following it), saved for backward by the op using them: one copy per
-    forward of their layer."""
+    stored whole (``tp.take_rows``: a sliced projection of parts some held whole such as Mamba-2's
+    ``in_proj`` at ``n_groups < tp``, the conv following it), saved for backward by the op using
+    them: one copy per forward of their layer."""
     ranks_rows = [(fqn, "weight", rows) for fqn, rows in plan.sliced.items()]  # per rank: its row ranges
     ranks_rows += [(fqn, p, param_rows(plan, fqn, p)) for fqn, names in plan.channels.items() for p in names]
     copies = {}
@@ -387,7 +388,7 @@ def estimate(
     check_ep(model, ep)
     plan = infer_plan(model, tp)
     skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
-    # sliced projections (kv heads replicated, unequal packed parts) are stored whole on every TP rank
+    # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
     full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
     # EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward

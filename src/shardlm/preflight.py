@@ -5,7 +5,8 @@ process, so a run that cannot work ends with one ``error:`` line instead of a fa
 rank: the head/vocabulary geometry against ``parallel.tp``, a router load-balancing loss the trainer
 cannot compute over the global batch (``train/router_loss.py``), LayerDrop under more than one rank,
 the experts ``parallel.ep`` divides,
-the traced TP plan (refusals such as fused kv groups that a tp cannot split), the LoRA targets,
+the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
+that would run a fused kernel reading its weights itself), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
 and the checkpoint ``train.resume`` names.
 """
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 from shardlm.checkpoint.manager import precheck_resume
 from shardlm.config import Config
+from shardlm.distributed.mesh import device_type
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
+from shardlm.parallel.channels import check_fused_kernels
 from shardlm.parallel.dropout import check_layerdrop
 from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
@@ -38,8 +41,10 @@ def check_run(cfg: Config) -> None:
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
-    if traced:  # what only the traced plan can refuse (Falcon's fused kv groups)
+    if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)
         plan = infer_plan(model, p.tp)
+        if p.tp > 1 and device_type() == "cuda":
+            check_fused_kernels(model, plan, p.tp)
         if cfg.lora is not None:
             check_lora(cfg.lora, model, plan)
             if p.ep > 1:

@@ -2,8 +2,9 @@
 
 One rule, used for init, HF loading and checkpoints alike: placements apply right to left, TP
 first, then FSDP2's chunking of the TP-local tensor (how FSDP2 shards a TP DTensor). On the TP
-mesh dim a ``_StridedShard`` is a packed projection (``tp.PackedColwiseParallel``): each of
-its parts is chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``.
+mesh dim a ``_StridedShard`` (P equal parts) or a ``PartsShard`` (parts of any sizes) is a packed
+projection (``tp.PackedColwiseParallel``) or what acts on its channels: each of its parts is
+chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``. ``packed_placement`` picks one.
 
 Every local piece is one box of the global tensor except a packed projection's, which is P boxes
 (one per part). DCP addresses a DTensor shard as one box (FSDP-over-TP ``_StridedShard`` on the
@@ -19,6 +20,7 @@ styles that run a module's own forward on local pieces: ``replicate_local``, ``p
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import product
 
 import torch
@@ -27,19 +29,112 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
-def _tp_strided(param: DTensor, mesh_dim: int) -> _StridedShard | None:
+class PartsShard(Shard):
+    """``Shard(dim)`` of a dim made of unequal ``parts``, each chunked over TP on its own: rank r
+    holds chunk r of every part, in order (Qwen3.5's ``in_proj_qkv``, q|k|v of key, key and value
+    widths; Mamba-2's ``in_proj``, [z, x, B, C, dt]). What ``_StridedShard(dim, split_factor=P)``
+    is for P equal parts, which is all it can express.
+
+    To DTensor and FSDP2 it is ``Shard(dim)`` (it compares equal to it: shapes, sharding
+    propagation and FSDP's chunking of the TP-local tensor are the same); only which global rows
+    the local piece holds differs, and every place that asks reads ``local_index``. But a tensor a
+    DTensor op makes from one may come back with a plain ``Shard``: DTensor's C++ dispatch caches
+    sharding propagation with placements compared as their C++ base, so an earlier op on a
+    ``Shard(dim)`` tensor of the same shape answers (seen intermittently: ``nn.Parameter``'s detach
+    on one rank). The values are right, the positions are lost; so shardlm puts the placement back
+    (``keep_parts``) where it reads positions: on parameters once built, and on the state dicts of
+    a checkpoint. ``DTensor.full_tensor()`` gives the rows in rank order: use ``shards.full_tensor``.
+    """
+
+    def __init__(self, dim: int, parts: tuple[int, ...]):
+        super().__init__(dim)
+        self.parts = tuple(parts)
+
+    def __hash__(self) -> int:  # DTensor caches sharding propagation by spec: never share an entry with Shard
+        return hash((self.dim, self.parts))
+
+    def __repr__(self) -> str:
+        return f"PartsShard(dim={self.dim}, parts={self.parts})"
+
+
+def packed_placement(dim: int, parts: list[int] | tuple[int, ...]) -> Placement:
+    """The TP placement of a ``dim`` made of ``parts`` (sizes), each split over TP on its own."""
+    if len(parts) == 1:
+        return Shard(dim)
+    if len(set(parts)) == 1:
+        return _StridedShard(dim, split_factor=len(parts))
+    return PartsShard(dim, tuple(parts))
+
+
+def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> DTensor:
+    """``distribute_tensor`` on a 1-D mesh, ``PartsShard`` included (torch's own turns it into a
+    plain ``Shard``): each rank cuts its rows of every part from its own copy (no scatter;
+    shardlm builds parameters on meta and fills them after, ``fill_from_full``)."""
+    if not isinstance(placement, PartsShard):
+        return distribute_tensor(tensor, mesh, [placement], src_data_rank=src)
+    n, coord, dim = mesh.size(), mesh.get_local_rank(), placement.dim
+    local = torch.cat([part.chunk(n, dim)[coord] for part in tensor.detach().split(placement.parts, dim)], dim)
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+def parameter(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> nn.Parameter:
+    """``tensor`` distributed by ``placement`` (``distribute``) as a parameter that keeps it."""
+    param = nn.Parameter(distribute(tensor, mesh, placement, src), requires_grad=tensor.requires_grad)
+    if isinstance(placement, PartsShard):
+        keep_parts(param, placement)
+    return param
+
+
+def parts_placements(model: nn.Module) -> dict[str, PartsShard]:
+    """The ``PartsShard`` TP placement of each parameter of ``model`` that has one, by fqn."""
+    found = {}
+    for fqn, param in model.named_parameters():
+        if isinstance(param, DTensor) and "tp" in param.device_mesh.mesh_dim_names:
+            placement = param.placements[param.device_mesh.mesh_dim_names.index("tp")]
+            if isinstance(placement, PartsShard):
+                found[fqn] = placement
+    return found
+
+
+def keep_parts(t: DTensor, placement: PartsShard) -> None:
+    """Put ``placement`` back on the TP mesh dim of ``t`` (in place; the local tensor is unchanged)
+    where a DTensor op replaced it by a plain ``Shard`` (see ``PartsShard``)."""
+    names = t.device_mesh.mesh_dim_names
+    placements = tuple(placement if name == "tp" else p for name, p in zip(names, t.placements))
+    if any(type(a) is not type(b) for a, b in zip(placements, t.placements)):
+        t._spec = dataclasses.replace(t._spec, placements=placements)  # DTensor keeps its spec in this slot
+
+
+def keep_parts_in(state: dict, parts: dict[str, PartsShard]) -> None:
+    """``keep_parts`` on a state dict's values: a model's (``{fqn: tensor}``) or a flattened
+    optimizer state dict's (``{"state.<fqn>.<name>": tensor}``), ``parts`` by parameter fqn."""
+    for key, value in state.items():
+        fqn = key.removeprefix("state.").rpartition(".")[0] if key.startswith("state.") else key
+        if fqn in parts and isinstance(value, DTensor):
+            keep_parts(value, parts[fqn])
+
+
+def _tp_parts(param: DTensor, mesh_dim: int) -> tuple[int, ...] | None:
+    """The part sizes of a packed placement on the TP mesh dim (None: not packed)."""
     placement = param.placements[mesh_dim]
-    is_tp = param.device_mesh.mesh_dim_names[mesh_dim] == "tp"
-    return placement if is_tp and isinstance(placement, _StridedShard) else None
+    if param.device_mesh.mesh_dim_names[mesh_dim] != "tp":
+        return None
+    if isinstance(placement, PartsShard):
+        return placement.parts
+    if isinstance(placement, _StridedShard):
+        return (param.shape[placement.dim] // placement.split_factor,) * placement.split_factor
+    return None
 
 
 def is_packed(param: torch.Tensor) -> bool:
-    """A packed projection's parameter (or its optimizer state): ``_StridedShard`` on the TP dim."""
-    return isinstance(param, DTensor) and any(_tp_strided(param, d) for d in range(param.device_mesh.ndim))
+    """A packed projection's parameter (or its optimizer state): ``_StridedShard`` or
+    ``PartsShard`` on the TP dim."""
+    return isinstance(param, DTensor) and any(_tp_parts(param, d) for d in range(param.device_mesh.ndim))
 
 
 def local_index(param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -53,8 +148,8 @@ def local_index(param: torch.Tensor, dim: int) -> torch.Tensor:
         strided = isinstance(placement, _StridedShard)  # not a Shard subclass in torch 2.13
         if not (strided or placement.is_shard()) or placement.dim % param.ndim != dim:
             continue
-        if _tp_strided(param, mesh_dim):
-            index = torch.cat([part.chunk(n)[coord] for part in index.chunk(placement.split_factor)])
+        if parts := _tp_parts(param, mesh_dim):
+            index = torch.cat([part.chunk(n)[coord] for part in index.split(parts)])
         else:
             chunks = index.chunk(n)
             index = chunks[coord] if coord < len(chunks) else index[:0]

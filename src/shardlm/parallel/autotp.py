@@ -78,9 +78,13 @@ computes) and stored *replicated* on the TP mesh, gradients summed over TP:
   head its query heads read, ``r // (tp // kv_heads)``. Ranks sharing a kv head each produce
   part of its gradient (the part from their query heads); rows of other heads get zero, so the
   sum over TP is the full gradient.
-* a packed projection of *unequal* parts (Phi-3 with GQA: q ``H*d``, k and v ``KV*d``), which
-  ``_StridedShard`` cannot express: held whole, rank r computes its chunk of every part (or its
-  replicated kv head when ``KV < tp``).
+* a packed projection with a part some ranks share: a kv head replicated when ``KV < tp`` (Phi-3's
+  qkv_proj), or a part every rank needs whole (Mamba-2's B and C at ``n_groups < tp``): held whole,
+  rank r computes its chunk of every other part and those rows.
+
+A packed projection of unequal parts each split (Phi-3 with GQA at ``KV >= tp``, Qwen3.5's q|k|v,
+Mamba-2's [z, x, B, C, dt]) is sharded like one of equal parts, rank r holding its chunk of each
+(``shards.PartsShard``).
 """
 
 from __future__ import annotations
@@ -318,7 +322,7 @@ def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str]
     # modules whose forward reshapes sharded activations into heads: parents of colwise layers
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
-    _slice_kv_and_unequal_parts(model, plan, tp)
+    _slice_shared_rows(model, plan, tp)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj
@@ -513,7 +517,7 @@ def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
     return stack[-1] if stack else ""
 
 
-def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
+def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
     geo = geometry(model.config)
     heads = geo.get("num_attention_heads", 0)
@@ -548,7 +552,7 @@ def _slice_kv_and_unequal_parts(model: nn.Module, plan: Plan, tp: int) -> None:
             bad = [p for p, rep, w in zip(parts, kv_part, whole) if p % tp and not rep and not w]
             if bad:
                 raise ConfigError(f"parallel.tp={tp} does not divide the parts {parts} of fused projection {fqn}")
-            if len(set(parts)) > 1 or any(kv_part) or any(whole):
+            if any(kv_part) or any(whole):
                 plan.sliced[fqn] = [
                     _packed_rows(parts, kv_part, r, tp, d, kv_head(r) if replicated else 0, whole) for r in range(tp)
                 ]

@@ -26,10 +26,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlm.config import LoraConfig
 from shardlm.distributed.mesh import Mesh
-from shardlm.distributed.shards import fill_from_full
+from shardlm.distributed.shards import fill_from_full, keep_parts_in, parts_placements
 from shardlm.errors import ConfigError
 from shardlm.parallel import lora, published
 from shardlm.parallel.autotp import infer_plan
+from shardlm.parallel.channels import check_fused_kernels
 from shardlm.parallel.ep import apply_ep
 from shardlm.parallel.hf import tied_keys
 from shardlm.parallel.plan import Plan
@@ -292,13 +293,17 @@ def parallelize(
             if not param.requires_grad and param.is_floating_point() and ".original_module." not in name:
                 param.data = param.data.to(frozen_dtype)
     if mesh.parallel.tp > 1:
+        if mesh.device.type == "cuda":
+            check_fused_kernels(model, plan, mesh.parallel.tp)
         apply_tp(model, mesh, plan, with_lora=peft_cfg is not None)
     experts = apply_ep(model, mesh.experts, plan.experts) if mesh.parallel.ep > 1 else []
+    parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
     if mesh.parallel.dp_size > 1:
         apply_fsdp(model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
     shared = _shared_parameters(model)
     model.to_empty(device=mesh.device)
     _retie(shared)
+    keep_parts_in(dict(model.named_parameters()), parts)
     with torch.no_grad():
         _restore_buffers(model, buffers)
     if has_weights(model_path):

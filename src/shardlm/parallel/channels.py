@@ -9,15 +9,17 @@ size (a depthwise convolution over them, or an elementwise op broadcasting it al
 rank then holds the channels of its own heads, exactly the rows of the activations it holds:
 
 * where they are one projection's whole output: after a ``colwise`` projection, ``Shard(0)``;
-  after a ``packed_colwise`` one of P equal parts, ``_StridedShard(0, P)`` (its chunk of every
-  part), so checkpoints keep the HF layout; after a packed projection of unequal parts
-  (``Plan.sliced``: DeltaNet's [key, key, value]), which ``_StridedShard`` cannot express, stored
-  whole on every rank like the projection, each rank using its rows; the gradients are summed
-  over TP (each rank's covers its rows only);
+  after a ``packed_colwise`` one, its chunk of every part (``shards.packed_placement``: DeltaNet's
+  [key, key, value]), so checkpoints keep the HF layout;
 * where they were reshaped, cut or concatenated on the way (``layouts.py``: LFM's conv over the x
   third of ``in_proj``, Qwen3-Next's over q|k|v cut per key head out of ``in_proj_qkvz``,
   OLMo-hybrid's over cat(q_proj, k_proj, v_proj)), the same by the parts of their channel layout
-  (``Plan.channel_parts``; unequal ones: ``Plan.channel_rows``).
+  (``Plan.channel_parts``);
+* where some of those rows are shared by ranks (their source is ``Plan.sliced``: fewer kv heads
+  than tp, or Mamba-2's B and C held whole at ``n_groups < tp``): stored whole on every rank, each
+  using its rows (``Plan.channel_rows`` or the source's), the gradients summed over TP (each
+  rank's covers its rows only). A buffer (Falcon-H1's ``mup_vector``) is never sharded: each rank
+  uses its rows.
 
 The ``per_channel`` style goes to every module owning such parameters and to a module that uses
 them directly (the mixer calling ``causal_conv1d_fn(x, self.conv1d.weight)``: the conv module's
@@ -33,13 +35,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardlm.distributed.shards import LocalParams
+from shardlm.distributed.shards import LocalParams, parameter
 from shardlm.errors import ConfigError
-from shardlm.parallel.hf import all_head_widths, out_features
+from shardlm.parallel.hf import all_head_widths, out_features, weight_kernel, weight_kernels_available
 from shardlm.parallel.layouts import lead_dim, local_width, rank_rows
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import ExpertParam, Style
@@ -64,8 +65,6 @@ def place_channels(
         if any(s in plan.sliced and layout is not None and not _chunked(plan, s, tp) for s in sources):
             continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole
         (source, *_) = sorted(sources)
-        if pname in dict(model.get_submodule(owner).named_buffers(recurse=False)) and source not in plan.sliced:
-            continue  # a buffer is only ever used by rows (Falcon-H1's mup_vector), never sharded
         width = out_features(model.get_submodule(source))
         parts = list(layout) if layout is not None else plan.parts.get(source, [width])
         whole = plan.whole_parts.get(pfqn, [False] * len(parts))  # held whole on every rank (Mamba-2's B, C)
@@ -78,8 +77,9 @@ def place_channels(
         plan.channels.setdefault(owner, {})[pname] = " + ".join(sorted(sources))
         if layout is not None:
             plan.channel_parts[pfqn] = list(layout)
-            if len(set(layout)) > 1 or any(whole):
-                plan.channel_rows[pfqn] = [rank_rows(layout, r, tp, whole) for r in range(tp)]
+        buffer = pname in dict(model.get_submodule(owner).named_buffers(recurse=False))
+        if any(whole) or (buffer and source not in plan.sliced):  # else the source's rows (``param_rows``)
+            plan.channel_rows[pfqn] = [rank_rows(parts, r, tp, whole) for r in range(tp)]
     for owner, user in foreign.items():
         if owner.split(" (")[0] in plan.channels and plan.styles.get(user) in (
             None,
@@ -90,6 +90,24 @@ def place_channels(
             plan.channels.setdefault(user, {})
 
 
+def check_fused_kernels(model: nn.Module, plan: Plan, tp: int) -> None:
+    """Refuse a split mixer whose forward would call a fused kernel reading its projections' weights
+    itself (``hf.WEIGHT_KERNELS``: Mamba's ``mamba_inner_fn``, Mamba-2's
+    ``mamba_split_conv1d_scan_combined``), where transformers would run it (``hf.weight_kernels_available``:
+    checked on CUDA machines only, before spawning and in ``parallelize``). The torch path is the one
+    planned and tested; the kernel would compute ``out_proj`` without its all-reduce."""
+    if not weight_kernels_available():
+        return
+    for fqn, style in plan.styles.items():
+        module = model.get_submodule(fqn)
+        if style == Style.PER_CHANNEL and (kernel := weight_kernel(module)):
+            raise ConfigError(
+                f"parallel.tp={tp}: {fqn} ({type(module).__name__}) would train through the fused kernel {kernel} "
+                "here, which reads its projections' weights itself and bypasses their split; uninstall mamba-ssm "
+                "(and unset TRANSFORMERS_USE_HUB_KERNELS) for the split torch path, or use parallel.fsdp instead of tp"
+            )
+
+
 def _chunked(plan: Plan, linear: str, tp: int) -> bool:
     """Whether each rank computes its chunk of every part of sliced ``linear`` (unequal parts, as
     Mamba-2's [z, x, B, C, dt]), so that what follows a run of its parts takes its chunk of each too."""
@@ -98,10 +116,11 @@ def _chunked(plan: Plan, linear: str, tp: int) -> bool:
 
 
 def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:
-    """Every rank's rows of ``per_channel`` parameter ``fqn.pname`` where it is stored whole (its
-    channels in unequal parts, or its source's rows picked per rank: ``Plan.sliced``), else None."""
-    if f"{fqn}.{pname}" in plan.channel_parts:
-        return plan.channel_rows.get(f"{fqn}.{pname}")
+    """Every rank's rows of ``per_channel`` parameter (or buffer) ``fqn.pname`` where it is stored
+    whole (some of its channels shared by ranks, or a buffer), else None."""
+    key = f"{fqn}.{pname}"
+    if key in plan.channel_rows or key in plan.channel_parts:
+        return plan.channel_rows.get(key)
     return plan.sliced.get(plan.channels[fqn][pname])
 
 
@@ -114,14 +133,15 @@ def channel_placements(model: nn.Module, plan: Plan) -> dict[str, dict[str, Expe
         placements[fqn] = {}
         for pname, source in params.items():
             parts = plan.channel_parts.get(f"{fqn}.{pname}")
+            if parts is None and plan.styles[source] == Style.PACKED_COLWISE:
+                parts = plan.parts[source]
             dim = lead_dim(getattr(model.get_submodule(fqn), pname))  # its dim along the channels
             if param_rows(plan, fqn, pname) is not None:
                 placements[fqn][pname] = ExpertParam(None)  # stored whole, each rank uses its rows
             elif parts is not None:
-                placements[fqn][pname] = ExpertParam(dim, len(parts))
+                placements[fqn][pname] = ExpertParam(dim, len(parts), sizes=tuple(parts) if len(set(parts)) > 1 else ())
             else:
-                parts = len(plan.parts.get(source, [1])) if plan.styles[source] == Style.PACKED_COLWISE else 1
-                placements[fqn][pname] = ExpertParam(dim, parts)
+                placements[fqn][pname] = ExpertParam(dim)
     return placements
 
 
@@ -203,13 +223,8 @@ class PerChannel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
-            p = self.params.get(name)
-            if p is None or p.dim is None:
-                placement = Replicate()
-            else:
-                placement = _StridedShard(p.dim, split_factor=p.parts) if p.parts > 1 else Shard(p.dim)
-            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            placement = self.params.get(name, ExpertParam(None)).placement(param.shape)
+            module.register_parameter(name, parameter(param, device_mesh, placement, self.src_data_rank))
         rank = device_mesh.get_local_rank()
         views = {path: {p: rows[rank] for p, rows in params.items()} for path, params in self.views.items()}
         params, buffers = LocalParams(), []

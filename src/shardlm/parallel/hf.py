@@ -1,4 +1,5 @@
-"""What shardlm reads off a Hugging Face model, in one place: config names, Conv1D, tied weights.
+"""What shardlm reads off a Hugging Face model, in one place: config names, Conv1D, tied weights,
+the fused kernels a mixer may call.
 
 Families name the same size differently (``num_attention_heads`` / ``n_head`` / ``num_heads``),
 some configs refuse to answer a global value (Gemma 4's per-layer ``head_dim``), GPT-2-style
@@ -10,6 +11,7 @@ all ask here, so they cannot disagree.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
@@ -30,6 +32,11 @@ SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "inte
 MODULE_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 MODULE_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
 MODULE_KV_COUNT_ATTRS = MODULE_KV_ATTRS + ("num_key_value_groups",)
+# fused kernels that read the weights of a mixer's projections themselves (the GPU fast path of
+# transformers' Mamba and Mamba-2 mixers, from mamba_ssm or the hub's kernels): they bypass the split
+# of those layers (``x_proj`` row-parallel, ``out_proj``'s all-reduce), so such a mixer cannot be
+# split where they run (``autotp.check_fused_kernels``)
+WEIGHT_KERNELS = ("mamba_inner_fn", "split_conv1d_scan_combined")
 
 
 def config_value(config, name: str):
@@ -159,3 +166,21 @@ def _computes_rms_norm(module: nn.Module, eps: float, gated: bool) -> bool:
         except TypeError:  # a forward of other arguments (a gated norm's gate when ungated): not this norm
             return False
         return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
+
+
+def weight_kernels_available() -> bool:
+    """Whether transformers would run ``WEIGHT_KERNELS`` here: mamba_ssm on a CUDA machine, or the
+    hub's kernels switched on (``TRANSFORMERS_USE_HUB_KERNELS``)."""
+    from transformers.integrations import hub_kernels
+    from transformers.utils.import_utils import is_mamba_ssm_available
+
+    return is_mamba_ssm_available() or bool(getattr(hub_kernels, "_kernels_enabled", False))
+
+
+def weight_kernel(module: nn.Module) -> str | None:
+    """The fused kernel of ``WEIGHT_KERNELS`` the forward of ``module``'s class may call, or None."""
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):  # a class without source (built in a test, or compiled)
+        return None
+    return next((k for k in WEIGHT_KERNELS if k in source), None)

@@ -39,10 +39,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardlm.config import LoraConfig
-from shardlm.distributed.shards import as_local, fill_from_full
+from shardlm.distributed.shards import as_local, fill_from_full, packed_placement
 from shardlm.errors import ConfigError
 from shardlm.parallel.hf import is_conv1d
 from shardlm.parallel.plan import Plan
@@ -186,23 +185,25 @@ def _is_modules_to_save(module: nn.Module) -> bool:
 class LoraParallel(ParallelStyle):
     """A peft ``lora.Linear`` whose base layer has the plan style ``base_style`` (module docstring).
 
-    ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections of
-    unequal parts): base and ``lora_B`` stay replicated and each rank computes only its rows, as
-    ``tp.SlicedColwise`` does; both adapter matrices then get their gradients summed over TP.
+    ``parts``: a packed base's part sizes (its output rows, and ``lora_B``'s, split part by part).
+    ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections with
+    a part every rank needs whole): base and ``lora_B`` stay replicated and each rank computes only
+    its rows, as ``tp.SlicedColwise`` does; both adapter matrices then get their gradients summed
+    over TP.
     """
 
-    def __init__(self, base_style: str, num_parts: int = 1, rows: list | None = None):
+    def __init__(self, base_style: str, parts: list[int] | None = None, rows: list | None = None):
         super().__init__()
-        self.base_style, self.num_parts, self.rows = base_style, num_parts, rows
+        self.base_style, self.parts, self.rows = base_style, parts, rows
 
     def _split(self, module: nn.Module, param: str | None = None, dim: int | None = None):
         """The TP placement of ``module.<param>`` under the base style (or of dim ``dim``): a packed
-        projection's parts are each split on their own (``_StridedShard``)."""
+        projection's parts are each split on their own (``shards.packed_placement``)."""
         dim = sharded_dim(self.base_style, module, param) if dim is None else dim
         if dim is None:
             return Replicate()
         packed = self.base_style == Style.PACKED_COLWISE
-        return _StridedShard(dim, split_factor=self.num_parts) if packed else Shard(dim)
+        return packed_placement(dim, self.parts) if packed else Shard(dim)
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         base, lora_a, lora_b = module.base_layer, module.lora_A[ADAPTER], module.lora_B[ADAPTER]
@@ -263,7 +264,7 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
                     f"cannot adapt (only {', '.join(SPLIT_LINEAR)} layers); remove it from target_modules"
                 )
-            styles[fqn] = LoraParallel(style, len(plan.parts.get(fqn, [1])))
+            styles[fqn] = LoraParallel(style, plan.parts.get(fqn))
         elif _is_modules_to_save(module):
             if fqn in plan.sliced or style == Style.REPLICATE_GRAD_ALLREDUCE or _tied(model, module):
                 why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"

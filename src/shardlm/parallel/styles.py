@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement as TPPlacement
 
+from shardlm.distributed.shards import packed_placement
 from shardlm.parallel.hf import is_conv1d
 
 
@@ -65,7 +68,8 @@ PLACEMENTS: dict[Style, Placement] = {
     ),
     Style.PACKED_COLWISE: Placement(
         0, 0, "replicated", "each fused part sharded on the last dim", splits=True, lora=True,
-        doc="a fused colwise projection (qkv, gate_up, GPT-2's c_attn): each part sharded on its own",
+        doc="a fused colwise projection (qkv, gate_up, GPT-2's c_attn, Qwen3.5's q|k|v of unequal widths): "
+        "each part sharded on its own",
     ),
     Style.EMBEDDING: Placement(
         0, None, "token ids", "replicated (all-reduced)",
@@ -122,12 +126,20 @@ class ExpertParam:
     ``_StridedShard``; an interleaved ``[g0, u0, g1, u1, ...]`` layout is split plainly, parts 1).
     ``once``: whole, and added by one TP rank only (a bias after the down projection: the ranks'
     outputs are summed, so every rank adding it would add it tp times); its gradient is summed
-    over TP.
+    over TP. ``sizes``: the parts' sizes where they are unequal (a ``per_channel`` conv over
+    Qwen3.5's q|k|v), each still split on its own (``shards.PartsShard``).
     """
 
     dim: int | None
     parts: int = 1
     once: bool = False
+    sizes: tuple[int, ...] = ()
+
+    def placement(self, shape: tuple[int, ...]) -> TPPlacement:
+        """The TP placement of a parameter of ``shape`` (whole: ``Replicate``)."""
+        if self.dim is None:
+            return Replicate()
+        return packed_placement(self.dim, self.sizes or (shape[self.dim] // self.parts,) * self.parts)
 
 
 def sharded_dim(

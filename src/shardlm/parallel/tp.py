@@ -14,14 +14,17 @@ checkpoints keep their HF layout. Three styles are ours:
 * ``replicate_grad_allreduce``: the same, for a module applied per head to a *sharded*
   activation (Qwen3's q_norm/k_norm): each rank's gradient covers only its heads, so the
   trainer sums these gradients over the TP group (``sum_tp_partial_grads``).
-* ``packed_colwise``: a fused projection of P equal parts (GPT-2 c_attn, Phi-3 gate_up) is
-  sharded part by part with ``_StridedShard(dim, split_factor=P)``: rank r holds rows
-  ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global view stays in HF
-  order (consolidation and resharding need no permutation). The matmul runs on local tensors.
+* ``packed_colwise``: a fused projection of parts (GPT-2 c_attn, Phi-3 gate_up, Qwen3.5's
+  q|k|v of key, key and value widths) is sharded part by part (``shards.packed_placement``:
+  ``_StridedShard(dim, split_factor=P)`` for P equal parts, ``PartsShard`` for unequal ones):
+  rank r holds rows ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global
+  view stays in HF order (consolidation and resharding need no permutation). The matmul runs on
+  local tensors.
 * ``SlicedColwise`` (the plan's ``sliced`` entries: k/v with fewer kv heads than tp, packed
-  projections of unequal parts): parameters replicated on the TP mesh, each rank multiplies
-  only its rows; their gradients are summed over TP like ``replicate_grad_allreduce``. The
-  input's gradient joins the sibling colwise layers' partial sum (one all-reduce per sub-block).
+  projections with a part every rank needs whole or a replicated kv head): parameters replicated
+  on the TP mesh, each rank multiplies only its rows; their gradients are summed over TP like
+  ``replicate_grad_allreduce``. The input's gradient joins the sibling colwise layers' partial
+  sum (one all-reduce per sub-block).
 
 * ``ExpertsParallel`` (``experts``, mixture-of-experts layers): fused 3-D expert parameters,
   each expert's intermediate dim sharded (``Plan.experts``: per parameter, derived by
@@ -45,12 +48,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardlm.distributed.shards import LocalParams
+from shardlm.distributed.shards import LocalParams, packed_placement, parameter
 from shardlm.parallel.channels import PerChannel, channel_partial_grads, local_views
 from shardlm.parallel.hf import (
     MODULE_HEAD_ATTRS,
@@ -66,8 +68,7 @@ from shardlm.parallel.styles import ExpertParam, Style
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src)
-        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        module.register_parameter(name, parameter(param, mesh, placements[name], src))
 
 
 class _Conv1DAware:
@@ -196,26 +197,28 @@ def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> 
     return nn.functional.linear(x, weight, bias)
 
 
-def _local_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part)."""
-    return local_linear(self, column_input(x, self.weight.device_mesh))
+def _local_linear_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part).
+
+    ``mesh``: the style's TP mesh, the object the sibling column-parallel layers key their shared
+    view of ``x`` by (``replicated_view``); the weight's ``device_mesh`` is an equal but distinct
+    object, with which this layer's input gradient was all-reduced on its own (Qwen3.5's
+    ``in_proj_qkv`` beside ``in_proj_z/b/a``: one all-reduce more per mixer backward)."""
+    return local_linear(module, column_input(x, mesh))
 
 
 class PackedColwiseParallel(ParallelStyle):
-    """Fused projection of ``num_parts`` equal parts, each sharded on its own (see module docstring)."""
+    """Fused projection of ``parts`` (their sizes), each sharded on its own (see module docstring)."""
 
-    def __init__(self, num_parts: int):
+    def __init__(self, parts: list[int]):
         super().__init__()
-        self.num_parts = num_parts
+        self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         out_dim = 1 if is_conv1d(module) else 0
-        placements = {
-            "weight": _StridedShard(out_dim, split_factor=self.num_parts),
-            "bias": _StridedShard(0, split_factor=self.num_parts),
-        }
+        placements = {"weight": packed_placement(out_dim, self.parts), "bias": packed_placement(0, self.parts)}
         shard_params(module, device_mesh, placements, self.src_data_rank)
-        module.forward = types.MethodType(_local_linear_forward, module)
+        module.forward = functools.partial(_local_linear_forward, module, device_mesh)
         return module
 
 
@@ -356,14 +359,8 @@ class SumGradsOverTP(torch.autograd.Function):
 
 def expert_placements(module: nn.Module, params: dict[str, ExpertParam]) -> dict[str, object]:
     """The TP placement of each parameter of an experts module (``styles.ExpertParam``)."""
-    placements: dict[str, object] = {}
-    for name, _ in module.named_parameters(recurse=False):
-        p = params.get(name)
-        if p is None or p.dim is None:
-            placements[name] = Replicate()
-        else:
-            placements[name] = _StridedShard(p.dim, split_factor=p.parts) if p.parts > 1 else Shard(p.dim)
-    return placements
+    whole = ExpertParam(None)
+    return {name: params.get(name, whole).placement(p.shape) for name, p in module.named_parameters(recurse=False)}
 
 
 class ExpertsParallel(ParallelStyle):
@@ -439,7 +436,7 @@ def make_style(
         case Style.ROWWISE:
             return SummedRowwise() if summed else Rowwise()
         case Style.PACKED_COLWISE:
-            return PackedColwiseParallel(len(parts))
+            return PackedColwiseParallel(parts)
         case Style.EMBEDDING:
             # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
             # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
