@@ -103,6 +103,26 @@ def test_hybrid_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process, mod
     assert_close(one, tp2_runs[f"{model}_full"][5:], 1e-5)
 
 
+def test_state_dicts_get_their_parameters_parts_back(one_process):
+    """A state dict value a DTensor op handed back with a plain ``Shard`` (``shards.PartsShard``: the
+    C++ dispatch cache) gets its parameter's ``PartsShard`` again, by key, model and flattened
+    optimizer state alike, so DCP saves it by its parts' rows; other values are left alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardlm.distributed.shards import PartsShard, is_packed, keep_parts_in
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    parts = {"m.in_proj.weight": PartsShard(0, (2, 2, 4))}
+    plain = {
+        key: DTensor.from_local(torch.zeros(8, 3), mesh, [Shard(0)], run_check=False)
+        for key in ("m.in_proj.weight", "state.m.in_proj.weight.exp_avg", "state.m.out_proj.weight.exp_avg")
+    }
+    keep_parts_in(plain, parts)
+    assert [is_packed(v) for v in plain.values()] == [True, True, False]
+    assert plain["state.m.in_proj.weight.exp_avg"].placements[0].parts == (2, 2, 4)
+
+
 def test_load_restores_state_and_refuses_a_different_run(tp2_runs, one_process):
     from safetensors.torch import load_file
 
