@@ -104,6 +104,7 @@ from shardlm.parallel.channels import param_rows
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.experts import MoeSizes, experts_modules, moe_sizes
 from shardlm.parallel.hf import config_size, config_value, is_conv1d
+from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import Style, local_shape, lora_dims, sharded_dim
@@ -289,10 +290,23 @@ def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
     ranks_rows += [(fqn, p, param_rows(plan, fqn, p)) for fqn, names in plan.channels.items() for p in names]
     copies = {}
     for fqn, pname, rows in ranks_rows:
-        if rows is not None and len(rows[0]) > 1:  # one range: a view, no copy
-            p = getattr(model.get_submodule(fqn), pname)
-            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[0])
+        module = model.get_submodule(fqn)
+        # a bias is only added, its copy not kept; a buffer's rows (Falcon-H1's ``mup_vector``) are
+        # counted with its mixer (``scan_sizes``), as one process keeps the buffer itself
+        params = dict(module.named_parameters(recurse=False))
+        if rows is not None and len(rows[0]) > 1 and pname != "bias" and pname in params:
+            p = params[pname]
+            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[lead_dim(p)])
     return copies
+
+
+def local_channels(plan: Plan, conv: str, channels: int, tp: int) -> int:
+    """The channels of ``per_channel`` convolution ``conv`` rank 0 computes: its rows where it is
+    stored whole (Mamba-2's, whose B and C parts stay whole at ``n_groups < tp``), else ``1/tp``."""
+    rows = param_rows(plan, conv, "weight")
+    if rows is None:
+        return channels // tp
+    return sum(b - a for a, b in rows[0])
 
 
 def tp_local_elements(
@@ -407,7 +421,9 @@ def estimate(
     # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
     copies = row_copies(model, plan).values()
     mixers = [
-        mixer_elements(m, batch, seq, tp if styles.get(m.conv) == Style.PER_CHANNEL else 1, 4 // act_bytes)
+        mixer_elements(m, batch, seq, tp, 4 // act_bytes, local_channels(plan, m.conv, m.channels, tp))
+        if styles.get(m.conv) == Style.PER_CHANNEL
+        else mixer_elements(m, batch, seq, 1, 4 // act_bytes)
         for m in mixer_sizes(model)
     ]
     vocab = _dims(model.config)["V"]
