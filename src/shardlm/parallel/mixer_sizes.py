@@ -126,11 +126,11 @@ def mixer_elements(sizes: MixerSizes, batch: int, seq: int, tp: int, wide: int =
     where the sequence is padded to P = N c (chunks of c = 64; one fewer ``dk`` term when N = 1:
     the zero initial state needs no query saved). Left out: the c x c bool mask (c^2 bytes).
     A state-space mixer: ``scan_sizes.scan_elements``, with ``channels`` the rank's conv channels
-    (the plan's rows of it; default ``C / tp``), fp32 whatever ``wide``."""
+    (the plan's rows of it; default ``C / tp``)."""
     t, T = tp, batch * seq
     if sizes.scan is not None:
         local = channels if channels is not None else sizes.channels // t
-        return scan_elements(sizes.scan, sizes.kernel, local, batch, seq, t)
+        return scan_elements(sizes.scan, sizes.kernel, local, batch, seq, t, wide)
     c = sizes.channels // t
     if not sizes.heads:
         return 5 * T * c + batch * c * (seq + sizes.kernel - 1)

@@ -87,7 +87,7 @@ def scan_sizes(config, mixer: nn.Module, channels: int) -> ScanSizes | None:
     )
 
 
-def scan_elements(scan: ScanSizes, kernel: int, channels: int, batch: int, seq: int, tp: int) -> int:
+def scan_elements(scan: ScanSizes, kernel: int, channels: int, batch: int, seq: int, tp: int, wide: int = 1) -> int:
     """Elements a state-space mixer saves for backward in a forward of ``batch`` x ``seq`` tokens
     on a rank holding ``1/tp`` of its heads (channels) and ``channels`` of its conv; its input (the
     norm's output) left out. fp32; per token (T = batch*seq, b = batch, s = seq; C, H, I, g:
@@ -110,11 +110,18 @@ def scan_elements(scan: ScanSizes, kernel: int, channels: int, batch: int, seq: 
                   + T h + W               Falcon-H1: in_proj's input, scaled (a copy); the
                                           ``mup_vector`` scaling its output (the conv reads the product)
 
-    Left out: the segment sums' bool masks (2 c^2 + 2 (N+1)^2 bytes)."""
+    Left out: the segment sums' bool masks (2 c^2 + 2 (N+1)^2 bytes).
+
+    ``wide``: how many activation-dtype elements an fp32 one is (2 under bf16). Under bf16 autocast
+    the torch scans run partly in fp32 (``.float()``): Mamba-1's count is taken as fp32 whole
+    (measured -2% on the tiny Mamba and Jamba mixers, 2 x 64 tokens, autocast's weight copies
+    apart); Mamba-2's chunked terms outside its einsums (which autocast runs in bf16), the D skip
+    and the gated norm as fp32, the rest in the activation dtype (measured -3% on Mamba2 and Bamba,
+    -10% on Falcon-H1, whose fp32 ``mup_vector`` promotes in_proj's output)."""
     b, s, T, n = batch, seq, batch * seq, scan.state
     if not scan.heads:  # Mamba-1: the conv's channels are the mixer's
         c, r = channels, scan.rank
-        return (
+        return wide * (
             T * 2 * c
             + b * c * (s + kernel - 1)
             + 2 * c * n
@@ -129,14 +136,21 @@ def scan_elements(scan: ScanSizes, kernel: int, channels: int, batch: int, seq: 
     width = inner + channels + h
     chunks = math.ceil(seq / scan.chunk)
     padded = chunks * scan.chunk
+    # computed in fp32 whatever the activation dtype: the chunked tensors outside the einsums (the
+    # padded x of the D skip and of the output, L, B, the decays), A, and the gated norm
+    fp32 = (
+        2 * h
+        + b * padded * (2 * inner + h * n + 2 * h + h * scan.chunk)
+        + b * h * (chunks + 1) ** 2
+        + (T * (4 * inner + g) if scan.gated_norm else 2 * T * inner)
+    )
     return (
         T * width
         + b * channels * (s + kernel - 1)
-        + 2 * h
         + T * (channels + 3 * h)
-        + b * padded * (5 * inner + 5 * h * n + 2 * h + 3 * h * scan.chunk)
-        + b * h * ((chunks + 1) ** 2 + (2 * chunks + 1) * p * n)
-        + (T * (4 * inner + g) if scan.gated_norm else 2 * T * inner)
-        + (T * scan.scaled_in)
+        + b * padded * (3 * inner + 4 * h * n + 2 * h * scan.chunk)  # the einsums' operands
+        + b * h * (2 * chunks + 1) * p * n
+        + T * scan.scaled_in
         + (width if scan.scaled_out else 0)
+        + wide * fp32
     )
