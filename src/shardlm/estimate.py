@@ -57,13 +57,21 @@ fp32 whatever the activation dtype. Checked per mixer against autograd's saved t
 process and per rank at tp=2): the same but for the delta rule's 4 KiB chunk mask; the whole Qwen3.5
 text stack is 5.6% under (its attention layer's q/k norms and output gate). Under bf16 autocast the
 delta rule's matmul operands are saved in bf16: the count is an upper bound there (+16% measured on
-the tiny Qwen3.5 mixer). Not modeled: the fused kernels (fla, causal-conv1d) on GPU, which save less;
-Kimi-Linear's delta attention (a decay per key channel, its own chunk path) and the state-space
-mixers (Mamba, Mamba-2, in Bamba, Falcon-H1, Jamba...), counted as attention.
+the tiny Qwen3.5 mixer). The state-space mixers (``parallel/scan_sizes.py``: Mamba-1 in Mamba,
+Falcon-Mamba, Jamba; Mamba-2 in Mamba2, Nemotron-H, Bamba, Falcon-H1, GraniteMoE-hybrid) save what
+transformers' torch scans keep: Mamba-1's sequential scan ``~3*batch*seq*C/t*n`` (per channel and
+state: the discretized A and B, and the state at every step), Mamba-2's chunked one
+``~batch*P*(H/t*(3c + 5n) + 5I/t)`` (P: the sequence padded to chunks of c), on a rank its rows of
+the conv (``local_channels``: Mamba-2's B and C whole at ``n_groups < tp``). Checked per mixer
+against autograd's saved tensors (fp32, one process and per rank at tp=2): equal to the byte but for
+Mamba-2's bool masks (``2c^2 + 2(N+1)^2`` bytes); under bf16 autocast within -2% (Mamba-1), -3%
+(Mamba-2) and -10% (Falcon-H1) on the tiny mixers. Not modeled: the fused kernels (fla,
+causal-conv1d, mamba-ssm) on GPU, which save far less; Kimi-Linear's delta attention (a decay per
+key channel, its own chunk path), counted as attention.
 A sliced projection whose rows some ranks share (Mamba-2's ``in_proj`` with B and C held whole at
 ``n_groups < tp``) and the conv over it are stored whole; each rank copies its rows of their weights
-in each forward and autograd keeps the copy (``row_copies``). Packed projections of unequal parts
-(Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
+in each forward and autograd keeps the copy (``row_copies``; not a bias's, which is only added).
+Packed projections of unequal parts (Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
 
 With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
 while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
@@ -104,6 +112,7 @@ from shardlm.parallel.channels import param_rows
 from shardlm.parallel.ep import check_ep
 from shardlm.parallel.experts import MoeSizes, experts_modules, moe_sizes
 from shardlm.parallel.hf import config_size, config_value, is_conv1d
+from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import Style, local_shape, lora_dims, sharded_dim
@@ -231,13 +240,14 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
 
 
 def _dims(config) -> dict[str, int]:
-    """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``."""
-    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
+    """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``; no attention heads (a
+    pure state-space model: Mamba, Falcon-Mamba, Mamba2) counts none."""
+    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads") or 0
     return {
         "h": h,
         "a": a,
         "k": config_size(config, "num_key_value_heads") or a,
-        "d": config_size(config, "head_dim") or h // a,
+        "d": config_size(config, "head_dim") or (h // a if a else 0),
         "f": config_size(config, "intermediate_size") or 4 * h,
         "L": config_size(config, "num_hidden_layers"),
         "V": config_size(config, "vocab_size"),
@@ -289,10 +299,23 @@ def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
     ranks_rows += [(fqn, p, param_rows(plan, fqn, p)) for fqn, names in plan.channels.items() for p in names]
     copies = {}
     for fqn, pname, rows in ranks_rows:
-        if rows is not None and len(rows[0]) > 1:  # one range: a view, no copy
-            p = getattr(model.get_submodule(fqn), pname)
-            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[0])
+        module = model.get_submodule(fqn)
+        # a bias is only added, its copy not kept; a buffer's rows (Falcon-H1's ``mup_vector``) are
+        # counted with its mixer (``scan_sizes``), as one process keeps the buffer itself
+        params = dict(module.named_parameters(recurse=False))
+        if rows is not None and len(rows[0]) > 1 and pname != "bias" and pname in params:
+            p = params[pname]
+            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[lead_dim(p)])
     return copies
+
+
+def local_channels(plan: Plan, conv: str, channels: int, tp: int) -> int:
+    """The channels of ``per_channel`` convolution ``conv`` rank 0 computes: its rows where it is
+    stored whole (Mamba-2's, whose B and C parts stay whole at ``n_groups < tp``), else ``1/tp``."""
+    rows = param_rows(plan, conv, "weight")
+    if rows is None:
+        return channels // tp
+    return sum(b - a for a, b in rows[0])
 
 
 def tp_local_elements(
@@ -407,7 +430,9 @@ def estimate(
     # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
     copies = row_copies(model, plan).values()
     mixers = [
-        mixer_elements(m, batch, seq, tp if styles.get(m.conv) == Style.PER_CHANNEL else 1, 4 // act_bytes)
+        mixer_elements(m, batch, seq, tp, 4 // act_bytes, local_channels(plan, m.conv, m.channels, tp))
+        if styles.get(m.conv) == Style.PER_CHANNEL
+        else mixer_elements(m, batch, seq, 1, 4 // act_bytes)
         for m in mixer_sizes(model)
     ]
     vocab = _dims(model.config)["V"]

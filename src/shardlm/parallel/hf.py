@@ -25,6 +25,9 @@ CONFIG_NAMES = {
     "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "vocab_size": ("vocab_size",),
+    # a Mamba-2 mixer's B/C groups and scan chunk (``scan_sizes``: what its parameters do not tell)
+    "ssm_groups": ("n_groups", "mamba_n_groups"),
+    "ssm_chunk": ("chunk_size", "mamba_chunk_size"),
 }
 # the sizes tensor parallelism must divide (``autotp.check_config_geometry``)
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardlm.parallel.hf import config_value
+from shardlm.parallel.scan_sizes import ScanSizes, scan_elements, scan_sizes
 
 # transformers' torch fallback cuts the sequence in chunks of 64 (``torch_chunk_gated_delta_rule``)
 DELTA_CHUNK = 64
@@ -49,6 +50,7 @@ class MixerSizes:
     key_dim: int = 0
     value_dim: int = 0
     key_heads: int = 0
+    scan: ScanSizes | None = None  # a state-space mixer (``parallel/scan_sizes.py``)
 
 
 def is_depthwise_conv(module: nn.Module) -> bool:
@@ -72,10 +74,10 @@ def _param(module: nn.Module, name: str) -> nn.Parameter | None:
 
 
 def mixer_sizes(model: nn.Module) -> list[MixerSizes]:
-    """``MixerSizes`` of each mixer of ``model``: the modules holding a depthwise convolution.
-    Left out (the estimator counts them as attention): Kimi-Linear's delta attention (its decay per
-    key channel: ``dt_bias`` wider than ``A_log``), another chunk path; the state-space mixers
-    (Mamba, Mamba-2: a skip parameter ``D`` beside ``A_log``), their own scan."""
+    """``MixerSizes`` of each mixer of ``model``: the modules holding a depthwise convolution; the
+    state-space ones (Mamba, Mamba-2: a skip parameter ``D`` beside ``A_log``) with their
+    ``scan_sizes``. Left out (the estimator counts it as attention): Kimi-Linear's delta attention
+    (its decay per key channel: ``dt_bias`` wider than ``A_log``), another chunk path."""
     out = []
     for name, conv in model.named_modules():
         if not is_depthwise_conv(conv):
@@ -87,8 +89,12 @@ def mixer_sizes(model: nn.Module) -> list[MixerSizes]:
         if decay is None:
             out.append(MixerSizes(fqn, name, channels, kernel))
             continue
-        if (bias is not None and bias.numel() != decay.numel()) or _param(mixer, "D") is not None:
-            continue  # per-channel decay (Kimi-Linear) or a state-space skip ``D`` (Mamba): not modeled
+        scan = scan_sizes(model.config, mixer, channels)
+        if scan is not None:
+            out.append(MixerSizes(fqn, name, channels, kernel, scan=scan))
+            continue
+        if bias is not None and bias.numel() != decay.numel():
+            continue  # per-channel decay (Kimi-Linear): not modeled
         heads, value_dim = decay.numel(), _value_head_dim(mixer)
         key_width = (channels - heads * value_dim) // 2
         key_dim = config_value(model.config, "linear_key_head_dim") or key_width // heads
@@ -96,7 +102,7 @@ def mixer_sizes(model: nn.Module) -> list[MixerSizes]:
     return out
 
 
-def mixer_elements(sizes: MixerSizes, batch: int, seq: int, tp: int, wide: int = 1) -> int:
+def mixer_elements(sizes: MixerSizes, batch: int, seq: int, tp: int, wide: int = 1, channels: int | None = None) -> int:
     """Elements one mixer saves for backward in a forward of ``batch`` x ``seq`` tokens on a rank
     holding ``1/tp`` of its channels (``tp`` 1 where the plan keeps it whole); its input (the norm's
     output, counted with the norm) left out. ``wide``: how many activation-dtype elements an fp32
@@ -118,8 +124,13 @@ def mixer_elements(sizes: MixerSizes, batch: int, seq: int, tp: int, wide: int =
                              + batch H N (1 + dk dv)  per chunk its decay and the recurrent state
 
     where the sequence is padded to P = N c (chunks of c = 64; one fewer ``dk`` term when N = 1:
-    the zero initial state needs no query saved). Left out: the c x c bool mask (c^2 bytes)."""
+    the zero initial state needs no query saved). Left out: the c x c bool mask (c^2 bytes).
+    A state-space mixer: ``scan_sizes.scan_elements``, with ``channels`` the rank's conv channels
+    (the plan's rows of it; default ``C / tp``)."""
     t, T = tp, batch * seq
+    if sizes.scan is not None:
+        local = channels if channels is not None else sizes.channels // t
+        return scan_elements(sizes.scan, sizes.kernel, local, batch, seq, t, wide)
     c = sizes.channels // t
     if not sizes.heads:
         return 5 * T * c + batch * c * (seq + sizes.kernel - 1)
