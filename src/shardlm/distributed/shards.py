@@ -55,8 +55,8 @@ class PartsShard(Shard):
         super().__init__(dim)
         self.parts = tuple(parts)
 
-    def __hash__(self) -> int:  # DTensor caches sharding propagation by spec: never share an entry with Shard
-        return hash((self.dim, self.parts))
+    def __hash__(self) -> int:  # not one entry with Shard(dim) in DTensor's Python-level propagation cache
+        return hash((self.dim, self.parts))  # (its C++ one compares the C++ base: ``keep_parts``)
 
     def __repr__(self) -> str:
         return f"PartsShard(dim={self.dim}, parts={self.parts})"
@@ -71,7 +71,7 @@ def packed_placement(dim: int, parts: list[int] | tuple[int, ...]) -> Placement:
     return PartsShard(dim, tuple(parts))
 
 
-def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> DTensor:
+def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> DTensor:
     """``distribute_tensor`` on a 1-D mesh, ``PartsShard`` included (torch's own turns it into a
     plain ``Shard``): each rank cuts its rows of every part from its own copy (no scatter;
     shardlm builds parameters on meta and fills them after, ``fill_from_full``)."""
@@ -83,8 +83,8 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src
 
 
 def parameter(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> nn.Parameter:
-    """``tensor`` distributed by ``placement`` (``distribute``) as a parameter that keeps it."""
-    param = nn.Parameter(distribute(tensor, mesh, placement, src), requires_grad=tensor.requires_grad)
+    """``tensor`` distributed by ``placement`` (``_distribute``) as a parameter that keeps it."""
+    param = nn.Parameter(_distribute(tensor, mesh, placement, src), requires_grad=tensor.requires_grad)
     if isinstance(placement, PartsShard):
         keep_parts(param, placement)
     return param
