@@ -88,7 +88,7 @@ def test_convolutions_over_reshaped_split_channels_follow_them():
     import torch
 
     from shardlm.parallel.layouts import propagate
-    from shardlm.parallel.trace import ShardTracker
+    from shardlm.parallel.tracker import ShardTracker
 
     # LFM's short conv: in_proj [.., 3H] transposed, chunked into B, C, x; the conv over x (H channels)
     tracker = ShardTracker()
@@ -400,7 +400,7 @@ def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
     import torch
 
-    from shardlm.parallel.trace import ShardTracker
+    from shardlm.parallel.tracker import ShardTracker
 
     tracker = ShardTracker()
     out = torch.empty(1, 13, 24, device="meta")
