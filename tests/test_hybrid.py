@@ -23,8 +23,9 @@ def qwen35(tmp_path_factory) -> str:
 
 def test_gated_deltanet_is_split_by_heads(qwen35, capsys):
     from shardlm.cli import main
-    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.autotp import infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.describe import describe_plan
 
     model = build_meta_model(qwen35)
     plan = infer_plan(model, 2)
@@ -70,8 +71,9 @@ def mixers(tmp_path_factory) -> dict[str, str]:
 
 
 def mixer_plan(path: str, mixer: str):
-    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.autotp import infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.describe import describe_plan
 
     model = build_meta_model(path)
     plan = infer_plan(model, 2)
@@ -90,7 +92,7 @@ def test_convolutions_over_reshaped_split_channels_follow_them():
     import torch
 
     from shardlm.parallel.layouts import propagate
-    from shardlm.parallel.trace import ShardTracker
+    from shardlm.parallel.tracker import ShardTracker
 
     # LFM's short conv: in_proj [.., 3H] transposed, chunked into B, C, x; the conv over x (H channels)
     tracker = ShardTracker()
@@ -147,8 +149,8 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     assert plan.channels[f"{mixer}.conv1d"] == {"weight": " + ".join(f"{mixer}.{p}_proj" for p in "kqv")}
     assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
     assert not plan.replicated
-    from shardlm.parallel.autotp import describe_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.describe import describe_plan
 
     rows = {r["module"]: r["source"] for r in describe_plan(build_meta_model(mixers["olmo_hybrid"]), plan, 2)}
     assert rows[f"{mixer}.conv1d"].endswith("weight split with the output channels of k_proj + q_proj + v_proj")
@@ -258,8 +260,9 @@ def test_mamba2_mixer_is_split_by_heads_and_groups(mamba2):
     the conv: both cuts make its parts (``layouts.Cuts``), the conv follows [x, B, C], the gated norm over
     groups the split keeps whole has its weight follow the channels, and the sizes its forward views by
     are made local, but not ``ssm_state_size``, equal to ``num_heads`` (8) yet sizing B's state dim."""
-    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.autotp import infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.describe import describe_plan
 
     mixer = "backbone.layers.0.mixer"
     model = build_meta_model(mamba2)
@@ -400,7 +403,7 @@ def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
     import torch
 
-    from shardlm.parallel.trace import ShardTracker
+    from shardlm.parallel.tracker import ShardTracker
 
     tracker = ShardTracker()
     out = torch.empty(1, 13, 24, device="meta")

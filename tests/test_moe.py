@@ -73,7 +73,8 @@ def _layout(entry: dict) -> dict:
 def test_the_plan_derives_each_experts_layout(dirs):
     """Which parameter is the in/out projection, its intermediate dim, and gate/up concatenated (2
     parts) or interleaved (gpt-oss: 1 part, its down bias added once) come from the probe."""
-    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.describe import describe_plan
     from shardlm.parallel.experts import find_experts
 
     for model_type in CONCAT:
@@ -654,7 +655,8 @@ def test_mla_plan_splits_the_heads_after_the_latents(mla_dirs):
     """The latents (``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every rank, their norms summing
     their gradients over TP, the per-head up-projections column-parallel (half of their bytes per
     rank), ``o_proj`` row-parallel; nothing kept replicated; the router whole."""
-    from shardlm.parallel.autotp import describe_plan, infer_plan
+    from shardlm.parallel.autotp import infer_plan
+    from shardlm.parallel.describe import describe_plan
 
     for model_type in MLA_PLANNED:
         meta = _meta(mla_dirs[model_type])

@@ -88,8 +88,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardlm.parallel.autotp import any_block, check_geometry, describe_plan, infer_plan
+    from shardlm.parallel.autotp import any_block, check_geometry, infer_plan
     from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.describe import describe_plan
     from shardlm.parallel.ep import describe_ep
 
     if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:

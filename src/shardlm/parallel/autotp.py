@@ -43,7 +43,7 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   sources, the row-parallel linears reading them and the column-parallel linears feeding those
   stay replicated (``Plan.replicated``, with the reason) and the trace runs again. Replicated
   modules compute the whole sub-block on every rank: exact, just not split.
-* the plan is then dry-run on meta at one rank's shapes (``_dry_run``): what only breaks there
+* the plan is then dry-run on meta at one rank's shapes (``dry_run.py``): what only breaks there
   (Falcon's multi-query ``num_heads + 2`` reshape, GPT-BigCode's multi-query split sizes) or
   silently regroups (CodeGen's qkv fused in ``mp_num`` groups of ``[q, v, k]``, whose local
   reshape runs but groups the wrong columns) keeps the owning sub-block replicated too.
@@ -64,11 +64,11 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   never show a traceback, and ``parallel.fsdp`` trains all of these.
 * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): a column-parallel linear read by a
   row-parallel one whose output is viewed into heads at once is a low-rank latent
-  (``trace.latent_candidates``): kept whole and traced again, so the heads split after it; its
+  (``latent.latent_candidates``): kept whole and traced again, so the heads split after it; its
   region carries partial gradients summed over TP at its input (``parallel/latent.py``), or, where
   they would leak, it is kept replicated with its sub-block.
 * data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``.item()``) are
-  answered on meta without data (``parallel/trace.py``).
+  answered on meta without data (``parallel/meta_answers.py``).
 
 Two cases keep their style word but are recorded in ``Plan.sliced`` (output rows each rank
 computes) and stored *replicated* on the TP mesh, gradients summed over TP:
@@ -93,36 +93,25 @@ import copy
 import json
 import re
 
-import torch
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.channels import channel_placements, local_sizes, param_rows, place_channels
-from shardlm.parallel.experts import describe_experts, find_experts, place_experts
+from shardlm.parallel.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.dry_run import dry_run
+from shardlm.parallel.experts import find_experts, place_experts
 from shardlm.parallel.hf import (
     MODULE_KV_COUNT_ATTRS,
     geometry,
     head_widths,
-    is_conv1d,
     is_linear,
     out_features,
 )
 from shardlm.parallel.latent import place_latents
-from shardlm.parallel.layouts import lead_dim
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.sizes import used_only
-from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES, local_shape, sharded_dim
+from shardlm.parallel.styles import SPLIT_LINEAR, SPLIT_STYLES
 from shardlm.parallel.summed import place_direct, place_summed
-from shardlm.parallel.tp import localize_geometry
-from shardlm.parallel.trace import (
-    RUNNING_NOTE,
-    ShardTracker,
-    Traced,
-    build_meta,
-    dropout_dims,
-    meta_forward,
-    trace_model,
-)
+from shardlm.parallel.trace import RUNNING_NOTE, Traced, build_meta, dropout_dims, trace_model
 
 
 def _hf_directions(model: nn.Module) -> dict[str, str]:
@@ -195,7 +184,7 @@ _MAX_ROUNDS = 8
 
 def _infer(model: nn.Module, tp: int) -> Plan:
     """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
-    running the forward at one rank's shapes (``_dry_run``), repeat until nothing changes."""
+    running the forward at one rank's shapes (``dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     forced: frozenset[str] = frozenset()
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
@@ -234,7 +223,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 region.add(fqn)
         if not region and not traced.violations:
             plan = _assemble(model, tp, traced, latents)
-            failure = _dry_run(model, plan, tp, traced)
+            failure = dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
                 plan.experts.update(channel_placements(model, plan))
@@ -428,95 +417,6 @@ def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[
     return plan
 
 
-def _dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str, str] | None:
-    """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
-    attention modules their local head counts (``localize_geometry``), as the ranks will.
-
-    Returns ``(module, why)`` for the sub-block that breaks, or None. This catches layouts that a
-    global trace cannot see: head counts hard-wired into a reshape (Falcon's multi-query
-    ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), and fused
-    projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
-    ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
-    with the global trace's)."""
-    meta = build_meta(model, eager=False)
-    localize_geometry(meta, plan, tp)
-    for fqn, style in plan.styles.items():
-        module = meta.get_submodule(fqn)
-        conv1d = is_conv1d(module)
-        if style in ("colwise", "packed_colwise") and is_linear(module):
-            rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
-            shape = list(module.weight.shape)
-            shape[1 if conv1d else 0] = rows
-            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
-            if module.bias is not None:
-                module.bias = nn.Parameter(torch.empty(rows, device="meta"))
-            if conv1d:
-                module.nf = rows
-        elif style == "rowwise" and is_linear(module):
-            shape = list(module.weight.shape)
-            shape[0 if conv1d else 1] //= tp
-            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
-        elif style == "sharded_norm":
-            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
-            module.forward = lambda x, gate=None: x  # ``tp.ShardedRMSNorm`` keeps the shape (groups by width)
-        elif style == "per_channel":
-            for pname in plan.channels.get(fqn, {}):
-                shape = list(getattr(module, pname).shape)
-                rows = param_rows(plan, fqn, pname)
-                d = lead_dim(getattr(module, pname))
-                shape[d] = sum(b - a for a, b in rows[0]) if rows is not None else shape[d] // tp
-                setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
-    stack: list[str] = []
-    outputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, module in meta.named_modules():
-        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
-        hooks.append(module.register_forward_hook(lambda m, a, o, name=name: _pop(stack, name, o, outputs)))
-    tracker = ShardTracker()
-    try:
-        with tracker:
-            meta_forward(meta)
-    except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
-        owner = _owner_of_split_linears(plan, stack)
-        detail = " ".join(str(exc).split())[:120]
-        return owner, f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})"
-    finally:
-        for h in hooks:
-            h.remove()
-    for fqn, global_view in traced.views.items():
-        out = outputs.get(fqn)
-        if out is None or fqn not in plan.styles or not global_view:
-            continue
-        local_view = tracker.first_view.get(id(out), ())[out.dim() :]
-        if local_view and local_view != global_view:
-            owner = fqn.rpartition(".")[0]
-            return owner, (
-                f"{fqn} ({type(meta.get_submodule(fqn)).__name__}) is fused in groups whose size depends on the "
-                f"split (reshaped to {global_view} whole, {local_view} per rank): its layout is fixed by the "
-                "checkpoint"
-            )
-    return None
-
-
-def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
-    if stack and stack[-1] == name:
-        stack.pop()
-    if isinstance(out, torch.Tensor):
-        outputs[name] = out
-
-
-def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
-    """The innermost running module that owns split linears (or the parent of a running one)."""
-    split = {f for f, s in plan.styles.items() if s in SPLIT_LINEAR}
-    parents = {f.rpartition(".")[0] for f in split}
-    for name in reversed(stack):
-        if name in split:
-            return name.rpartition(".")[0]
-        if name in parents:
-            return name
-    return stack[-1] if stack else ""
-
-
 def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
     geo = geometry(model.config)
@@ -588,66 +488,6 @@ def _packed_rows(
 def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     """``{module_fqn: style}`` for ``model`` at TP degree ``tp`` (empty for tp=1)."""
     return infer_plan(model, tp).styles
-
-
-def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
-    """One row per styled module: style, global and local parameter shapes, fp32 bytes per
-    rank, and where the decision came from (cross-checked against the model's own plan or not)."""
-    rows, seen = [], {}
-    latents = set(plan.latent_readers.values())
-    for fqn, style in plan.styles.items():
-        module = model.get_submodule(fqn)
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
-        seen.update({id(p): f"{fqn}.{n}" for n, p in params})
-        local = {
-            n: local_shape(tuple(p.shape), sharded_dim(style, module, n, plan.experts.get(fqn)), tp) for n, p in params
-        }
-        source = f"inferred, tied to {tied[0]}" if tied else "inferred"
-        if fqn in plan.agrees_with_hf:
-            source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
-        if fqn in plan.replicated:
-            source += "; its sub-block is kept replicated (listed below)"
-        if fqn in plan.experts and style == "experts":  # MoE
-            source += f"; {describe_experts(plan.experts[fqn])}"
-        if set(plan.channels.get(fqn, {}).values()) == {fqn}:  # ``summed.place_direct``: its own rows
-            source += "; column-parallel, its weight multiplied directly by its parent (split by rows, local views)"
-        for pname, linear in plan.channels.get(fqn, {}).items():
-            if linear == fqn:
-                continue
-            whole = " (stored whole, each rank uses its rows)" if param_rows(plan, fqn, pname) is not None else ""
-            linears = " + ".join(n.rpartition(".")[2] for n in linear.split(" + "))  # OLMo-hybrid's q + k + v
-            source += f"; {pname} split with the output channels of {linears}{whole}"
-        if fqn in plan.sliced:
-            local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
-            used = sum(b - a for a, b in plan.sliced[fqn][0])
-            if fqn in latents:
-                source += "; a low-rank latent (MLA): stored replicated, computed whole, grads summed over TP"
-            else:
-                source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
-        if fqn in plan.latent_readers:
-            source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
-        if fqn in plan.summed:
-            source += "; its output, read back inside the split channels, has its gradient summed over TP"
-        rows.append(
-            {
-                "module": fqn,
-                "style": style,
-                "global": {n: tuple(p.shape) for n, p in params},
-                "local": local,
-                "bytes_per_rank": sum(4 * _numel(s) for s in local.values()),
-                "bytes_global": sum(4 * p.numel() for _, p in params),
-                "source": source,
-            }
-        )
-    return rows
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _valid_tps(sizes: dict[str, int]) -> list[int]:

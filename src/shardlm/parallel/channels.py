@@ -3,7 +3,7 @@
 Linear-attention and state-space mixers keep state per head between an in-projection and an
 out-projection: Qwen3.5's Gated DeltaNet convolves the output of its fused q/k/v projection with
 a depthwise ``conv1d`` (one filter per channel) before cutting it into heads, and scales its
-per-head decay by ``A_log`` and ``dt_bias``. The trace (``ShardTracker._follows``) finds such a
+per-head decay by ``A_log`` and ``dt_bias``. The trace (``follow.follows``) finds such a
 parameter from the dataflow: its first dim meets the split dim of split activations at its full
 size (a depthwise convolution over them, or an elementwise op broadcasting it along them). Each
 rank then holds the channels of its own heads, exactly the rows of the activations it holds:

@@ -4,7 +4,7 @@ MLA (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-lite, Kimi, LongCat) factors its query 
 projections through small latents: ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` (per head),
 ``kv_a_proj_with_mqa`` (the kv latent and one rope key ``k_rot`` shared by every head) ->
 ``kv_a_layernorm`` -> ``kv_b_proj`` (per head: k_nope and v), then ``o_proj``. The trace alone
-pairs ``q_a_proj`` (column) with ``q_b_proj`` (row), exact but splitting no head; ``trace.latent_
+pairs ``q_a_proj`` (column) with ``q_b_proj`` (row), exact but splitting no head; ``latent_
 candidates`` finds such a *latent*: a column-parallel linear read by a row-parallel one whose
 output is viewed into heads at once. ``autotp`` then keeps the latent whole and traces again, so
 that the up-projections read a whole tensor (column-parallel by heads) and ``o_proj`` closes the
@@ -13,7 +13,7 @@ attention gates are the same pattern: ``f_a_proj`` -> ``f_b_proj`` (+ its per-ch
 followed to the view into heads: ``ShardTracker.biased``) and ``g_a_proj`` -> ``g_b_proj``.
 
 The backward: each rank's up-projections and its own heads of the shared rope key (expanded to the
-local head count, ``trace._over_heads``) give the latent's tensors only this rank's share of their
+local head count, ``tracker._over_heads``) give the latent's tensors only this rank's share of their
 gradient. So the latent's whole region carries *partial* gradients, summed over TP once, at the
 latent's input, the attention's input, on the same replicated view as every column-parallel layer
 reading it (``tp.column_input``): one all-reduce per attention backward. Hence
@@ -61,6 +61,22 @@ def place_latents(model: nn.Module, plan: Plan, readers: dict[str, set[str]], la
                 f"parallel.tp: {fqn} ({type(model.get_submodule(fqn)).__name__}) reads the low-rank latent of "
                 f"{min(sources)} as a {style} layer, which shardlm cannot split yet; parallel.fsdp trains it"
             )
+
+
+def check_latent(tracker, name: str, inputs: list[torch.Tensor], latent: frozenset[str]) -> None:
+    """A latent's tensors carry partial gradients (each rank's from its own heads, summed over
+    TP once, at the latent's input): meeting a tensor that needs a whole gradient (one computed
+    whole on every rank, a parameter of a module that does not read the latent) would give it
+    a partial one."""
+    readers = tuple(f"{r} (" for r in tracker.latent_readers)
+    for t in inputs:
+        if id(t) in tracker.sharded or id(t) in tracker.latent or not t.requires_grad:
+            continue
+        owners = tracker.owners(t)
+        if owners and all(o.startswith(readers) for o in owners):
+            continue  # a parameter of a module reading the latent (its norm): summed over TP too
+        for fqn in latent:
+            tracker.latent_leaks.setdefault(fqn, f"{name} mixes it with a tensor computed whole on every rank")
 
 
 def latent_candidates(

@@ -19,7 +19,7 @@ and any op that keeps the rank and the split dim's size (elementwise math, activ
 slicing of other dims; judged by size, so the ops that move dims are followed by position first).
 Anything else
 drops the layout; a parameter meeting a tensor without one is then judged by its source's whole
-width only (``ShardTracker._follows``).
+width only (``follow.follows``).
 
 A layout is ``(dim, parts)``: ``dim`` counted from the end (negative, so broadcasting keeps it),
 ``parts`` in elements of that dim.
@@ -146,7 +146,7 @@ def _keep_origin(cuts: Cuts, origin: Origin | None, out: torch.Tensor) -> None:
 def _einsum(args: tuple, out, layouts: dict[int, Layout], cuts: Cuts) -> None:
     """An einsum's output keeps the split dim under its operands' split subscript (Mamba-2's per-head
     chunk states), wherever the output spec puts it; summed over (B and C over their state dim: the
-    trace's ``_record_contraction``), it has none. By subscript, not by size: a head count equal to
+    ``wholes.record_contraction``), it has none. By subscript, not by size: a head count equal to
     a state or chunk size must not pass for it."""
     if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], str) or "->" not in args[0]:
         return

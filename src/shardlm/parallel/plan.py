@@ -15,7 +15,7 @@ class Plan:
     styles: dict[str, str] = field(default_factory=dict)
     parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
     # packed_colwise fqn or per_channel parameter fqn -> per part, whether it is held whole on every rank
-    # (Mamba-2's B and C at n_groups < tp: summed over their state dim, ``trace._record_contraction``)
+    # (Mamba-2's B and C at n_groups < tp: summed over their state dim, ``wholes.record_contraction``)
     whole_parts: dict[str, list[bool]] = field(default_factory=dict)
     attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
     agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan

@@ -14,7 +14,9 @@ head width (Falcon-H1's mamba ``num_heads``, 16, its attention's ``head_dim``).
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
+from shardlm.parallel.hf import is_linear
 from shardlm.parallel.layouts import Layout
 
 _RESHAPES = {"view", "reshape"}
@@ -66,3 +68,24 @@ def used_only(uses: dict[str, dict[str, set[str]]], use: str) -> dict[str, set[s
     """Owner -> the attributes it used only as ``use`` ("whole": the size of a dim the split never
     touches; "split": the size of a split dim, a head count even where it equals a head width)."""
     return {owner: {a for a, u in attrs.items() if u == {use}} for owner, attrs in uses.items()}
+
+
+def holds_linear(module: nn.Module) -> bool:
+    """Whether ``module`` holds a linear among its children: the modules whose reads the trace watches."""
+    return any(is_linear(child) for child in module.children())
+
+
+def watch_reads(module: nn.Module, names: set[str], fqn: str) -> type:
+    """Record in ``names`` every attribute read on ``module`` (until its class is restored: the
+    returned original). The trace learns which sizes a mixer's forward reads (``self.key_dim``),
+    so that only those are made local (``Plan.local_sizes``), not a size it keeps for its cache;
+    an int attribute is read as a ``NamedInt`` (what it sizes)."""
+    cls = type(module)
+
+    def __getattribute__(self, attr):  # noqa: N807 - the hook is this dunder
+        names.add(attr)
+        value = cls.__getattribute__(self, attr)
+        return NamedInt(value, fqn, attr) if type(value) is int else value
+
+    module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    return cls
