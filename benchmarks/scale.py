@@ -7,7 +7,7 @@ and save; each rank records its resident memory:
 
 * *baseline*: RSS right after joining the process group (torch, transformers, gloo), before any
   tensor: the ``+ runtime`` line of the estimate, not part of its total;
-* *step peak*: the peak RSS over the training steps (``getrusage``) minus the baseline, the max
+* *step peak*: the peak RSS of each training step (VmHWM reset before it) minus the baseline, the max
   over ranks; compared with the estimate's total;
 * *save peak*: the peak RSS after the save; the save must stay within one tensor of the step peak;
 * step time (the median), save and load MB/s (checkpoint bytes over wall time, all ranks at once).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -47,8 +46,14 @@ def rss_mb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_mb(reset: bool = False) -> float:
+    """Peak RSS since the last reset (VmHWM; ``reset`` first sets it to the current RSS, Linux).
+    getrusage's ru_maxrss reads the same counter, so once reset it is no longer the run's peak."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM")) / 1024
 
 
 def model_dir(name: str) -> str:
@@ -93,17 +98,20 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     gen = torch.Generator().manual_seed(0)  # the same samples on every rank (TP ranks check it)
     ids = torch.randint(0, model.module.config.vocab_size, (batch * mesh.parallel.dp_size * steps, seq), generator=gen)
     trainer = Trainer(model, cfg, TokenDataset(ids, ids.clone()), mesh)
-    times = []
+    times, step_peaks = [], [peak_mb()]  # the first entry: building and loading the model
     for _ in range(steps):
+        peak_mb(reset=True)
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
-    step_peak = peak_mb()
+        step_peaks.append(peak_mb())
+    step_peak = max(step_peaks)
     dist.barrier()
+    peak_mb(reset=True)
     start = time.perf_counter()
     step_dir = trainer.save_checkpoint()
     save_s = time.perf_counter() - start
-    save_peak = peak_mb()
+    save_peak = max(peak_mb(), step_peak)
     dist.barrier()
     start = time.perf_counter()
     trainer.load_checkpoint(step_dir)
@@ -113,6 +121,7 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
     return {
         "baseline_mb": baseline,
         "step_peak_mb": step_peak - baseline,
+        "step_peaks_mb": [p - baseline for p in step_peaks[1:]],
         "save_peak_mb": save_peak - baseline,
         "step_s": statistics.median(times),
         "save_mb_s": size / 2**20 / save_s,
@@ -139,7 +148,10 @@ def run(name: str, steps: int) -> dict:
         "measured_mb": worst["step_peak_mb"],
         "error": est.bytes["total"] / 2**20 / worst["step_peak_mb"] - 1,
         "save_over_step_mb": max(r["save_peak_mb"] - r["step_peak_mb"] for r in ranks.values()),
-        **{k: worst[k] for k in ("baseline_mb", "step_s", "save_mb_s", "load_mb_s", "largest_tensor_mb")},
+        **{
+            k: worst[k]
+            for k in ("baseline_mb", "step_peaks_mb", "step_s", "save_mb_s", "load_mb_s", "largest_tensor_mb")
+        },
     }
 
 
@@ -150,13 +162,14 @@ def main() -> None:
     args = parser.parse_args()
     rows = [run(name, args.steps) for name in args.configs.split(",")]
     print("| config | params | estimate MiB | measured MiB | error | baseline MiB | save over step peak MiB "
-          "| largest tensor MiB | step s | save MB/s | load MB/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| largest tensor MiB | step s | save MB/s | load MB/s | peak MiB of each step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['config']} | {r['params'] / 1e6:.0f}M | {r['estimate_mb']:.0f} | {r['measured_mb']:.0f} | "
             f"{r['error']:+.1%} | {r['baseline_mb']:.0f} | {r['save_over_step_mb']:.1f} | "
-            f"{r['largest_tensor_mb']:.0f} | {r['step_s']:.1f} | {r['save_mb_s']:.0f} | {r['load_mb_s']:.0f} |"
+            f"{r['largest_tensor_mb']:.0f} | {r['step_s']:.1f} | {r['save_mb_s']:.0f} | {r['load_mb_s']:.0f} | "
+            f"{', '.join(f'{p:.0f}' for p in r['step_peaks_mb'])} |"
         )
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -18,6 +18,7 @@ hold the same experts.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -97,28 +98,36 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# glibc's mallopt parameter number and the value shardlm uses on CPU (see ``release_freed_memory``)
-M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES = -3, 128 * 1024
+def trim_freed_memory() -> None:
+    """On CPU, hand the heap's free pages back to the OS (glibc's ``malloc_trim``): called once a
+    step, after the optimizer, when the step's activations and gradients are gone.
 
-
-def release_freed_memory() -> None:
-    """On CPU, let glibc give every freed tensor of 128 KiB or more back to the OS.
-
-    glibc starts by mmapping blocks of 128 KiB and up, but each time such a block is freed it
-    raises that threshold (up to 32 MiB), so later tensors come from the heap, which keeps what
-    they freed. A training step frees and reallocates its activations and gradients, so the
-    resident memory of a rank grew step after step (349M Llama, tp2 x fsdp2: 2.6, 3.3, 3.4 GB
-    peaks in steps 1-3) above what is alive at once (2.1 GB, flat, with the threshold fixed):
-    memory a rank cannot use, and a peak ``shardlm estimate`` cannot predict. Fixing the
-    threshold keeps every large tensor in its own mapping. A ``MALLOC_MMAP_THRESHOLD_`` set in
-    the environment wins; on CUDA the caching allocator holds tensors, so nothing is changed.
+    Why once a step and not per tensor: glibc mmaps blocks of 128 KiB and up at first, but raises
+    that threshold (up to 32 MiB) each time such a block is freed, so later tensors come from the
+    heap, which keeps what they freed. Without a trim the resident memory of a rank grew step after
+    step above what is alive at once (349M Llama, tp2 x fsdp2: 2.6, 3.3, 3.4 GB peaks in steps
+    1-3, against 2.1 GB alive), a peak ``shardlm estimate`` cannot predict. Fixing the threshold at
+    128 KiB kept it flat but made every large tensor a fresh mapping that the kernel faults in and
+    zeroes on each allocation: a step became a third slower (tp=2 0.70x, fsdp=2 0.64x of glibc's
+    own threshold, ``benchmarks/against.py``). One trim a step returns the same pages while the
+    step itself allocates from the heap at full speed. On CUDA the caching allocator holds tensors
+    and on other C libraries there is no such call: nothing is done.
     """
-    if device_type() != "cpu" or "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc on a CPU-only Linux process, else None (musl has no ``malloc_trim``)."""
+    if device_type() != "cpu" or not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except OSError:  # not glibc (musl): nothing to tune
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -133,7 +142,6 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     every group created later gets it too."""
     if dist.is_initialized():
         return
-    release_freed_memory()
     backend = "nccl" if device_type() == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = timeout

@@ -60,7 +60,7 @@ from shardlm.config import Config, TrainConfig
 from shardlm.data.dataset import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
-from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
+from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_freed_memory
 from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
@@ -223,11 +223,13 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        trim_freed_memory()  # the step's activations and gradients are gone (distributed/mesh.py)
         self.step += 1
         if p.tp > 1 and (self.step <= 2 or self.step % t.logging_steps == 0):
             check_tp_replicas(self._tp_replicas, self.mesh.tp.get_group(), self.step)
         elapsed = time.perf_counter() - start
-        tokens = int(self.mesh.sum_over_dp(torch.tensor(sum(b.input_ids.numel() for b in batches), device=device)))
+        # every rank's micro-batches are windows of one shape (data/dataset.py): no collective to count them
+        tokens = sum(b.input_ids.numel() for b in batches) * p.dp_size
         record = {
             "step": self.step,
             "loss": float(loss),
