@@ -54,6 +54,9 @@ def ws(tmp_path_factory) -> Path:
     shutil.copytree(root / "tiny-llama", small)
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    (root / "bin-weights").mkdir()  # weights were meant, in a format shardlm does not read
+    shutil.copy(root / "tiny-llama" / "config.json", root / "bin-weights")
+    (root / "bin-weights" / "pytorch_model.bin").write_bytes(b"\0" * 64)
     (root / "config-only").mkdir()
     shutil.copy(root / "tiny-llama" / "config.json", root / "config-only")
     (root / "gpt2").mkdir()
@@ -110,6 +113,7 @@ CASES = {
     "config_only_model_without_tokenizer": (["model={ws}/config-only"], ["model", "no tokenizer files", "tokenizer"]),
     "tokenizer_path_missing": (["tokenizer=./no-such-tokenizer"], ["tokenizer", "no-such-tokenizer", "not a dir"]),
     "model_path_missing": (["model=./no-such-model"], ["model", "no-such-model", "config.json"]),
+    "model_weights_not_safetensors": (["model={ws}/bin-weights"], ["model", "pytorch_model.bin", "no .safetensors"]),
     "data_dir_without_data": (["data.path={ws}/empty-dir"], ["data.path", "holds no"]),
     "eval_dir_without_data": (["eval.path={ws}/empty-dir"], ["eval.path", "holds no"]),
     "eval_blank_only": (["eval.path={ws}/blank.txt"], ["eval.path", "no usable row", "3 empty"]),

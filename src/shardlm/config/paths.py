@@ -9,9 +9,13 @@ tokenizer may be a hub id, but a path that looks local never goes to the hub (``
 
 from __future__ import annotations
 
+import glob
 import os
 
 from shardlm.errors import ConfigError
+
+# weights transformers writes in formats shardlm does not read (it reads ``*.safetensors`` only)
+OTHER_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5", "flax_model.msgpack", "*.safetensors.index.json")
 
 # files one of which a directory needs for ``AutoTokenizer`` to load a tokenizer from it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -30,7 +34,8 @@ def looks_local(path: str) -> bool:
 
 def check_model_dir(path: str, key: str = "model") -> None:
     """``path`` is a local Hugging Face model directory (``config.json``; weights are optional:
-    a config-only directory trains from a seeded random init)."""
+    a config-only directory trains from a seeded random init, but weights only in a format shardlm
+    does not read, or a safetensors index without its shards, mean weights were expected)."""
     if not path:
         raise ConfigError(f"config key '{key}' is required: a Hugging Face model directory")
     if not os.path.isdir(path):
@@ -40,6 +45,14 @@ def check_model_dir(path: str, key: str = "model") -> None:
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}: '{path}' has no config.json; point '{key}' at a Hugging Face model directory")
+    if not glob.glob(os.path.join(path, "*.safetensors")):  # a random init, unless weights were meant
+        other = sorted(os.path.basename(f) for pattern in OTHER_WEIGHTS for f in glob.glob(os.path.join(path, pattern)))
+        if other:
+            raise ConfigError(
+                f"{key}: '{path}' has {', '.join(other[:3])} but no .safetensors weights, so it would train from a "
+                "random init; shardlm reads safetensors only: add the .safetensors files (or convert the weights), "
+                "or remove these files to train from scratch"
+            )
 
 
 def check_tokenizer_path(model: str, tokenizer: str | None) -> None:
