@@ -346,3 +346,18 @@ def test_ids_outside_the_vocabulary_refused_at_every_layout(tmp_path, one_proces
             "the model; use the model's own tokenizer"
         )
     ), (one, two)
+
+
+def test_unsupported_activation_checkpointing_refused_before_spawning(ws, capsys, monkeypatch):
+    """Refused by the preflight at tp=2 (before: by every rank's Trainer, exit 1 with tracebacks)."""
+    from transformers import LlamaForCausalLM
+
+    from shardlm.cli import main
+
+    monkeypatch.setattr(LlamaForCausalLM, "supports_gradient_checkpointing", False)
+    config, out = write_case(ws, "no_ckpt")
+    before = tree_hash(out)
+    code = main(["train", str(config), "parallel.tp=2", "train.gradient_checkpointing=true"])
+    captured = capsys.readouterr()
+    expected = ["train.gradient_checkpointing", "LlamaForCausalLM does not support"]
+    check_refusal(code, captured.err, captured.out, expected, out, before)

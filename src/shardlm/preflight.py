@@ -37,6 +37,7 @@ from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
+from shardlm.train.trainer import check_activation_checkpointing
 
 
 def check_run(cfg: Config) -> None:
@@ -45,8 +46,11 @@ def check_run(cfg: Config) -> None:
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
     saves = cfg.train.save_steps > 0 and cfg.lora is None  # a full checkpoint: its size against the free space
+    ckpt = cfg.train.gradient_checkpointing
     # one meta model for every check that needs it (LoRA adapts it last)
-    model = build_meta_model(cfg.model) if traced or weights or router or saves or p.ep > 1 else None
+    model = build_meta_model(cfg.model) if traced or weights or router or saves or ckpt or p.ep > 1 else None
+    if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
+        check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides
         check_ep(model, p.ep)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model

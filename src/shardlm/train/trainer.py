@@ -107,11 +107,16 @@ def mixed_precision_policy(t: TrainConfig) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.bf16 else None
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
+def check_activation_checkpointing(model: nn.Module) -> None:
+    """transformers can checkpoint this model's blocks (``shardlm.preflight`` asks before spawning)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         name = type(model).__name__
         raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
+    check_activation_checkpointing(model)
     # context_fn: the recompute redraws the forward's dropout masks (dropout.checkpoint_context_fn)
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn}
     if hasattr(model, "activation_checkpointing_enable"):
