@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--dp-replicate", type=int, default=1)
     est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of the data-parallel ranks)")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
-    est.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    est.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128 or the positions)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
     est.add_argument("--lora-r", type=int, default=None, help="LoRA rank: only adapters on q/k/v/o_proj train")
     est.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
@@ -56,7 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from shardlm.config import load_config
     from shardlm.distributed.launch import RankFailed, spawn, under_torchrun
-    from shardlm.preflight import check_run
+    from shardlm.preflight import check_data, check_run
     from shardlm.train.faults import NonFiniteError
     from shardlm.train.trainer import run
 
@@ -71,6 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = args.nproc or world
         if nproc != world:
             raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
+        check_data(cfg)  # tokenizer and data sets, built once here (under torchrun rank 0 builds them)
     try:
         if under_torchrun() or world == 1:
             run(cfg)  # a SIGTERM makes it save and return (faults.py): exit 0
@@ -88,6 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from shardlm.config.paths import check_model_dir
     from shardlm.parallel.autotp import any_block, check_geometry, infer_plan
     from shardlm.parallel.build import build_meta_model
     from shardlm.parallel.describe import describe_plan
@@ -95,6 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:
         raise ConfigError(f"--tp {args.tp} --ep {args.ep}: a plan needs tp >= 2 or ep >= 2")
+    check_model_dir(args.model)  # a local directory: never a hub request
     check_geometry(args.model, args.tp)
     model = build_meta_model(args.model)
     plan = infer_plan(model, args.tp)

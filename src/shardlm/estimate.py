@@ -105,6 +105,9 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from shardlm.config import ParallelConfig
+from shardlm.config.paths import check_model_dir
+from shardlm.config.ranges import check_value, check_world
+from shardlm.data.fit import check_seq_len, max_positions, model_config
 from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, decoder_blocks
@@ -117,6 +120,7 @@ from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
 from shardlm.parallel.plan import Plan
 from shardlm.parallel.styles import Style, local_shape, lora_dims, sharded_dim
 
+DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (fewer when the model has fewer positions)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GIB = 1024**3
 # rows alive during the forward/backward of a step, beside the model state
@@ -377,25 +381,30 @@ def estimate(
     fsdp: int = 1,
     dp_replicate: int = 1,
     batch: int = 4,
-    seq: int = 128,
+    seq: int | None = None,
     bf16: bool = False,
     lora_r: int | None = None,
     gradient_checkpointing: bool = False,
     memory_gib: float | None = None,
     ep: int = 1,
 ) -> Estimate:
-    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
-    ``ep``: expert parallelism, carved out of the data-parallel ranks)."""
-    for flag, value in (
-        ("--tp", tp),
-        ("--fsdp", fsdp),
-        ("--dp-replicate", dp_replicate),
-        ("--batch", batch),
-        ("--seq", seq),
-        ("--ep", ep),
-    ):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
+    ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
+    carved out of the data-parallel ranks)."""
+    check_model_dir(model_path)
+    bound = max_positions(model_config(model_path))
+    if seq is None:
+        seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
+    for flag, key, value in (
+        ("--tp", "parallel.tp", tp),
+        ("--fsdp", "parallel.fsdp", fsdp),
+        ("--dp-replicate", "parallel.dp_replicate", dp_replicate),
+        ("--batch", "train.per_device_train_batch_size", batch),
+        ("--seq", "data.seq_len", seq),
+        ("--ep", "parallel.ep", ep),
+    ):  # the ranges of the config keys these flags stand for (``config/ranges.py``)
+        check_value(key, value, flag)
+    check_world(tp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --tp")
     if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
         raise ConfigError(
             f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
@@ -407,6 +416,7 @@ def estimate(
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
+    check_seq_len(model_config(model_path), seq, "--seq")
     model = build_meta_model(model_path)
     check_ep(model, ep)
     plan = infer_plan(model, tp)

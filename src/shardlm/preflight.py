@@ -7,15 +7,28 @@ cannot compute over the global batch (``train/router_loss.py``), LayerDrop under
 the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
-the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
-and the checkpoint ``train.resume`` names.
+the model's weights (their names through transformers' conversion rules, ``parallel/published.py``),
+``lora.modules_to_save``, the free space under ``train.output_dir`` against a checkpoint's size,
+and the checkpoint ``train.resume`` names. ``check_data`` then checks ``data.seq_len`` against the
+model's positions, loads the tokenizer and builds the data sets here (the ranks load them from
+the cache): the tokenizer's ids against the vocabulary, a chat template where chat rows need one,
+data that yields no usable row and ids out of range answer the same at every layout.
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
+
+from torch import nn
+
 from shardlm.checkpoint.manager import precheck_resume
 from shardlm.config import Config
+from shardlm.config.paths import check_tokenizer_path, nearest_existing
+from shardlm.data.dataset import build_dataset
+from shardlm.data.fit import check_ids, check_seq_len, check_tokenizer, load_tokenizer, model_config, vocab_size
 from shardlm.distributed.mesh import device_type
+from shardlm.errors import ConfigError
 from shardlm.parallel.autotp import check_geometry, infer_plan
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.channels import check_fused_kernels
@@ -24,6 +37,7 @@ from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
+from shardlm.train.trainer import check_activation_checkpointing
 
 
 def check_run(cfg: Config) -> None:
@@ -31,8 +45,12 @@ def check_run(cfg: Config) -> None:
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
+    saves = cfg.train.save_steps > 0 and cfg.lora is None  # a full checkpoint: its size against the free space
+    ckpt = cfg.train.gradient_checkpointing
     # one meta model for every check that needs it (LoRA adapts it last)
-    model = build_meta_model(cfg.model) if traced or weights or router or p.ep > 1 else None
+    model = build_meta_model(cfg.model) if traced or weights or router or saves or ckpt or p.ep > 1 else None
+    if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
+        check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides
         check_ep(model, p.ep)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
@@ -46,7 +64,69 @@ def check_run(cfg: Config) -> None:
         if p.tp > 1 and device_type() == "cuda":
             check_fused_kernels(model, plan, p.tp)
         if cfg.lora is not None:
+            check_modules_to_save(cfg.lora.modules_to_save, model)
             check_lora(cfg.lora, model, plan)
             if p.ep > 1:
                 check_ep_lora(model)
+    if saves:
+        check_disk_space(cfg, model)
     precheck_resume(cfg)
+
+
+def check_modules_to_save(names: list | None, model: nn.Module) -> None:
+    """Each ``lora.modules_to_save`` entry ends some module's name (peft's rule: ``key.endswith``);
+    peft ignores one that matches nothing, so the user would train without what they asked for."""
+    fqns = [fqn for fqn, _ in model.named_modules() if fqn]
+    for name in names or []:
+        if not any(fqn.endswith(str(name)) for fqn in fqns):
+            leaves = sorted({fqn.rsplit(".", 1)[-1] for fqn in fqns if not any(c.isdigit() for c in fqn)})
+            raise ConfigError(
+                f"lora.modules_to_save: no module of the model is named '{name}' (peft matches the end of a "
+                f"module's name); modules outside the blocks: {', '.join(leaves[:20])}"
+            )
+
+
+def checkpoint_bytes(cfg: Config, model: nn.Module) -> int:
+    """Bytes of one full checkpoint: fp32 parameters and the optimizer's fp32 states per parameter
+    (AdamW two, SGD with momentum one); tied parameters once."""
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    t = cfg.train
+    states = 2 if t.optim == "adamw" else int(t.sgd_momentum > 0)
+    return 4 * numel * (1 + states)
+
+
+def check_disk_space(cfg: Config, model: nn.Module) -> None:
+    """The filesystem of ``train.output_dir`` holds one more checkpoint (a save writes the new one
+    before pruning old ones), so a run does not fail at its first save after hours of training."""
+    need, base = checkpoint_bytes(cfg, model), nearest_existing(cfg.train.output_dir)
+    free = shutil.disk_usage(base).free
+    if free < need:
+        gib = 2**30
+        raise ConfigError(
+            f"train.output_dir: a checkpoint needs about {need / gib:.2f} GiB but '{base}' has {free / gib:.2f} GiB "
+            "free; free space, choose another train.output_dir, or set train.save_steps: 0"
+        )
+
+
+def check_data(cfg: Config) -> None:
+    """Load the tokenizer and build the data sets in the launcher, as every rank would: what the
+    data or tokenizer cannot do (``data.seq_len`` beyond the model's positions included) is one
+    ``error:`` line here, the same at every layout, and the ranks then load the cached samples.
+    Only the command runs this: the library's users may hand the trainer samples of their own."""
+    check_tokenizer_path(cfg.model, cfg.tokenizer)  # the library's users may bring samples without one
+    where = cfg.tokenizer or cfg.model
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers says about the user's files
+        detail = " ".join(str(exc).split())[:200]
+        why = f"tokenizer: cannot load a tokenizer from '{where}' ({type(exc).__name__}: {detail})"
+        raise ConfigError(why) from None
+    config = model_config(cfg.model)
+    check_seq_len(config, cfg.data.seq_len)
+    check_tokenizer(tokenizer, config, where)
+    vocab = vocab_size(config)
+    for key, data in (("data.path", cfg.data), ("eval.path", replace(cfg.data, path=cfg.eval.path))):
+        if data.path:
+            ds = build_dataset(data, tokenizer, key=key)
+            if vocab is not None:
+                check_ids(ds.input_ids, vocab, key)

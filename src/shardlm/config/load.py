@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from shardlm.config.paths import check_model_dir, check_output_dir
+from shardlm.config.ranges import check_ranges
 from shardlm.config.schema import SCHEDULERS, Config, DataConfig, EvalConfig, TrainConfig
 from shardlm.errors import ConfigError
 
@@ -43,14 +45,19 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
 
 
 def _coerce(f: dataclasses.Field, value: Any, name: str) -> Any:
-    """Check a leaf value against the field's declared type (ints accept whole floats, floats ints)."""
+    """Check a leaf value against the field's declared type (ints accept whole floats, floats ints).
+
+    A number written as a string is accepted: PyYAML reads ``1e-4`` (no dot) as the string "1e-4",
+    which every user means as the float; a string that does not parse as a number is refused."""
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if value is None:
         if "None" in kind:
             return None
         raise ConfigError(f"config key '{name}' must not be null")
+    if kind.startswith(("int", "float")) and isinstance(value, str):
+        value = _number(value, value)
     if kind.startswith("int"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _whole(value):
             raise ConfigError(f"config key '{name}' must be an integer, got {value!r}")
         return int(value)
     if kind.startswith("float"):
@@ -62,6 +69,18 @@ def _coerce(f: dataclasses.Field, value: Any, name: str) -> Any:
     if kind.startswith("str") and not isinstance(value, str):
         raise ConfigError(f"config key '{name}' must be a string, got {value!r}")
     return value
+
+
+def _number(text: str, default: Any) -> Any:
+    """``text`` as a float when it is one ("1e-4", "3E5"), else ``default`` (left for the type check)."""
+    try:
+        return float(text.strip())
+    except ValueError:
+        return default
+
+
+def _whole(value: float) -> bool:
+    return math.isfinite(value) and int(value) == value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -108,27 +127,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, raw
 
 def validate(cfg: Config) -> None:
     """Checks of values and paths alone (those that need the model: ``shardlm.preflight``)."""
-    p, t, d = cfg.parallel, cfg.train, cfg.data
-    for key in ("tp", "fsdp", "dp_replicate", "ep"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    t = cfg.train
+    check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
-    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    if d.seq_len < 2:
-        raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
     if t.lr_scheduler_type not in SCHEDULERS:
         names = ", ".join(SCHEDULERS)
         raise ConfigError(f"train.lr_scheduler_type must be one of {names}, got '{t.lr_scheduler_type}'")
-    if not cfg.model:
-        raise ConfigError("config key 'model' is required: a Hugging Face model directory")
-    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
-        raise ConfigError(f"model: '{cfg.model}' has no config.json; point 'model' at a Hugging Face model directory")
-    d.check()
+    check_model_dir(cfg.model)
+    cfg.data.check()
+    check_output_dir(t.output_dir)
     _validate_checkpointing(t)
     _validate_training(t, cfg.eval)
-    _validate_faults(t)
 
 
 def _validate_ep(cfg: Config) -> None:
@@ -146,10 +155,6 @@ def _validate_ep(cfg: Config) -> None:
 
 def _validate_checkpointing(t: TrainConfig) -> None:
     """Checkpoint keys (``checkpoint/manager.py``): counts, and that a resume path exists before spawning."""
-    if t.save_steps < 0:
-        raise ConfigError(f"train.save_steps must be >= 0 (0 turns checkpoints off), got {t.save_steps}")
-    if t.save_total_limit is not None and t.save_total_limit < 1:
-        raise ConfigError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
     if not isinstance(t.resume, (bool, str)):
         raise ConfigError(f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
     if isinstance(t.resume, str) and not os.path.isdir(t.resume):
@@ -160,26 +165,10 @@ def _validate_training(t: TrainConfig, e: EvalConfig) -> None:
     """Optimizer, reporting and evaluation keys (``train/optim.py``, ``train/metrics.py``, ``train/trainer.py``)."""
     if t.optim not in t.OPTIMIZERS:
         raise ConfigError(f"train.optim must be one of {', '.join(t.OPTIMIZERS)}, got '{t.optim}'")
-    if t.sgd_momentum < 0:
-        raise ConfigError(f"train.sgd_momentum must be >= 0, got {t.sgd_momentum}")
     if t.report_to not in t.REPORT_TO:
         raise ConfigError(f"train.report_to must be one of {', '.join(t.REPORT_TO)}, got '{t.report_to}'")
-    if e.steps < 0:
-        raise ConfigError(f"eval.steps must be >= 0 (0: evaluate only at the end), got {e.steps}")
-    if e.max_batches is not None and e.max_batches < 1:
-        raise ConfigError(f"eval.max_batches must be >= 1 or null (the whole set), got {e.max_batches}")
     if e.path:
         if not os.path.exists(e.path):
             raise ConfigError(f"eval.path: '{e.path}' does not exist")
         if os.path.isfile(e.path) and not e.path.lower().endswith(DataConfig.EXTENSIONS):
             raise ConfigError(f"eval.path: '{e.path}' is not a {', '.join(DataConfig.EXTENSIONS)} file")
-
-
-def _validate_faults(t: TrainConfig) -> None:
-    """Fault keys (``train/faults.py``, ``distributed/mesh.py``)."""
-    if t.max_bad_steps < 1:
-        raise ConfigError(
-            f"train.max_bad_steps must be >= 1 (non-finite steps in a row before stopping), got {t.max_bad_steps}"
-        )
-    if not math.isfinite(t.timeout_s) or t.timeout_s <= 0:
-        raise ConfigError(f"train.timeout_s must be a positive number of seconds (default 600), got {t.timeout_s}")

@@ -37,15 +37,16 @@ class DataConfig:
     messages_field: str | None = None
     cache_dir: str | None = None
 
-    def check(self) -> None:
-        """Checks of the data section that need no tokenizer: path, extension, field combination."""
+    def check(self, key: str = "data.path") -> None:
+        """Checks of the data section that need no tokenizer: path, extension, field combination;
+        ``key``: the config key that named ``path`` (``eval.path`` for the eval set)."""
         kinds = ", ".join(self.EXTENSIONS)
         if not self.path:
-            raise ConfigError(f"config key 'data.path' is required: a {kinds} file or a directory of them")
+            raise ConfigError(f"config key '{key}' is required: a {kinds} file or a directory of them")
         if not os.path.exists(self.path):
-            raise ConfigError(f"data.path: '{self.path}' does not exist")
+            raise ConfigError(f"{key}: '{self.path}' does not exist")
         if os.path.isfile(self.path) and not self.path.lower().endswith(self.EXTENSIONS):
-            raise ConfigError(f"data.path: '{self.path}' is not a {kinds} file; convert it or point at a directory")
+            raise ConfigError(f"{key}: '{self.path}' is not a {kinds} file; convert it or point at a directory")
         if (self.prompt_field is None) != (self.response_field is None):
             raise ConfigError("data.prompt_field and data.response_field go together: set both or neither")
         if self.messages_field is not None and self.prompt_field is not None:

@@ -12,7 +12,9 @@ file below it, hidden ones skipped, in sorted order). What each row becomes:
 * skipped and counted in ``skipped_rows`` (the run goes on): an empty or whitespace-only text,
   response or assistant content, a missing or null field, a field of the wrong type, a .jsonl
   line that is not a JSON object, a chat the template rejects or cannot split cleanly, and a
-  row whose trained tokens all lie beyond ``seq_len`` without packing. Blank .jsonl lines are
+  row whose trained tokens all lie beyond ``seq_len`` without packing, and a row holding bytes
+  that are not UTF-8 text (read as U+FFFD) or NUL (a binary file: each of its lines is such a
+  row, so an ELF file named .txt is skipped whole, row by row). Blank .jsonl lines are
   not rows. No usable row at all, or a field no row has, is a ``ConfigError``.
 
 Samples have ``seq_len`` inputs and next-token labels. With packing, all rows' tokens form one
@@ -36,6 +38,7 @@ ranks of one group share a dp rank and so see the same batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -54,7 +57,7 @@ from shardlm.data.rows import BAD_JSON, IGNORE_INDEX, MISSING, NO_LABEL, OK, REA
 from shardlm.errors import ConfigError
 
 log = logging.getLogger("shardlm")
-CACHE_VERSION = "shardlm-data-1"  # bump when what a row becomes changes
+CACHE_VERSION = "shardlm-data-2"  # bump when what a row becomes changes
 
 
 @dataclass
@@ -77,9 +80,10 @@ class TokenDataset:
         return self.input_ids.shape[0]
 
 
-def build_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
-    """The samples of ``cfg``, from the cache or built (and cached) once; safe to call on every rank."""
-    cfg.check()
+def build_dataset(cfg: DataConfig, tokenizer, key: str = "data.path") -> TokenDataset:
+    """The samples of ``cfg``, from the cache or built (and cached) once; safe to call on every rank.
+    ``key``: the config key that named ``cfg.path`` (``eval.path`` for the eval set), for error lines."""
+    cfg.check(key)
     if tokenizer.eos_token_id is None:
         raise ConfigError("tokenizer: it has no eos_token; set one in the tokenizer files")
     if cfg.messages_field and not getattr(tokenizer, "chat_template", None):
@@ -87,15 +91,14 @@ def build_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
             "data.messages_field: the tokenizer has no chat_template; add one to its tokenizer_config.json "
             "or use data.prompt_field/data.response_field"
         )
-    files = data_files(cfg.path)
-    key = cache_key(cfg, files, tokenizer)
-    where = os.path.join(cache_root(cfg), "shardlm-data", key)
+    files = data_files(cfg.path, key)
+    build = functools.partial(_load_or_build, cfg, tokenizer, files, cache_key(cfg, files, tokenizer), key)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _load_or_build(cfg, tokenizer, files, key, where)
+        return build()
     failure, ds = None, None
     if dist.get_rank() == 0:
         try:
-            ds = _load_or_build(cfg, tokenizer, files, key, where)
+            ds = build()
         except Exception as exc:  # the other ranks must not wait for a build that will never come
             failure = (isinstance(exc, ConfigError), str(exc))
             raise
@@ -107,7 +110,7 @@ def build_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
     if box[0] is not None:
         is_config, message = box[0]
         raise ConfigError(message) if is_config else RuntimeError(f"rank 0 failed to build the data set: {message}")
-    return _load_or_build(cfg, tokenizer, files, key, where)
+    return build()
 
 
 def cache_root(cfg: DataConfig) -> str:
@@ -145,29 +148,31 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "\0".join([type(tokenizer).__name__, body, str(getattr(tokenizer, "chat_template", None)), str(special)])
 
 
-def _load_or_build(cfg: DataConfig, tokenizer, files: list[str], key: str, where: str) -> TokenDataset:
+def _load_or_build(cfg: DataConfig, tokenizer, files: list[str], fingerprint: str, key: str) -> TokenDataset:
+    where = os.path.join(cache_root(cfg), "shardlm-data", fingerprint)
     if os.path.isfile(os.path.join(where, "meta.json")):
         ds = _load(where)
         log.info("data: %d samples loaded from cache %s", len(ds), where)
         return ds
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         log.warning("data: cache %s not visible on this rank (not a shared filesystem?); building here", where)
-    ds, counts = _build(cfg, tokenizer, files, key)
+    ds, counts = _build(cfg, tokenizer, files, fingerprint, key)
     _save(ds, where, counts)
     return ds
 
 
-def _build(cfg: DataConfig, tokenizer, files: list[str], key: str) -> tuple[TokenDataset, dict]:
+def _build(cfg: DataConfig, tokenizer, files: list[str], fingerprint: str, key: str) -> tuple[TokenDataset, dict]:
     import datasets
 
     root = cache_root(cfg)
     parts = [
-        encode_file(f, cfg, tokenizer, hashlib.sha256(f"{key}\0{f}".encode()).hexdigest()[:24], root) for f in files
+        encode_file(f, cfg, tokenizer, hashlib.sha256(f"{fingerprint}\0{f}".encode()).hexdigest()[:24], root)
+        for f in files
     ]
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     status = np.asarray(rows.data.column("status").to_numpy(zero_copy_only=False), dtype=np.int64)
     counts = Counter(REASONS[s] for s in status.tolist())
-    _check_usable(cfg, rows, status, counts)
+    _check_usable(cfg, rows, status, counts, key)
     ids, lengths = _flat(rows, "input_ids")
     labels, _ = _flat(rows, "labels")
     lengths = lengths[status == OK]
@@ -192,13 +197,13 @@ def _build(cfg: DataConfig, tokenizer, files: list[str], key: str) -> tuple[Toke
     )
     if len(ds) == 0:
         raise ConfigError(
-            f"data.path: '{cfg.path}' gives no training sample of data.seq_len={cfg.seq_len} tokens "
+            f"{key}: '{cfg.path}' gives no training sample of data.seq_len={cfg.seq_len} tokens "
             f"(rows skipped: {detail or 'none'}); add data or change data.seq_len"
         )
     return ds, dict(counts)
 
 
-def _check_usable(cfg: DataConfig, rows, status: np.ndarray, counts: Counter) -> None:
+def _check_usable(cfg: DataConfig, rows, status: np.ndarray, counts: Counter, key: str) -> None:
     """One-line errors for a data set that has nothing to train on, naming the likely fix."""
     if counts[REASONS[OK]]:
         return
@@ -217,7 +222,7 @@ def _check_usable(cfg: DataConfig, rows, status: np.ndarray, counts: Counter) ->
             f"fields found: {', '.join(seen[:20]) or 'none'}"
         )
     detail = ", ".join(f"{n} {reason}" for reason, n in counts.items() if n)
-    raise ConfigError(f"data.path: '{cfg.path}' has no usable row ({detail or 'no rows'})")
+    raise ConfigError(f"{key}: '{cfg.path}' has no usable row ({detail or 'no rows'})")
 
 
 def _flat(rows, column: str) -> tuple[np.ndarray, np.ndarray]:

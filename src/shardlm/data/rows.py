@@ -24,7 +24,7 @@ from shardlm.errors import ConfigError
 
 IGNORE_INDEX = -100  # the label of a token that is not trained (the loss and torch skip it)
 JSON_COLUMN = "__shardlm_json__"
-OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL = range(7)
+OK, EMPTY, MISSING, WRONG_TYPE, BAD_JSON, TEMPLATE, NO_LABEL, UNDECODABLE = range(8)
 REASONS = (
     "usable",
     "empty",
@@ -33,11 +33,16 @@ REASONS = (
     "invalid JSON or not an object",
     "rejected by the chat template",
     "nothing trained within data.seq_len",
+    "invalid UTF-8 or binary",
 )
+# what a row's text holds when its bytes were not text: the replacement character reading with
+# ``errors="replace"`` puts for every undecodable byte, and NUL, which no text file contains
+NOT_TEXT = ("\ufffd", "\x00")
 
 
-def data_files(path: str) -> list[str]:
-    """The file itself, or every supported file under the directory (hidden ones skipped), sorted."""
+def data_files(path: str, key: str = "data.path") -> list[str]:
+    """The file itself, or every supported file under the directory (hidden ones skipped), sorted;
+    ``key``: the config key that named ``path``, for the error line."""
     if os.path.isfile(path):
         return [path]
     found = []
@@ -46,7 +51,7 @@ def data_files(path: str) -> list[str]:
         found += [os.path.join(root, f) for f in files if f.lower().endswith(DataConfig.EXTENSIONS) and f[0] != "."]
     if not found:
         kinds = ", ".join(DataConfig.EXTENSIONS)
-        raise ConfigError(f"data.path: directory '{path}' holds no {kinds} file; point it at your data")
+        raise ConfigError(f"{key}: directory '{path}' holds no {kinds} file; point it at your data")
     return sorted(found, key=lambda f: os.path.relpath(f, path))
 
 
@@ -167,8 +172,16 @@ def _pieces(row: dict, spec: dict, tokenizer) -> tuple[int, str, list[tuple[str,
         return WRONG_TYPE, "", [], False
     if not values[-1].strip():
         return EMPTY, "", [], False
+    if _not_text(values):
+        return UNDECODABLE, "", [], False
     pieces = [(values[0], False), (values[1], True)] if len(values) == 2 else [(values[0], True)]
     return OK, "", pieces, True
+
+
+def _not_text(values) -> bool:
+    """Undecodable bytes or NUL in any of the row's texts: a binary file or a wrong encoding, which
+    would otherwise train as replacement characters (the row is skipped and counted instead)."""
+    return any(mark in v for v in values for mark in NOT_TEXT)
 
 
 def _chat_pieces(row: dict, field: str, tokenizer) -> tuple[int, str, list[tuple[str, bool]], bool]:
@@ -185,6 +198,8 @@ def _chat_pieces(row: dict, field: str, tokenizer) -> tuple[int, str, list[tuple
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         return EMPTY, "", [], False
+    if _not_text(m["content"] for m in messages):
+        return UNDECODABLE, "", [], False
 
     def render(part: list[dict], prompt: bool) -> str:
         return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)

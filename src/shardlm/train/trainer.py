@@ -58,6 +58,7 @@ from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
 from shardlm.config import Config, TrainConfig
 from shardlm.data.dataset import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.data.fit import check_ids, load_tokenizer, vocab_size
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
 from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_freed_memory
@@ -106,11 +107,16 @@ def mixed_precision_policy(t: TrainConfig) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.bf16 else None
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
+def check_activation_checkpointing(model: nn.Module) -> None:
+    """transformers can checkpoint this model's blocks (``shardlm.preflight`` asks before spawning)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         name = type(model).__name__
         raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
+    check_activation_checkpointing(model)
     # context_fn: the recompute redraws the forward's dropout masks (dropout.checkpoint_context_fn)
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -148,6 +154,7 @@ class Trainer:
         self.autocast = t.bf16 and self.model.fsdp_param_dtype != torch.bfloat16
         if self.eval_dataset is None and self.config.eval.path:
             self.eval_dataset = build_eval_dataset(self.config)
+        self._check_ids()
         self.num_params = count_params(self.module)
         self.router_loss = router_loss_of(self.module)  # the load-balancing loss over the global batch, or None
         self._tp_checked = False
@@ -158,6 +165,17 @@ class Trainer:
             self.module, self.optimizer, self.scheduler, len(self.dataset), lora=self.model.lora
         )
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
+
+    def _check_ids(self) -> None:
+        """Every sample's ids inside the model's vocabulary (``data/fit.py``): once over the whole data
+        set each rank holds, so every layout answers the same before its first step, and no TP
+        embedding masks an out-of-range id to a zero row."""
+        vocab = vocab_size(self.module.config)
+        if vocab is None:
+            return
+        check_ids(self.dataset.input_ids, vocab, "data.path")
+        if self.eval_dataset is not None:
+            check_ids(self.eval_dataset.input_ids, vocab, "eval.path")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
@@ -320,15 +338,10 @@ class Trainer:
         writer.log_eval(record)
 
 
-def load_tokenizer(cfg: Config):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-
-
 def build_eval_dataset(cfg: Config, tokenizer=None) -> TokenDataset:
     """The samples of ``eval.path``, tokenized with the ``data`` settings (seq_len, packing, fields)."""
-    return build_dataset(dataclasses.replace(cfg.data, path=cfg.eval.path), tokenizer or load_tokenizer(cfg))
+    data = dataclasses.replace(cfg.data, path=cfg.eval.path)
+    return build_dataset(data, tokenizer or load_tokenizer(cfg), key="eval.path")
 
 
 def run(cfg: Config) -> list[dict]:
