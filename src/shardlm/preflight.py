@@ -8,7 +8,7 @@ the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
-and the checkpoint ``train.resume`` names.
+and the checkpoint ``train.resume`` names (its bytes against its manifest, its model's fingerprint).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
 
 
-def check_run(cfg: Config) -> None:
-    """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work."""
+def check_run(cfg: Config) -> str | None:
+    """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work; returns the
+    checkpoint ``train.resume`` resumes from, verified against its manifest (None: a fresh start)."""
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
@@ -49,4 +50,4 @@ def check_run(cfg: Config) -> None:
             check_lora(cfg.lora, model, plan)
             if p.ep > 1:
                 check_ep_lora(model)
-    precheck_resume(cfg)
+    return precheck_resume(cfg)
