@@ -189,8 +189,11 @@ def test_damaged_checkpoint_refused(tp2_runs, one_process, tmp_path):
     shard = os.path.join(step, "__1_0.distcp")
     with open(shard, "r+b") as fh:
         fh.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(ConfigError, match=r"shard file '.*__1_0.distcp' is truncated"):
+    size = os.path.getsize(shard)
+    with pytest.raises(ConfigError, match=rf"__1_0.distcp does not match its manifest \({size} bytes, \d+ were"):
         train(tp2_runs["model"], "one", str(tmp_path / "x"), resume=step)
+    with pytest.raises(ConfigError, match=r"shard file '.*__1_0.distcp' is truncated"):  # DCP's own check
+        ckpt_io.read_metadata(step)
     os.remove(shard)
     with pytest.raises(ConfigError, match=r"shard file '.*__1_0.distcp' is missing"):
         ckpt_io.read_metadata(step)

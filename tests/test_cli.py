@@ -18,7 +18,16 @@ pytestmark = pytest.mark.ranks  # every test here starts processes or a process 
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "examples" / "data" / "corpus.txt"
-METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "step_time_s", "peak_memory_mb"}
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "tokens_per_second",
+    "step_time_s",
+    "peak_memory_mb",
+    "run_id",
+}
 
 
 def _write_config(path: Path, model: Path, data: Path, output_dir: Path) -> Path:
@@ -131,7 +140,7 @@ def test_train_tp2_matches_one_process_through_the_cli(tmp_path):
     for records in metrics.values():
         assert [r["step"] for r in records] == [1, 2, 3], records
         for r in records:
-            assert set(r) == METRIC_KEYS, r
+            assert set(r) == METRIC_KEYS and r["run_id"] == records[0]["run_id"], r
             assert r["tokens_per_second"] > 0 and r["step_time_s"] > 0
     for one, two in zip(metrics[1], metrics[2]):
         assert abs(two["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]), (one, two)

@@ -149,6 +149,13 @@ def test_bad_checkpoints_are_refused(trained, tmp_path, capsys):
         config = json.load(fh)
     with open(os.path.join(step, "hf", "config.json"), "w") as fh:
         json.dump({**config, "intermediate_size": 96}, fh)
+    assert "hf/config.json does not match its manifest (" in refused(step, out)  # the bytes first
+    # as a checkpoint saved before manifests (format 1, accepted with a warning): the model's own checks
+    os.remove(os.path.join(step, "manifest.json"))
+    with open(os.path.join(step, ckpt_layout.MARKER)) as fh:
+        marker = json.load(fh)
+    with open(os.path.join(step, ckpt_layout.MARKER), "w") as fh:
+        json.dump({**{k: v for k, v in marker.items() if k != "manifest_sha256"}, "format": 1}, fh)
     assert "'model.layers.0.mlp.gate_proj.weight' is [64, 32], the model needs [96, 32]" in refused(step, out)
     with open(os.path.join(step, "hf", "config.json"), "w") as fh:
         json.dump(config, fh)

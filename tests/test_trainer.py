@@ -310,6 +310,7 @@ def test_logging_outputs(model_path, tmp_path):
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         records = [json.loads(line) for line in fh]
     assert [r["step"] for r in history] == [2, 4, 6]
+    assert {r.pop("run_id") for r in records} == {tr.run_id}  # every record names the run
     assert records == [history[0], history[1], tr.eval_history[0], history[2], tr.eval_history[1]]
     keys = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "step_time_s", "peak_memory_mb"}
     assert all(set(r) == keys and r["peak_memory_mb"] > 0 for r in history)  # no mfu on CPU

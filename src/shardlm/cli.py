@@ -10,7 +10,9 @@ argument answer at once, without importing torch and transformers (seconds).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from contextlib import contextmanager
 
 from shardlm.errors import ConfigError
 
@@ -50,18 +52,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
+    """Before spawning: the config, the model-aware checks and the resume checkpoint's bytes, then
+    the lock on output_dir and the earlier run's outputs (``checkpoint/ownership.py``); then the ranks."""
+    from shardlm.checkpoint.layout import remove_leftovers
+    from shardlm.checkpoint.manager import VERIFIED_ENV
+    from shardlm.checkpoint.ownership import RUN_ID_ENV, OutputDirLock, claim, new_run_id
     from shardlm.config import load_config
-    from shardlm.distributed.launch import RankFailed, spawn, under_torchrun
+    from shardlm.distributed.launch import under_torchrun
     from shardlm.preflight import check_data, check_run
-    from shardlm.train.faults import NonFiniteError
-    from shardlm.train.trainer import run
 
     cfg = load_config(args.config, args.overrides)
-    check_run(cfg)  # the model-aware checks and the resume checkpoint: here, not in every rank
+    resume_from = check_run(cfg)  # the model-aware checks and the resume checkpoint: here, not in every rank
     world = cfg.parallel.world_size
     if under_torchrun():
         have = int(os.environ["WORLD_SIZE"])
@@ -72,6 +73,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         if nproc != world:
             raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
         check_data(cfg)  # tokenizer and data sets, built once here (under torchrun rank 0 builds them)
+    verified = {VERIFIED_ENV: os.path.realpath(resume_from)} if resume_from else {}  # the ranks need not hash it again
+    if under_torchrun():  # every rank is its own launcher: no lock (it would be one per rank); rank 0 names the run
+        with _environment(verified):
+            return _run_ranks(cfg, world)
+    t, run_id = cfg.train, new_run_id()
+    with OutputDirLock(t.output_dir, run_id), _environment({RUN_ID_ENV: run_id, **verified}):
+        claim(t.output_dir, t.resume, t.overwrite_output_dir)  # never start fresh over an earlier run
+        remove_leftovers(t.output_dir)  # dead .tmp saves (and their space, on a full disk)
+        return _run_ranks(cfg, world)
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the ranks (spawned ranks inherit them), then put them back."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_ranks(cfg, world: int) -> int:
+    """The ranks: in this process under torchrun or for one rank, else spawned; the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from shardlm.distributed.launch import RankFailed, spawn, under_torchrun
+    from shardlm.train.faults import NonFiniteError
+    from shardlm.train.trainer import run
+
     try:
         if under_torchrun() or world == 1:
             run(cfg)  # a SIGTERM makes it save and return (faults.py): exit 0

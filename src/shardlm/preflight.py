@@ -9,10 +9,11 @@ the traced TP plan (refusals such as fused kv groups that a tp cannot split, or 
 that would run a fused kernel reading its weights itself), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/published.py``),
 ``lora.modules_to_save``, the free space under ``train.output_dir`` against a checkpoint's size,
-and the checkpoint ``train.resume`` names. ``check_data`` then checks ``data.seq_len`` against the
-model's positions, loads the tokenizer and builds the data sets here (the ranks load them from
-the cache): the tokenizer's ids against the vocabulary, a chat template where chat rows need one,
-data that yields no usable row and ids out of range answer the same at every layout.
+and the checkpoint ``train.resume`` names (its bytes against its manifest, its model's fingerprint).
+``check_data`` then checks ``data.seq_len`` against the model's positions, loads the tokenizer and
+builds the data sets here (the ranks load them from the cache): the tokenizer's ids against the
+vocabulary, a chat template where chat rows need one, data that yields no usable row and ids out
+of range answer the same at every layout.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from shardlm.train import router_loss
 from shardlm.train.trainer import check_activation_checkpointing
 
 
-def check_run(cfg: Config) -> None:
-    """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work."""
+def check_run(cfg: Config) -> str | None:
+    """Raise ``ConfigError`` for the first thing about ``cfg``'s model that cannot work; returns the
+    checkpoint ``train.resume`` resumes from, verified against its manifest (None: a fresh start)."""
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
@@ -70,7 +72,7 @@ def check_run(cfg: Config) -> None:
                 check_ep_lora(model)
     if saves:
         check_disk_space(cfg, model)
-    precheck_resume(cfg)
+    return precheck_resume(cfg)
 
 
 def check_modules_to_save(names: list | None, model: nn.Module) -> None:

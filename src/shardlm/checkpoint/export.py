@@ -10,6 +10,9 @@ parameter names (tied weights once, as ``save_pretrained`` does), with ``config.
 
 Everything goes into ``OUT.tmp-<id>``; only after every tensor of every written file compared
 equal (bits, dtype, shape) with the checkpoint (cast to ``--dtype``) is it renamed to ``OUT``.
+Before anything is read, every file of the checkpoint is checked against the sha256 its manifest
+recorded at save (``manifest.py``), so "check passed" means the written weights equal what
+training saved, not only what the checkpoint holds now.
 
 ``unpack``: some tensor-parallel plans may store a parameter in a layout other than Hugging
 Face's (e.g. a fused projection permuted so each rank holds whole heads). ``unpack_for`` returns
@@ -30,7 +33,8 @@ from safetensors.torch import save_file
 
 from shardlm.checkpoint.export_lora import consolidate_lora
 from shardlm.checkpoint.io import load_dcp, read_metadata
-from shardlm.checkpoint.layout import read_marker, resolve
+from shardlm.checkpoint.layout import MARKER_FILES, read_marker, resolve
+from shardlm.checkpoint.manifest import verify as verify_manifest
 from shardlm.checkpoint.output import (
     CHECK_MESSAGE,
     DTYPES,
@@ -188,6 +192,7 @@ def consolidate(
     target, max_bytes = DTYPES[dtype], parse_size(max_shard_size)
     step_dir = resolve(checkpoint)
     marker = read_marker(step_dir)
+    verify_manifest(step_dir, marker, MARKER_FILES)  # the checkpoint holds the bytes training saved
     if merge and not marker.get("lora"):
         raise ConfigError(f"--merge: checkpoint '{step_dir}' has no LoRA adapters to merge; drop --merge")
     if os.path.exists(out):
@@ -205,7 +210,8 @@ def consolidate(
     unpack = PublishedUnpack(hf, build_meta_model(hf), unpack_for(marker), read)  # the published layout
     sources = plan_sources(step_dir, metadata, target, unpack)
     groups = group_sources(sources, max_bytes)
-    with staged(out) as tmp:
+    needed = sum(torch.Size(shape).numel() * dt.itemsize for s in sources for shape, dt in s.outputs.values())
+    with staged(out, needed) as tmp:
         count = _write(step_dir, tmp, groups, target, unpack)
         write_hf_files(step_dir, tmp, target)
         checked = verify(step_dir, tmp, target, unpack, sources)

@@ -1,10 +1,12 @@
 """Where checkpoints live and how one becomes complete: step directories, the marker, atomic saves.
 
 ``OUTPUT_DIR/checkpoints/step-N/`` holds DCP's ``.metadata`` + ``__R_0.distcp`` files, ``rng/``,
-``hf/`` (config, generation config and tokenizer files, for consolidation) and the marker
-``shardlm_checkpoint.json``, written last. Every rank writes into ``step-N.tmp-<id>``; after a
-barrier rank 0 writes the marker and renames the directory (``finalize``), so a crash mid-save
-never leaves a directory that looks whole; ``prune`` removes such leftovers and old steps.
+``hf/`` (config, generation config and tokenizer files, for consolidation), ``manifest.json``
+(the sha256 of every file, ``manifest.py``) and the marker ``shardlm_checkpoint.json``, written
+last. Every rank writes into ``step-N.tmp-<id>``; after a barrier rank 0 writes the manifest, the
+marker (with the manifest's sha256) and renames the directory (``finalize``), so a crash mid-save
+never leaves a directory that looks whole; ``remove_leftovers`` (before every save, and when a
+run starts) and ``prune`` remove such leftovers, ``prune`` old steps too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import shutil
 import uuid
 
+from shardlm.checkpoint.manifest import write_manifest
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import build_meta_model, has_weights
 from shardlm.parallel.published_write import record_layout
@@ -23,7 +26,9 @@ from shardlm.parallel.published_write import record_layout
 log = logging.getLogger("shardlm")
 
 MARKER = "shardlm_checkpoint.json"
-FORMAT_VERSION = 1
+MARKER_FILES = (MARKER, MARKER + ".part")  # what the manifest does not cover: the marker holds its hash
+FORMAT_VERSION = 2  # 2: the marker records manifest_sha256 (manifest.py); 1: no manifest, still read
+FORMATS = (1, 2)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 HF_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
@@ -56,8 +61,8 @@ def read_marker(step_dir: str) -> dict:
             marker = json.load(fh)
     except (OSError, ValueError):
         raise ConfigError(f"checkpoint '{step_dir}': {MARKER} is damaged; use an earlier step-N") from None
-    if marker.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"checkpoint '{step_dir}': {MARKER} has format {marker.get('format')}, expected 1")
+    if marker.get("format") not in FORMATS:
+        raise ConfigError(f"checkpoint '{step_dir}': {MARKER} has format {marker.get('format')}, expected 1 or 2")
     return marker
 
 
@@ -111,8 +116,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_proof(tmp: str, marker: dict, model_dir: str) -> dict:
+    """Rank 0, after every rank wrote its files: the manifest of ``tmp``; the marker with its sha256."""
+    return {**marker, "manifest_sha256": write_manifest(tmp, marker["config"], model_dir, MARKER_FILES)}
+
+
 def finalize(tmp: str, final: str, marker: dict) -> None:
-    """Rank 0, after every rank wrote its shards: marker last, then the atomic rename."""
+    """Rank 0, after every rank wrote its shards and the manifest: marker last, then the atomic rename."""
     with open(os.path.join(tmp, MARKER + ".part"), "w") as fh:
         json.dump(marker, fh, indent=1)
         fh.flush()
@@ -128,17 +138,31 @@ def finalize(tmp: str, final: str, marker: dict) -> None:
     _fsync_dir(os.path.dirname(final))
 
 
+def remove_leftovers(output_dir: str, keep: str | None = None) -> list[str]:
+    """Remove the ``.tmp-``/``.old-`` directories of interrupted saves (all but ``keep``), saying so.
+
+    Only the run that owns ``output_dir`` (``ownership.py``) calls this, so no live save is removed;
+    a dead save left on a full disk would otherwise make the next save fail again."""
+    root = checkpoints_dir(output_dir)
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if (".tmp-" in name or ".old-" in name) and path != keep:
+            log.info("removing %s, left by an interrupted save", path)
+            print(f"removing {path}, left by an interrupted save", flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def prune(output_dir: str, keep: int | None, current: str) -> None:
     """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted saves."""
     root = checkpoints_dir(output_dir)
+    remove_leftovers(output_dir, keep=current)
     complete = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if ".tmp-" in name or ".old-" in name:
-            if path != current:
-                log.info("removing %s, left by an interrupted save", path)
-                shutil.rmtree(path, ignore_errors=True)
-        elif STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MARKER)):
+        if STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MARKER)):
             complete.append((int(STEP_DIR.match(name).group(1)), path))
     if keep is not None:
         for _, path in sorted(complete)[: max(0, len(complete) - keep)]:

@@ -12,9 +12,11 @@ from the base model on resume.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,27 +28,34 @@ import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardlm.checkpoint.io import load_dcp, read_metadata
 from shardlm.checkpoint.layout import (
     FORMAT_VERSION,
+    MARKER_FILES,
     checkpoints_dir,
     copy_hf_files,
     finalize,
     find_latest,
     prune,
     read_marker,
+    remove_leftovers,
     resolve,
+    write_proof,
 )
+from shardlm.checkpoint.manifest import check_model, verify
 from shardlm.config import Config
 from shardlm.distributed.shards import PackedShards, SavePlanner, keep_parts_in, packed_view, parts_placements
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, OutOfSpace
 
 log = logging.getLogger("shardlm")
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+VERIFIED_ENV = "SHARDLM_VERIFIED_CHECKPOINT"
 
 LORA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
@@ -101,44 +110,92 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def _bytes(state_dict: dict) -> int:
+    """Bytes of the tensors of a state dict at their global shapes (DTensors whole)."""
+    return sum(v.numel() * v.element_size() for v in state_dict.values() if isinstance(v, torch.Tensor))
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """``exc`` is, wraps or was caused by ENOSPC (DCP wraps each rank's write error)."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return False
+
+
+def out_of_space(path: str, needed: int) -> OutOfSpace:
+    """The one line for a save that filled the disk: where, about how much it needed, how much is free."""
+    free = shutil.disk_usage(os.path.dirname(os.path.normpath(path))).free
+    return OutOfSpace(
+        f"no space left on device writing {path}: it needs about {needed / 1e6:.1f} MB, "
+        f"{free / 1e6:.1f} MB are free there; free some space or set another train.output_dir"
+    )
+
+
 def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
-    """Collective: every rank writes its shards of model, optimizer and RNG into ``step-{step}``."""
+    """Collective: every rank writes its shards of model, optimizer and RNG into ``step-{step}``.
+
+    A save that fills the disk removes its ``.tmp-`` directory and raises ``OutOfSpace`` naming
+    the path and about how much space the checkpoint needs (model + optimizer state, global)."""
     t = cfg.train
     rank, start = dist.get_rank(), time.perf_counter()
     final = os.path.join(checkpoints_dir(t.output_dir), f"step-{step}")
     tmp = _broadcast_str(f"{final}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else "")
-    if rank == 0:
-        os.makedirs(os.path.join(tmp, "rng"))
-        copy_hf_files(cfg, os.path.join(tmp, "hf"))
-    dist.barrier()
     model_sd, optim_sd = state.state_dicts()
-    dcp.save(
-        {"model": packed_view(model_sd), "optim": packed_view(optim_sd)},
-        storage_writer=FileSystemWriter(tmp),
-        planner=SavePlanner(),
-    )
-    save_file(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.safetensors"))
-    dist.barrier()
+    needed = _bytes(model_sd) + _bytes(optim_sd)
+    try:
+        if rank == 0:
+            remove_leftovers(t.output_dir)  # a dead save (on a full disk: the space this one needs)
+            os.makedirs(os.path.join(tmp, "rng"))
+            copy_hf_files(cfg, os.path.join(tmp, "hf"))
+        dist.barrier()
+        dcp.save(
+            {"model": packed_view(model_sd), "optim": packed_view(optim_sd)},
+            storage_writer=FileSystemWriter(tmp),
+            planner=SavePlanner(),
+        )
+        save_file(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.safetensors"))
+        dist.barrier()
+        if rank == 0:
+            finalize(tmp, final, write_proof(tmp, _marker(state, cfg, step), cfg.model))
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        # torch.save's zip writer reports a full disk as "unexpected pos": ask the disk too
+        if not (_disk_full(exc) or shutil.disk_usage(os.path.dirname(final)).free < needed):
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise out_of_space(final, needed) from None
     if rank == 0:
-        marker = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "samples_seen": step * cfg.global_batch_size,
-            "global_batch_size": cfg.global_batch_size,
-            "seed": t.seed,
-            "num_samples": state.num_samples,
-            "world_size": dist.get_world_size(),
-            "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep")},
-            "lora": state.lora_marker(),
-            "scheduler": state.scheduler.state_dict(),
-            "config": cfg.to_dict(),
-        }
-        finalize(tmp, final, marker)
         prune(t.output_dir, t.save_total_limit, final)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
         print(f"saved {final} ({size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)", flush=True)
     dist.barrier()
     return final
+
+
+def _marker(state: TrainState, cfg: Config, step: int) -> dict:
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "samples_seen": step * cfg.global_batch_size,
+        "global_batch_size": cfg.global_batch_size,
+        "seed": cfg.train.seed,
+        "num_samples": state.num_samples,
+        "world_size": dist.get_world_size(),
+        "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep")},
+        "lora": state.lora_marker(),
+        "scheduler": state.scheduler.state_dict(),
+        "config": cfg.to_dict(),
+    }
 
 
 # ---------------------------------------------------------------- resuming
@@ -160,14 +217,35 @@ def check_compatible(step_dir: str, marker: dict, cfg, num_samples: int | None =
         )
 
 
-def precheck_resume(cfg: Config) -> None:
-    """Before spawning: the checkpoint ``train.resume`` names exists, is complete and fits this run."""
+def precheck_resume(cfg: Config) -> str | None:
+    """Before spawning: the checkpoint ``train.resume`` names exists, is complete, has the bytes its
+    manifest recorded, was saved from this model and fits this run; returns it (None: none to resume)."""
     t = cfg.train
     if t.resume is False or t.resume is None:
-        return
+        return None
     step_dir = find_latest(t.output_dir) if t.resume is True else resolve(str(t.resume), "train.resume")
     if step_dir is not None:
-        check_compatible(step_dir, read_marker(step_dir), cfg)
+        marker = read_marker(step_dir)
+        check_model(step_dir, verify(step_dir, marker, MARKER_FILES), cfg.model, "train.resume")
+        check_compatible(step_dir, marker, cfg)
+    return step_dir
+
+
+def verify_collective(step_dir: str, marker: dict) -> None:
+    """Collective: rank 0 checks ``step_dir`` against its manifest (``manifest.verify``), every rank
+    raises the same ConfigError if it fails. Skipped when the launcher verified it already
+    (the CLI sets ``SHARDLM_VERIFIED_CHECKPOINT`` after ``precheck_resume``; the spawned ranks inherit it)."""
+    if os.environ.get(VERIFIED_ENV) == os.path.realpath(step_dir):
+        return
+    problem = ""
+    if dist.get_rank() == 0:
+        try:
+            verify(step_dir, marker, MARKER_FILES)
+        except ConfigError as exc:
+            problem = str(exc)
+    problem = _broadcast_str(problem)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_shapes(step_dir: str, metadata: Metadata, model_sd: dict) -> None:
@@ -233,6 +311,7 @@ def load_checkpoint(state: TrainState, cfg: Config, step_dir: str) -> dict:
 
     Returns the marker; its ``step`` is where training continues."""
     marker = read_marker(step_dir)
+    verify_collective(step_dir, marker)
     check_compatible(step_dir, marker, cfg, state.num_samples)
     _check_lora(step_dir, marker, state.lora_marker())
     metadata = read_metadata(step_dir)

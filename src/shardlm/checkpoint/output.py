@@ -3,6 +3,7 @@ comparison and its message, and the Hugging Face files written next to the weigh
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from shardlm.checkpoint.layout import HF_FILES, TOKENIZER_FILES
+from shardlm.errors import OutOfSpace
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -22,17 +24,43 @@ class VerificationError(RuntimeError):
     """The written files differ from the checkpoint; the message names the first mismatch."""
 
 
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file here (0o666 less the umask, e.g. 0o644)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _plain_modes(folder: str) -> None:
+    """Give every file in ``folder`` the mode of any file ``open()`` creates: safetensors'
+    ``save_file`` (and so ``save_pretrained``) writes 0o600, unlike the files beside it."""
+    mode = default_file_mode()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            os.chmod(path, mode)
+
+
 @contextmanager
-def staged(out: str):
+def staged(out: str, needed: int | None = None):
     """A fresh ``OUT.tmp-<id>`` directory to write into: renamed to ``out`` if the block succeeds,
-    removed if it fails, so nothing half-written is ever left at ``out``."""
+    removed if it fails, so nothing half-written is ever left at ``out``. A full disk becomes one
+    ``OutOfSpace`` line naming ``out`` and the ``needed`` bytes (the weights), where known."""
     tmp = f"{os.path.normpath(out)}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
         yield tmp
+        _plain_modes(tmp)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
+            need = f"it needs about {needed / 1e6:.1f} MB, " if needed else ""
+            raise OutOfSpace(
+                f"no space left on device writing {out}: {need}{free / 1e6:.1f} MB are free there; "
+                "free some space or write elsewhere"
+            ) from None
         raise
 
 

@@ -133,6 +133,9 @@ class TrainConfig:
     save_steps: int = 0  # checkpoint every N steps and at the end; 0: no checkpoints
     save_total_limit: int | None = None  # keep the newest N complete checkpoints; None: all
     resume: bool | str = False  # true: newest complete checkpoint of output_dir; or a checkpoint path
+    # a run that does not resume into an output_dir holding another run's checkpoints or metrics is
+    # refused; true: remove them first, saying so (checkpoint/ownership.py)
+    overwrite_output_dir: bool = False
     # faults (faults.py): stop after this many non-finite steps in a row (each one's update is skipped)
     max_bad_steps: int = 3
     # seconds any collective may wait for the other ranks before failing (every process group)

@@ -7,6 +7,11 @@ Faults (see also ``train/faults.py``):
     then SIGKILL after ``shutdown_timeout``) and ``spawn`` raises ``RankFailed`` naming the rank
     that failed first. A rank killed by a signal is preferred over one that raised at about the
     same time: the others' errors are then consequences (their collective lost a peer);
+  * a launcher that dies (kill -9, OOM killer) takes its ranks with it: each rank asks Linux
+    for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, ``RankEntry``), so no rank
+    keeps computing, or writing into the output directory, for a launcher that is gone. The
+    previous checkpoint stays whole (saves are atomic, ``checkpoint/layout.py``) and the next
+    save or run removes the dead ``.tmp-`` directory;
   * SIGTERM to the launching process is forwarded to the workers, which save a checkpoint at a
     step they agree on and return normally, so ``spawn`` returns and the CLI exits 0. The
     elastic agent therefore handles only SIGINT, SIGHUP and SIGQUIT itself (stop at once).
@@ -14,9 +19,14 @@ Faults (see also ``train/faults.py``):
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -26,8 +36,69 @@ from torch.distributed.elastic.multiprocessing.api import _terminate_process_han
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardlm.errors import ConfigError
+
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")  # the elastic agent stops the workers at once on these
 SHUTDOWN_TIMEOUT_S = 30  # after a failure: seconds between the agent's SIGTERM to the others and SIGKILL
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing happens). If the
+    parent is already gone (it died before this call), exit now."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no prctl
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class RankEntry:
+    """What each spawned rank runs: ``die_with_parent`` (the launcher's pid, recorded here when
+    the launcher builds it), then ``fn``. A ``ConfigError`` (a problem only a rank can see, such
+    as a full disk at save: ``errors.OutOfSpace``) ends the rank with exit code 2 and its one
+    line in ``messages/RANK``, which the launcher reports instead of tracebacks. A class, so it
+    pickles for the ``spawn`` start method; ``__name__``/``__qualname__`` name the entry point."""
+
+    def __init__(self, fn: Callable, messages: str):
+        self.fn, self.parent, self.messages = fn, os.getpid(), messages
+        self.__name__ = self.__qualname__ = getattr(fn, "__qualname__", "rank")
+
+    def __call__(self, *args: Any) -> Any:
+        die_with_parent(self.parent)
+        try:
+            return self.fn(*args)
+        except ConfigError as exc:
+            with open(os.path.join(self.messages, os.environ.get("RANK", "0")), "w") as fh:
+                fh.write(str(exc))
+            sys.exit(2)  # SystemExit: no traceback from the process or the elastic agent
+
+
+QUIETED = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+
+class _QuietCleanFailures(logging.Filter):
+    """Once a rank left its one line in ``messages``, drop the launcher's log of the teardown (the
+    agent's traceback of that rank's exit, "Terminating process ... via signal SIGTERM")."""
+
+    def __init__(self, messages: str):
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not os.listdir(self.messages)
+
+
+def _messages(folder: str) -> dict[int, str]:
+    out = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as fh:
+            out[int(name)] = fh.read().strip()
+    return out
 
 
 def under_torchrun() -> bool:
@@ -70,12 +141,23 @@ def spawn(fn: Callable, nproc: int, *args: Any) -> dict[int, Any]:
     previous = {sig: signal.getsignal(sig) for sig in handled} if main else {}
     if main:
         signal.signal(signal.SIGTERM, _forward_sigterm)
+    messages = tempfile.mkdtemp(prefix="shardlm-ranks-")
+    quiet = _QuietCleanFailures(messages)
+    for name in QUIETED:
+        logging.getLogger(name).addFilter(quiet)
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, RankEntry(fn, messages))(*args)
     except ChildFailedError as exc:
+        clean = _messages(messages)
+        if clean:  # a rank's own one-line answer (ConfigError): the first rank that gave one
+            rank = min(clean)
+            raise RankFailed(f"rank {rank} failed: {clean[rank]}") from None
         rank, failure = root_failure(exc.failures)
         raise RankFailed(f"rank {rank} failed: {describe(failure)}") from None
     finally:
+        for name in QUIETED:
+            logging.getLogger(name).removeFilter(quiet)
+        shutil.rmtree(messages, ignore_errors=True)
         for sig, handler in previous.items():  # the agent installs its own; put the caller's back
             signal.signal(sig, handler)
 

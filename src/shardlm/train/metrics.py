@@ -7,7 +7,8 @@ ranks (loss and token counts are reduced over data parallelism, memory is the ma
   every step; otherwise (a log file, CI, a pipe) one plain line per logging step, never a ``\\r``.
 * ``output_dir/metrics.jsonl``: one JSON object per logging step (step, loss, grad_norm,
   learning_rate, tokens_per_second, step_time_s, peak_memory_mb, and mfu on GPU) and one per
-  evaluation (step, eval_loss, eval_ppl, eval_tokens). A resumed run appends.
+  evaluation (step, eval_loss, eval_ppl, eval_tokens), each with the ``run_id`` that wrote it
+  (``checkpoint/ownership.py``). A resumed run appends.
 * ``report_to: tensorboard``: the same scalars under ``output_dir/tensorboard``.
 * At the end ``output_dir/loss.png``: loss and eval loss against step, drawn from metrics.jsonl
   (so a resumed run's plot is whole), with the plotted points stored in the PNG's text chunk
@@ -155,8 +156,16 @@ class Progress:
 class MetricsWriter:
     """Rank 0's sinks for step and eval records; a no-op object on other ranks."""
 
-    def __init__(self, cfg: TrainConfig, start_step: int, append: bool, enabled: bool, stream: IO[str] | None = None):
-        self.enabled = enabled
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        start_step: int,
+        append: bool,
+        enabled: bool,
+        stream: IO[str] | None = None,
+        run_id: str | None = None,
+    ):
+        self.enabled, self.run_id = enabled, run_id
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.plot_path = os.path.join(cfg.output_dir, "loss.png")
         self.tb = None
@@ -173,7 +182,7 @@ class MetricsWriter:
 
     def _append(self, record: dict) -> None:
         with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps({**record, "run_id": self.run_id} if self.run_id else record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
+from shardlm.checkpoint.ownership import run_id
 from shardlm.config import Config, TrainConfig
 from shardlm.data.dataset import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
 from shardlm.data.fit import check_ids, load_tokenizer, vocab_size
@@ -93,11 +94,12 @@ def print0(*args) -> None:
         print(*args, flush=True)
 
 
-def _setup_rank_log(output_dir: str) -> None:
+def _setup_rank_log(output_dir: str, run: str) -> None:
+    """``logs/rankN.log``, appended to (a resumed run continues it); every line names the run's id."""
     rank = dist.get_rank()
     os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
     handler = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s run {run} %(levelname)s %(message)s"))
     log.handlers = [handler]
     log.setLevel(logging.INFO)
 
@@ -131,6 +133,7 @@ class Trainer:
 
     ``eval_dataset``: samples for ``evaluate``; by default built from ``config.eval.path``.
     ``history`` collects the records of logging steps, ``eval_history`` those of evaluations.
+    ``run_id``: what metrics.jsonl records carry (``checkpoint/ownership.py``); None: a new one.
     """
 
     model: ParallelModel
@@ -140,6 +143,7 @@ class Trainer:
     eval_dataset: TokenDataset | None = None
     history: list[dict] = field(default_factory=list)
     eval_history: list[dict] = field(default_factory=list)
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         t = self.config.train
@@ -292,7 +296,8 @@ class Trainer:
         resumed = checkpoint.maybe_resume(self.state, self.config)  # model, optimizer, scheduler, RNG
         if resumed is not None:
             self.step = resumed["step"]
-        writer = MetricsWriter(t, self.step, append=bool(resumed), enabled=dist.get_rank() == 0)
+        self.run_id = self.run_id or run_id()  # collective where rank 0 names the run
+        writer = MetricsWriter(t, self.step, append=bool(resumed), enabled=dist.get_rank() == 0, run_id=self.run_id)
         evaluated_at = None
         try:
             while self.step < t.max_steps:
@@ -349,7 +354,8 @@ def run(cfg: Config) -> list[dict]:
     faults.catch_sigterm()  # a SIGTERM while the model is built is acted on after the first step
     init_distributed(cfg.train.timeout_s)
     mesh = build_mesh(cfg.parallel)
-    _setup_rank_log(cfg.train.output_dir)
+    run = run_id()
+    _setup_rank_log(cfg.train.output_dir, run)
     log.info("rank %d of %d (pid %d), layout %s", dist.get_rank(), dist.get_world_size(), os.getpid(), cfg.parallel)
     tokenizer = load_tokenizer(cfg)
     dataset = build_dataset(cfg.data, tokenizer)
@@ -368,5 +374,5 @@ def run(cfg: Config) -> list[dict]:
     )
     if cfg.lora is not None:
         print0(describe_trainable(model.module))
-    history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset).train()
+    history = Trainer(model, cfg, dataset, mesh, eval_dataset=eval_dataset, run_id=run).train()
     return history
