@@ -13,6 +13,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardlm"
 LAZY_ALLOWED = {"shardlm.cli"}
 # the packages in dependency order: each imports only from those before it (and itself)
 LAYERS = ["errors", "config", "data", "distributed", "parallel", "checkpoint", "train", "preflight", "estimate", "cli"]
+# the wings of ``parallel/`` in dependency order; the wings of one layer never import each other
+# (inference and the runtime styles meet only in the builder); ``build`` and ``__init__`` on top
+PARALLEL_LAYERS = [{"model"}, {"plan"}, {"infer", "runtime", "weights"}, {"build"}]
 
 
 def module_name(path: Path) -> str:
@@ -92,6 +95,28 @@ def test_packages_depend_one_way():
     for module, targets in graph().items():
         for target in targets:
             assert layer(target) <= layer(module), f"{module} imports {target}, a later layer"
+
+
+def parallel_wing(module: str) -> tuple[int, str]:
+    """(layer, wing) of a module of ``shardlm.parallel``: its subpackage, or the entry points on top."""
+    wing = module.split(".")[2] if module.count(".") >= 2 else "__init__"
+    found = [i for i, wings in enumerate(PARALLEL_LAYERS) if wing in wings]
+    return (found[0] if found else len(PARALLEL_LAYERS)), wing
+
+
+def test_parallel_wings_depend_one_way():
+    parallel = {m: ts for m, ts in graph().items() if m.startswith("shardlm.parallel.")}
+    assert {parallel_wing(m)[1] for m in parallel} >= {w for ws in PARALLEL_LAYERS for w in ws}
+    wings = {f"shardlm.parallel.{w}" for ws in PARALLEL_LAYERS for w in ws}
+    loose = {m for m in parallel if m.count(".") == 2} - wings  # the builder is a wing of its own
+    assert not loose, f"loose files in parallel/ besides its entry points: {sorted(loose)}"
+    for module, targets in parallel.items():
+        layer, wing = parallel_wing(module)
+        for target in targets:
+            if not target.startswith("shardlm.parallel."):
+                continue
+            t_layer, t_wing = parallel_wing(target)
+            assert t_layer < layer or t_wing == wing, f"{module} ({wing}) imports {target} ({t_wing})"
 
 
 def test_no_private_names_cross_modules_and_no_hidden_imports():
