@@ -88,7 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardlm.parallel.infer.autotp import any_block, check_geometry, infer_plan
+    from shardlm.parallel.infer.autotp import check_geometry, infer_plan
+    from shardlm.parallel.infer.refusals import any_block
     from shardlm.parallel.model.meta import build_meta_model
     from shardlm.parallel.plan.describe import describe_plan
     from shardlm.parallel.runtime.ep import describe_ep

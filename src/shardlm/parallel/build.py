@@ -166,9 +166,7 @@ def parallelize(
         else:
             lora.init_adapters(model, seed)
     model.train()
-    partial = tp_partial_grad_params(model, plan)
-    if lora_config is not None and mesh.parallel.tp > 1:
-        partial += lora.tp_partial_grad_params(model, plan)
+    partial = tp_partial_grad_params(model, plan, with_lora=lora_config is not None and mesh.parallel.tp > 1)
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
     dtype = mp_policy.param_dtype if fsdp_on else None
     return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, mesh.expert_dp_group if experts else None)

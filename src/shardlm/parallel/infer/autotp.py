@@ -100,6 +100,7 @@ from shardlm.parallel.infer.channels import channel_placements, local_sizes, pla
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, place_experts
 from shardlm.parallel.infer.latent import place_latents
+from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
@@ -168,9 +169,8 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
         notes = [n[len(RUNNING_NOTE) :] for n in getattr(exc, "__notes__", ()) if n.startswith(RUNNING_NOTE)]
         where = notes[0] if notes else type(model).__name__
         detail = " ".join(str(exc).split())[:160]
-        raise ConfigError(
-            f"parallel.tp: {where}: tracing the tensor-parallel plan failed ({type(exc).__name__}: {detail}); "
-            f"shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
+        raise cannot_split(
+            f"{where}: tracing the tensor-parallel plan failed ({type(exc).__name__}: {detail})"
         ) from None
 
 
@@ -238,29 +238,19 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             for fqn in region:
                 reasons.setdefault(fqn, why)
             if not region:
-                raise ConfigError(
-                    f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
-                )
+                raise cannot_split(why)
         if not region:  # violations but nothing new to keep replicated: give up
-            why = traced.violations[0][1]
-            raise ConfigError(
-                f"parallel.tp: {why}; shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
-            )
+            raise cannot_split(traced.violations[0][1])
         forced = forced | region
     raise ConfigError(
         f"parallel.tp: {type(model).__name__}: no consistent tensor-parallel plan after {_MAX_ROUNDS} rounds "
-        f"({next(iter(reasons.values()), '')}); parallel.fsdp trains it"
+        f"({next(iter(reasons.values()), '')}); {FSDP_TRAINS_IT}"
     )
 
 
 def _block_key(fqn: str) -> str:
     """``transformer.h.3.attn.c_attn`` -> ``transformer.h.#.attn.c_attn``."""
     return re.sub(r"\.\d+(?=\.|$)", ".#", fqn) + "."
-
-
-def any_block(text: str) -> str:
-    """Module names in ``text`` with their block index as ``*`` (one reason for every block)."""
-    return re.sub(r"(?<=[A-Za-z_])\.\d+(?=[.\s)]|$)", ".*", text)
 
 
 def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
@@ -360,10 +350,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
                     plan.styles[f"{user}.{name}"] = "replicate_local"
             continue
         who = f"{any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
-        raise ConfigError(
-            f"parallel.tp: {who} uses a parameter of "
-            f"{any_block(owner)} directly, which tensor-parallel styles cannot place yet; shardlm cannot split "
-            "this model with tp > 1 yet, parallel.fsdp trains it"
+        raise cannot_split(
+            f"{who} uses a parameter of {any_block(owner)} directly, which tensor-parallel styles cannot place yet"
         )
     split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for fqn, style in plan.styles.items():
@@ -373,19 +361,17 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
                 # or a tensor computed from parameters alone, meeting split ones is a violation)
                 plan.styles[fqn] = "replicate_own"
                 continue
-            raise ConfigError(
-                f"parallel.tp: {any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
-                "own around split layers, which tensor-parallel styles cannot place yet; shardlm cannot split this "
-                "model with tp > 1 yet, parallel.fsdp trains it"
+            raise cannot_split(
+                f"{any_block(fqn)} ({type(model.get_submodule(fqn)).__name__}) holds parameters of its "
+                "own around split layers, which tensor-parallel styles cannot place yet"
             )
         # an input embedding / LM head of several parameterized modules (Inkling 2's): torch's vocabulary
         # styles place only a module's own parameters (found with MoE models, which planned from here on)
         module = model.get_submodule(fqn)
         if style in ("embedding", "lm_head") and any("." in n for n, _ in module.named_parameters()):
-            raise ConfigError(
-                f"parallel.tp: {fqn} ({type(module).__name__}), the {style.replace('_', ' ')}, holds parameters in "
-                "submodules, which the vocabulary-parallel style cannot place yet; shardlm cannot split this model "
-                "with tp > 1 yet, parallel.fsdp trains it"
+            raise cannot_split(
+                f"{fqn} ({type(module).__name__}), the {style.replace('_', ' ')}, holds parameters in "
+                "submodules, which the vocabulary-parallel style cannot place yet"
             )
     places: dict[int, list[str]] = {}
     for name, module in model.named_modules():
@@ -394,9 +380,9 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
     for names in places.values():
         kinds = {plan.styles[n] for n in names if n in plan.styles}  # unstyled: placed by another owner
         if len(kinds) > 1 and kinds != {"embedding", "lm_head"}:
-            raise ConfigError(
-                f"parallel.tp: a parameter is shared by {' and '.join(names)} with different styles "
-                f"({', '.join(sorted(str(k) for k in kinds))}), which shardlm cannot split yet; parallel.fsdp trains it"
+            raise not_splittable(
+                f"a parameter is shared by {' and '.join(names)} with different styles "
+                f"({', '.join(sorted(str(k) for k in kinds))})"
             )
 
 
@@ -405,10 +391,7 @@ def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]
-        raise ConfigError(
-            f"parallel.tp: no layer of {type(model).__name__} can be split: {first}; shardlm cannot split this "
-            "model with tp > 1 yet, parallel.fsdp trains it"
-        )
+        raise cannot_split(f"no layer of {type(model).__name__} can be split: {first}")
     return plan
 
 

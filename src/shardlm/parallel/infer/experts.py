@@ -43,7 +43,7 @@ import re
 import torch
 import torch.nn as nn
 
-from shardlm.errors import ConfigError
+from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module
 from shardlm.parallel.model.hf import config_size, config_value
 from shardlm.parallel.plan.plan import Plan
@@ -68,13 +68,6 @@ _PROBE_TOKENS = 5
 _PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by O(1)
 
 
-_REFUSAL_TAIL = "shardlm cannot split this model with tp > 1 yet, parallel.fsdp trains it"
-
-
-def _any_block(name: str) -> str:
-    return re.sub(r"(?<=[A-Za-z_])\.\d+(?=[.\s)]|$)", ".*", name)
-
-
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
     """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
     ``ConfigError`` for an experts module no placement splits exactly, for router jitter noise
@@ -83,9 +76,9 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
     for key in _JITTER:
         noise = config_value(model.config, key)
         if isinstance(noise, (int, float)) and noise > 0:
-            raise ConfigError(
-                f"parallel.tp: {key}={noise} randomizes the router in training (jitter), which each TP rank would "
-                f"draw on its own (0 in config.json turns it off); {_REFUSAL_TAIL}"
+            raise cannot_split(
+                f"{key}={noise} randomizes the router in training (jitter), which each TP rank would "
+                f"draw on its own (0 in config.json turns it off)"
             )
     hidden = config_size(model.config, "hidden_size")
     blocks = block_prefixes(model)
@@ -99,7 +92,7 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
             probed[key] = probe_layout(module, hidden, tp) if hidden else "the model's config has no hidden_size"
         layout = probed[key]
         if isinstance(layout, str):
-            raise ConfigError(f"parallel.tp: {_any_block(name)} ({type(module).__name__}): {layout}; {_REFUSAL_TAIL}")
+            raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
         found[name] = layout
     refuse_unhandled_moe(model, found)
     return found
@@ -125,9 +118,9 @@ def place_experts(model: nn.Module, plan: Plan, experts: dict[str, dict[str, Exp
             plan.styles[fqn] = Style.REPLICATE_LOCAL.value
         elif fqn.rpartition(".")[0] in blocks and style in SPLIT_LINEAR and not _plain_linear(model.get_submodule(fqn)):
             module = model.get_submodule(fqn)
-            raise ConfigError(
-                f"parallel.tp: {_any_block(fqn)} ({type(module).__name__}) is a router the trace takes for a "
-                f"{style} layer (a linear layer with a forward of its own); {_REFUSAL_TAIL}"
+            raise cannot_split(
+                f"{any_block(fqn)} ({type(module).__name__}) is a router the trace takes for a "
+                f"{style} layer (a linear layer with a forward of its own)"
             )
 
 
@@ -145,9 +138,9 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
         cls = type(module).__name__
         covered = f"{name}.".startswith(owners) or any(owner.startswith(f"{name}.") for owner in owners)
         if name.startswith(blocks) and not covered and _MOE_CLASS.search(cls.removeprefix(family)):
-            raise ConfigError(
-                f"parallel.tp: {name} ({cls}) is a mixture-of-experts layer whose experts are not fused 3-D "
-                f"parameters shardlm can split; {_REFUSAL_TAIL}"
+            raise cannot_split(
+                f"{name} ({cls}) is a mixture-of-experts layer whose experts are not fused 3-D "
+                f"parameters shardlm can split"
             )
     if handled:
         return
@@ -155,10 +148,9 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
     for key in _MOE_COUNTS:
         counts = [config_value(c, key) for c in configs if c is not None]
         if any(isinstance(n, int) and n > 1 for n in counts):
-            raise ConfigError(
-                f"parallel.tp: {type(model).__name__} is a mixture-of-experts model "
-                f"({key}={max(n or 0 for n in counts)}) in which shardlm finds no fused experts module; "
-                f"{_REFUSAL_TAIL}"
+            raise cannot_split(
+                f"{type(model).__name__} is a mixture-of-experts model "
+                f"({key}={max(n or 0 for n in counts)}) in which shardlm finds no fused experts module"
             )
 
 

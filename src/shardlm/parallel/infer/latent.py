@@ -36,7 +36,7 @@ import math
 import torch
 import torch.nn as nn
 
-from shardlm.errors import ConfigError
+from shardlm.parallel.infer.refusals import not_splittable
 from shardlm.parallel.model.hf import out_features
 from shardlm.parallel.plan.plan import Plan
 
@@ -57,9 +57,9 @@ def place_latents(model: nn.Module, plan: Plan, readers: dict[str, set[str]], la
             plan.styles[fqn] = "replicate_grad_allreduce"
             plan.latent_readers[fqn] = min(sources)
         else:
-            raise ConfigError(
-                f"parallel.tp: {fqn} ({type(model.get_submodule(fqn)).__name__}) reads the low-rank latent of "
-                f"{min(sources)} as a {style} layer, which shardlm cannot split yet; parallel.fsdp trains it"
+            raise not_splittable(
+                f"{fqn} ({type(model.get_submodule(fqn)).__name__}) reads the low-rank latent of "
+                f"{min(sources)} as a {style} layer"
             )
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from shardlm.errors import ConfigError
+from shardlm.parallel.infer.refusals import not_splittable
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import Style
 
@@ -114,10 +114,9 @@ def place_summed(model: nn.Module, plan: Plan, summed: set[str], readers: dict[s
         elif style == Style.REPLICATE:
             plan.styles[fqn] = Style.REPLICATE_GRAD_ALLREDUCE.value
         else:
-            raise ConfigError(
-                f"parallel.tp: {fqn} ({type(model.get_submodule(fqn)).__name__}) reads the whole output of "
-                f"{min(rows)} inside a split region as a {style} layer, which shardlm cannot split yet; "
-                "parallel.fsdp trains it"
+            raise not_splittable(
+                f"{fqn} ({type(model.get_submodule(fqn)).__name__}) reads the whole output of "
+                f"{min(rows)} inside a split region as a {style} layer"
             )
 
 

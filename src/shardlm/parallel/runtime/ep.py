@@ -37,14 +37,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.experts import count_attrs, experts_modules
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style, local_shape, sharded_dim
 from shardlm.parallel.runtime.experts import expert_placements
-from shardlm.parallel.runtime.grads import SumGradsOverTP, sum_tp_partial_grads
+from shardlm.parallel.runtime.grads import sum_tp_partial_grads
+from shardlm.parallel.runtime.regions import CopyToRegion, reduce_from_region
 
 
 def check_ep(model: nn.Module, ep: int) -> None:
@@ -131,7 +132,7 @@ class ExpertsDispatch:
         hidden, index, weights = (*args, *kwargs.values())
         x = hidden.reshape(-1, hidden.shape[-1])
         if self.tp > 1:  # each TP rank's input gradients cover its share of the experts: summed over TP
-            x, weights = SumGradsOverTP.apply(self.mesh["tp"], x, weights)
+            x, weights = CopyToRegion.apply(self.mesh["tp"], x, weights)
         k = index.shape[-1]
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -167,8 +168,7 @@ class ExpertsDispatch:
         pairs = back[torch.argsort(order)].view(-1, k, back.shape[-1])
         y = (pairs * weights.reshape(-1, k, 1).to(pairs.dtype)).sum(1)
         if self.tp > 1:  # each TP rank's output is its share of every expert: one all-reduce
-            tp = self.mesh["tp"]
-            y = DTensor.from_local(y, tp, [Partial()], run_check=False).redistribute(tp, [Replicate()]).to_local()
+            y = reduce_from_region(y, self.mesh["tp"])
         return y.reshape(shape).clone()  # a tensor of its own (models add into it in place)
 
 

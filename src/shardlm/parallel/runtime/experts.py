@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardlm.distributed.shards import LocalParams
 from shardlm.parallel.plan.styles import ExpertParam
-from shardlm.parallel.runtime.grads import SumGradsOverTP
 from shardlm.parallel.runtime.linear import shard_params
+from shardlm.parallel.runtime.regions import CopyToRegion, reduce_from_region
 
 
 def expert_placements(module: nn.Module, params: dict[str, ExpertParam]) -> dict[str, object]:
@@ -33,7 +33,7 @@ class ExpertsParallel(ParallelStyle):
     placed ``once`` (a bias after the down projection) is whole on every rank but used by rank 0
     only (others see zeros): its gradient is summed over TP with the other TP-partial gradients
     (``tp_partial_grad_params``). The gradients of the floating-point inputs are summed over TP
-    in one all-reduce (``SumGradsOverTP``): each rank's covers only its share of the experts.
+    in one all-reduce (``CopyToRegion``): each rank's covers only its share of the experts.
     The swap is ``LocalParams``'s.
     """
 
@@ -55,7 +55,7 @@ class ExpertsParallel(ParallelStyle):
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
-                summed = SumGradsOverTP.apply(device_mesh, *(flat[i] for i in floats))
+                summed = CopyToRegion.apply(device_mesh, *(flat[i] for i in floats))
                 for i, t in zip(floats, summed):
                     flat[i] = t
             return tree_unflatten(flat, spec)
@@ -65,8 +65,7 @@ class ExpertsParallel(ParallelStyle):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
             # a tensor of its own (Rowwise's reason: models add into the output in place)
-            reduced = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
-            return reduced.redistribute(device_mesh, [Replicate()]).to_local().clone()
+            return reduce_from_region(out, device_mesh).clone()
 
         module.register_forward_pre_hook(to_local, with_kwargs=True)
         module.register_forward_hook(restore)

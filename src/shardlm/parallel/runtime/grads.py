@@ -1,69 +1,42 @@
 """TP-partial gradients: what each TP rank holds only a partial sum of, and the sums over TP.
 
-``SumGradsOverTP`` sums the gradients of a region's inputs in backward (one all-reduce);
-``tp_partial_grad_params`` lists the parameters whose gradients each rank computes from its own heads,
-rows or share only, and ``sum_tp_partial_grads`` sums them over TP once per step (the trainer calls it
-before clipping).
+The one list of them (``tp_partial_grad_params``): the parameters whose gradients each rank computes
+from its own heads, rows or share only (``replicate_grad_allreduce``, sliced projections, ``per_channel``
+parameters stored whole, experts' parameters added once, and under LoRA the adapter matrices beside a
+split base); ``sum_tp_partial_grads`` sums them over TP once per step (the trainer calls it before
+clipping). The sums inside a forward or backward are ``regions.py``'s.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
+from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import Style
 
 
-def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The sum over TP of ``t`` (outside autograd: in a backward)."""
-    return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-class SumGradsOverTP(torch.autograd.Function):
-    """Identity forward; backward: the gradients of all its inputs summed over TP in one all-reduce
-    (flattened together, in the widest of their dtypes)."""
-
-    @staticmethod
-    def forward(ctx, mesh: DeviceMesh, *tensors: torch.Tensor):
-        ctx.mesh = mesh
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        present = [g for g in grads if g is not None]
-        if not present:
-            return (None, *grads)
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g in present))
-        flat = _all_reduce(torch.cat([g.reshape(-1).to(dtype) for g in present]), ctx.mesh)
-        out, offset = [], 0
-        for g in grads:
-            if g is None:
-                out.append(None)
-                continue
-            out.append(flat[offset : offset + g.numel()].view(g.shape).to(g.dtype))
-            offset += g.numel()
-        return (None, *out)
-
-
-def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
+def tp_partial_grad_params(model: nn.Module, plan: Plan, with_lora: bool = False) -> list[str]:
     """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
     the replicated parameters of sliced projections and of ``per_channel`` modules following
-    them, and experts' parameters added ``once``)."""
-    return channel_partial_grads(model, plan) + [
-        f"{fqn}.{pname}"
-        for fqn, style in plan.styles.items()
-        for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
-        if style == Style.REPLICATE_GRAD_ALLREDUCE
-        or fqn in plan.sliced
-        or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
-    ]
+    them, and experts' parameters added ``once``; ``with_lora``: and the adapters')."""
+    adapters = lora_partial_grads(model, plan) if with_lora else []
+    return (
+        channel_partial_grads(model, plan)
+        + [
+            f"{fqn}.{pname}"
+            for fqn, style in plan.styles.items()
+            for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
+            if style == Style.REPLICATE_GRAD_ALLREDUCE
+            or fqn in plan.sliced
+            or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
+        ]
+        + adapters
+    )
 
 
 @torch.no_grad()
@@ -93,3 +66,15 @@ def channel_partial_grads(model: nn.Module, plan: Plan) -> list[str]:
         for p in params
         if param_rows(plan, fqn, p) is not None and p in dict(model.get_submodule(fqn).named_parameters(recurse=False))
     ]
+
+
+def lora_partial_grads(model: nn.Module, plan: Plan) -> list[str]:
+    """The replicated adapter matrices whose gradients each TP rank computes in part."""
+    names = []
+    for fqn, style in plan.styles.items():
+        if is_lora_layer(model.get_submodule(fqn)):
+            # the adapter matrix beside the base's whole side: it meets a partial activation or gradient
+            partial = ("lora_B",) if style == Style.ROWWISE else ("lora_A",)
+            sides = ("lora_A", "lora_B") if fqn in plan.sliced else partial
+            names += [f"{fqn}.{side}.{ADAPTER}.weight" for side in sides]
+    return names

@@ -48,13 +48,14 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from shardlm.distributed.shards import packed_placement, parameter
 from shardlm.parallel.model.hf import (
     is_conv1d,
 )
+from shardlm.parallel.runtime.regions import copy_to_region
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
@@ -132,14 +133,13 @@ class SummedRowwise(Rowwise):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         out = Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
-        return whole.to_local(grad_placements=[Partial()])
+        return copy_to_region(out, device_mesh)
 
 
 def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``x`` (replicated) for a layer computing on local column shards: the same values, but its
     gradient, which covers only this rank's output columns, is summed over TP on the way back."""
-    return replicated_view(x, mesh).to_local(grad_placements=[Partial()])
+    return copy_to_region(replicated_view(x, mesh), mesh)
 
 
 def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:

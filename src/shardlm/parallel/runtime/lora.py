@@ -37,18 +37,19 @@ import os
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.config import LoraConfig
 from shardlm.distributed.shards import as_local, fill_from_full, packed_placement
 from shardlm.errors import ConfigError
+from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer, peft_key
 from shardlm.parallel.model.hf import is_conv1d
-from shardlm.parallel.model.peft_keys import ADAPTER, peft_key
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
 from shardlm.parallel.runtime.linear import column_input, local_linear, shard_params, sliced_linear
 from shardlm.parallel.runtime.plan_styles import make_style, plan_styles
+from shardlm.parallel.runtime.regions import reduce_from_region
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -158,18 +159,12 @@ def check_lora(lcfg: LoraConfig, model: nn.Module, plan: Plan) -> None:
     from peft.tuners.lora import Linear as PeftLinear
 
     for name, module in model.named_modules():
-        if _is_lora_layer(module) and not isinstance(module, PeftLinear):
+        if is_lora_layer(module) and not isinstance(module, PeftLinear):
             raise ConfigError(
                 f"lora.target_modules: '{name}' is not a linear layer ({type(module.get_base_layer()).__name__}); "
                 "shardlm trains LoRA on linear projections only, remove it (or list it in lora.modules_to_save)"
             )
     lora_styles(model, plan)  # raises for a target the plan gives no LoRA placement
-
-
-def _is_lora_layer(module: nn.Module) -> bool:
-    from peft.tuners.lora import LoraLayer
-
-    return isinstance(module, LoraLayer)
 
 
 def _is_modules_to_save(module: nn.Module) -> bool:
@@ -230,7 +225,7 @@ class LoraParallel(ParallelStyle):
 def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor:
     """All-reduce the partial sum (base + adapter) of a row-parallel layer (backward: identity),
     then add the replicated bias once."""
-    out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    out = reduce_from_region(out, mesh)
     return out + bias.to_local() if bias is not None else out
 
 
@@ -240,21 +235,21 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     styles = plan_styles(plan)
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
-        if _is_lora_layer(module) and fqn in plan.latent_readers:
+        if is_lora_layer(module) and fqn in plan.latent_readers:
             raise ConfigError(
                 f"lora.target_modules: '{fqn}' reads the low-rank latent of {plan.latent_readers[fqn]} under tensor "
                 "parallelism (multi-head latent attention), which LoRA cannot adapt there yet; remove it from "
                 "target_modules or use parallel.fsdp instead of tp"
             )
-        if _is_lora_layer(module) and fqn in plan.summed:
+        if is_lora_layer(module) and fqn in plan.summed:
             raise ConfigError(
                 f"lora.target_modules: '{fqn}' is a row-parallel layer whose output is read back inside the split "
                 "channels (Mamba's x_proj), which LoRA cannot adapt there under tensor parallelism yet; remove it "
                 "from target_modules or use parallel.fsdp instead of tp"
             )
-        if _is_lora_layer(module) and fqn in plan.sliced:
+        if is_lora_layer(module) and fqn in plan.sliced:
             styles[fqn] = LoraParallel(style, rows=plan.sliced[fqn])
-        elif _is_lora_layer(module):
+        elif is_lora_layer(module):
             if style not in SPLIT_LINEAR:
                 raise ConfigError(
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
@@ -278,18 +273,6 @@ def _tied(model: nn.Module, wrapper: nn.Module) -> bool:
     """Whether a ``modules_to_save`` module's original shares a parameter with another module."""
     mine = {id(p) for p in wrapper.original_module.parameters()}
     return any(id(p) in mine for n, p in model.named_parameters(remove_duplicate=False) if ".original_module." not in n)
-
-
-def tp_partial_grad_params(model: nn.Module, plan: Plan) -> list[str]:
-    """The replicated adapter matrices whose gradients each TP rank computes in part."""
-    names = []
-    for fqn, style in plan.styles.items():
-        if _is_lora_layer(model.get_submodule(fqn)):
-            # the adapter matrix beside the base's whole side: it meets a partial activation or gradient
-            partial = ("lora_B",) if style == Style.ROWWISE else ("lora_A",)
-            sides = ("lora_A", "lora_B") if fqn in plan.sliced else partial
-            names += [f"{fqn}.{side}.{ADAPTER}.weight" for side in sides]
-    return names
 
 
 def trainable_names(model: nn.Module) -> list[str]:

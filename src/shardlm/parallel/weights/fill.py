@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlm.distributed.shards import fill_from_full
+from shardlm.parallel.model.adapters import hf_key
 from shardlm.parallel.model.hf import tied_keys
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks, load_model_config
-from shardlm.parallel.model.peft_keys import hf_key
 from shardlm.parallel.weights import published
 from shardlm.parallel.weights.seeded_init import UnwrittenInit, seeded_state
 

@@ -1,9 +1,11 @@
-"""State-dict names under peft: the adapter name shardlm trains, the HF checkpoint key of a model key
-(``hf_key``: ``base_layer`` and ``original_module`` unwrapped, adapters none) and the key peft saves a
-trainable parameter under (``peft_key``).
+"""What peft puts on a model: its LoRA layers (``is_lora_layer``), the adapter name shardlm trains,
+the HF checkpoint key of a model key (``hf_key``: ``base_layer`` and ``original_module`` unwrapped,
+adapters none) and the key peft saves a trainable parameter under (``peft_key``).
 """
 
 from __future__ import annotations
+
+import torch.nn as nn
 
 ADAPTER = "default"  # peft's adapter name; the only one shardlm trains
 
@@ -28,3 +30,9 @@ def peft_key(name: str) -> str:
     for part in ("lora_A", "lora_B"):
         name = name.replace(f".{part}.{ADAPTER}.", f".{part}.")
     return PEFT_PREFIX + name.replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
