@@ -110,7 +110,8 @@ from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 from shardlm.estimate.moe import MoeSizes, moe_elements, moe_sizes
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.model.experts import experts_modules
-from shardlm.parallel.model.hf import config_size, is_conv1d
+from shardlm.parallel.model.geometry import read_geometry
+from shardlm.parallel.model.hf import is_conv1d
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
@@ -247,15 +248,16 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
 def _dims(config) -> dict[str, int]:
     """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``; no attention heads (a
     pure state-space model: Mamba, Falcon-Mamba, Mamba2) counts none."""
-    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads") or 0
+    geo = read_geometry(config)
+    h, a = geo.hidden, geo.heads or 0
     return {
         "h": h,
         "a": a,
-        "k": config_size(config, "num_key_value_heads") or a,
-        "d": config_size(config, "head_dim") or (h // a if a else 0),
-        "f": config_size(config, "intermediate_size") or 4 * h,
-        "L": config_size(config, "num_hidden_layers"),
-        "V": config_size(config, "vocab_size"),
+        "k": geo.kv_heads or a,
+        "d": geo.head_dim or 0,
+        "f": geo.intermediate or 4 * h,
+        "L": geo.layers,
+        "V": geo.vocab,
     }
 
 

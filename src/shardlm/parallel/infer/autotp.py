@@ -104,7 +104,8 @@ from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_sp
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
-from shardlm.parallel.model.hf import MODULE_KV_COUNT_ATTRS, geometry, head_widths, is_linear, out_features
+from shardlm.parallel.model.geometry import Geometry, read_geometry
+from shardlm.parallel.model.hf import MODULE_KV_COUNT_ATTRS, geometry, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, SPLIT_STYLES
@@ -185,6 +186,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     reasons: dict[str, str] = {}
+    geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
         traced = trace_model(model, forced, meta, latents=latents, wholes=wholes)
@@ -217,7 +219,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons.setdefault(fqn, any_block(why))
                 region.add(fqn)
         if not region and not traced.violations:
-            plan = _assemble(model, tp, traced, latents)
+            plan = _assemble(model, tp, traced, geo, latents)
             failure = dry_run(model, plan, tp, traced)
             if failure is None:
                 place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
@@ -273,8 +275,10 @@ def _closure(traced: Traced, bad: set[str]) -> set[str]:
     return bad
 
 
-def _assemble(model: nn.Module, tp: int, traced: Traced, latents: frozenset[str] = frozenset()) -> Plan:
-    plan = Plan(parts=dict(traced.parts), whole_parts=dict(traced.whole))
+def _assemble(
+    model: nn.Module, tp: int, traced: Traced, geometry: Geometry, latents: frozenset[str] = frozenset()
+) -> Plan:
+    plan = Plan(parts=dict(traced.parts), whole_parts=dict(traced.whole), geometry=geometry)
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
@@ -397,12 +401,12 @@ def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[
 
 def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
     """Fill ``plan.sliced`` (see the module docstring); refuse what cannot be split per rank."""
-    geo = geometry(model.config)
-    heads = geo.get("num_attention_heads", 0)
-    kv = geo.get("num_key_value_heads", heads)
+    geo = plan.geometry.split_sizes
+    heads = plan.geometry.heads or 0
+    kv = plan.geometry.kv or 0
     if not heads or not plan.attention:
         return  # nothing split per head (attention-free, or every attention block kept replicated)
-    d = min(head_widths(model.config) or {0})
+    d = plan.geometry.head_dim or 0
     replicated = kv < tp
     plan.kv_heads = (kv, 1 if replicated else kv // tp)
 

@@ -78,11 +78,11 @@ def per_layer_values(config, name: str) -> set[int]:
 
 def head_widths(config) -> set[int]:
     """Head dims of the attention layers (several where layers differ, as in Gemma 4)."""
-    heads, hidden = config_size(config, "num_attention_heads"), config_value(config, "hidden_size")
+    heads, hidden = config_size(config, "num_attention_heads"), config_size(config, "hidden_size")
     widths = {w for w in [config_value(config, "head_dim")] if isinstance(w, int)} | per_layer_values(
         config, "head_dim"
     )
-    if not widths and heads and isinstance(hidden, int):
+    if not widths and heads and hidden:
         widths.add(hidden // heads)
     return widths
 

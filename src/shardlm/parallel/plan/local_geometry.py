@@ -13,8 +13,6 @@ import torch.nn as nn
 from shardlm.parallel.model.hf import (
     MODULE_HEAD_ATTRS,
     MODULE_KV_ATTRS,
-    config_size,
-    config_value,
 )
 from shardlm.parallel.plan.plan import Plan
 
@@ -30,12 +28,10 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     for name, sizes in plan.local_sizes.items():  # a mixer's widths (``channels.local_sizes``)
         for attr, value in sizes.items():
             setattr(model.get_submodule(name), attr, value)
-    config = model.config
-    heads = config_size(config, "num_attention_heads")
+    config, heads = model.config, plan.geometry.heads
     if heads is None or not plan.attention:
         return  # attention-free, or every attention block kept replicated
-    kv = config_size(config, "num_key_value_heads") or heads
-    head_dim = config_value(config, "head_dim") or config.hidden_size // heads
+    kv, head_dim = plan.geometry.kv, plan.geometry.head_dim or 0
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)

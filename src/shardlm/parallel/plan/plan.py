@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardlm.parallel.model.geometry import Geometry
 from shardlm.parallel.plan.styles import ExpertParam
 
 
@@ -46,3 +47,6 @@ class Plan:
     # row-parallel linears whose whole output is read back inside the split region (Mamba's x_proj:
     # ``summed.py``): the backward of their output's all-reduce sums its partial gradient over TP
     summed: list[str] = field(default_factory=list)
+    # the model's sizes, read once from its config (``model/geometry.py``): the row slicing, the local
+    # head counts and the estimate read them here
+    geometry: Geometry = field(default_factory=Geometry)
