@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: no import cycles, no private names imported
 across modules, no hidden (function-level) imports between our own modules outside the CLI,
-and nothing stored on the model's modules under ``shardlm_*`` names."""
+the wings of ``parallel/`` imported one way, functions short, and nothing stored on the model's
+modules under ``shardlm_*`` names."""
 
 from __future__ import annotations
 
@@ -133,3 +134,19 @@ def test_nothing_is_stored_on_modules_under_shardlm_names():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 assert not node.attr.startswith("shardlm_"), f"{path.name}:{node.lineno} sets .{node.attr}"
+
+
+MAX_FUNCTION_LINES = 80
+JUSTIFIED = ("long", "one piece", "kept whole")  # a docstring saying why a function stays long
+
+
+def test_functions_are_short_unless_their_docstring_says_why():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                doc = (ast.get_docstring(node) or "").lower()
+                if lines > MAX_FUNCTION_LINES and not any(word in doc for word in JUSTIFIED):
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions over 80 lines without a docstring saying why: " + ", ".join(long)

@@ -368,21 +368,10 @@ def runtime_bytes() -> int:
         return 0
 
 
-def estimate(
-    model_path: str,
-    tp: int = 1,
-    fsdp: int = 1,
-    dp_replicate: int = 1,
-    batch: int = 4,
-    seq: int = 128,
-    bf16: bool = False,
-    lora_r: int | None = None,
-    gradient_checkpointing: bool = False,
-    memory_gib: float | None = None,
-    ep: int = 1,
-) -> Estimate:
-    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
-    ``ep``: expert parallelism, carved out of the data-parallel ranks)."""
+def _check_layout(
+    tp: int, fsdp: int, dp_replicate: int, batch: int, seq: int, ep: int, lora_r: int | None, memory_gib: float | None
+) -> None:
+    """The layout ``estimate`` is asked about, checked before the model is read (one ``ConfigError`` line)."""
     for flag, value in (
         ("--tp", tp),
         ("--fsdp", fsdp),
@@ -402,6 +391,24 @@ def estimate(
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
     if memory_gib is not None and memory_gib <= 0:
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
+
+
+def estimate(
+    model_path: str,
+    tp: int = 1,
+    fsdp: int = 1,
+    dp_replicate: int = 1,
+    batch: int = 4,
+    seq: int = 128,
+    bf16: bool = False,
+    lora_r: int | None = None,
+    gradient_checkpointing: bool = False,
+    memory_gib: float | None = None,
+    ep: int = 1,
+) -> Estimate:
+    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank;
+    ``ep``: expert parallelism, carved out of the data-parallel ranks)."""
+    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib)
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     model = build_meta_model(model_path)
@@ -455,17 +462,8 @@ def estimate(
     }
     state = rows["parameters"] + rows["gradients"] + rows["optimizer"]
     rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
-    layout = {
-        "tp": tp,
-        "fsdp": fsdp,
-        "ep": ep,
-        "dp_replicate": dp_replicate,
-        "batch": batch,
-        "seq": seq,
-        "bf16": bf16,
-        "lora_r": lora_r,
-        "gradient_checkpointing": gradient_checkpointing,
-    }
+    layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
+    layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
     return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
 
 

@@ -42,26 +42,18 @@ cannot be confused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
-from shardlm.parallel.infer.latent import latent_candidates
-from shardlm.parallel.infer.parts import parts_from_consumer, refined
 from shardlm.parallel.infer.sizes import holds_linear, watch_reads
-from shardlm.parallel.infer.summed import track_output
+from shardlm.parallel.infer.trace_hooks import TraceHooks
+from shardlm.parallel.infer.trace_result import Traced, collect
 from shardlm.parallel.infer.tracker import ShardTracker
-from shardlm.parallel.infer.wholes import whole_flags
 from shardlm.parallel.model.hf import (
     all_head_widths,
-    gates_before_norm,
     head_counts,
     is_conv1d,
     is_linear,
-    out_features,
-    rms_norm_eps,
 )
 from shardlm.parallel.model.meta import build_meta
 
@@ -73,38 +65,6 @@ TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors a
 
 def meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> None:
     meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
-
-
-@dataclass
-class Traced:
-    styles: dict[str, str]
-    parts: dict[str, list[int]]
-    violations: list[tuple[frozenset[str], str]]
-    closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
-    views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
-    foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
-    dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
-    # parameter fqn -> (the column-parallel linears whose channels it acts on, their layout's parts or None)
-    follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
-    reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read
-    split_sizes: dict[str, set[int]]  # see ``ShardTracker.split_sizes``
-    int_uses: dict[str, dict[str, set[str]]]  # module -> int attribute -> what it sized (``sizes.py``)
-    # stretches of linears' outputs found summed over their split channels, not yet held whole (traced
-    # again with them in ``wholes``); and per packed linear or following parameter, which parts are whole
-    new_wholes: set[tuple[str, int, int]]
-    whole: dict[str, list[bool]]
-    # column-parallel linear -> the row-parallel linear reading it whose output is then viewed into
-    # heads (MLA's q_a_proj -> q_b_proj): a low-rank latent, better kept whole (``latent_candidates``)
-    latents: dict[str, str]
-    # with ``trace_model(latents=...)``: module reading a latent's tensors -> those latents, and
-    # latent -> why its gradient cannot stay partial (``ShardTracker.latent_leaks``)
-    latent_readers: dict[str, set[str]]
-    latent_leaks: dict[str, str]
-    # ``summed.py``: linears multiplied directly by their parent; row-parallel linears whose whole output is
-    # read inside the split region (its gradient summed over TP); module with parameters reading it -> those
-    direct: set[str]
-    summed: set[str]
-    summed_readers: dict[str, set[str]]
 
 
 def trace_model(
@@ -121,7 +81,6 @@ def trace_model(
     given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
     latents read per head (``latent.py``): the modules reading them and what they meet are recorded."""
     meta = meta if meta is not None else build_meta(model)
-    styles: dict[str, str] = {}
     registrations: dict[int, int] = {}
     for _, m in meta.named_modules():
         for p in m.parameters(recurse=False):
@@ -136,100 +95,14 @@ def trace_model(
     tracker.tied = {i for i, n in registrations.items() if n > 1}
     tracker.params = {id(p): p for p in meta.parameters()}
     tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
-    outputs: dict[str, torch.Tensor] = {}
-    closer_inputs: dict[str, frozenset[str]] = {}
-    hooks = []
-    running: list[str] = []  # modules whose forward is running (named when an exception escapes)
-    tracker.running = running
-    block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
-    widths_of_heads = all_head_widths(meta.config)
+    hooks = TraceHooks(tracker, forced, latents, all_head_widths(meta.config), legit)
+    hooks.block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
     tracker.direct_weights = {
         id(m.weight): name
         for name, m in meta.named_modules()
-        if is_linear(m) and name.startswith(block_prefixes) and name not in forced and not is_conv1d(m)
+        if is_linear(m) and name.startswith(hooks.block_prefixes) and name not in forced and not is_conv1d(m)
     }
-
-    def pre(name):
-        label = f"{name} ({{}})"
-
-        def hook(module, args):
-            running.append(name)
-            tracker.shape_heads.clear()
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            if id(args[0]) in tracker.latent and any(True for _ in module.parameters(recurse=False)):
-                tracker.latent_readers[name] = tracker.latent[id(args[0])]
-            if id(args[0]) in tracker.rows and any(True for _ in module.parameters(recurse=False)):
-                tracker.rows_readers[name] = tracker.rows[id(args[0])]
-            sources = tracker.sources(args[0])
-            owner = label.format(type(module).__name__)
-            if is_linear(module) and name in forced:
-                styles[name] = "replicate"
-                if sources:
-                    tracker.violations.append((sources, f"{owner} reads its split activations"))
-            elif is_linear(module) and name.startswith(block_prefixes):
-                styles[name] = "rowwise" if sources else "colwise"
-                tracker.widths[name] = out_features(module)
-                legit[owner] = True
-                if sources:
-                    closer_inputs[name] = closer_inputs.get(name, frozenset()) | sources
-            elif sources and any(True for _ in module.parameters(recurse=False)):
-                width = args[0].shape[-1]
-                params = list(module.parameters(recurse=False))
-                if all(p.dim() == 1 and p.numel() == width for p in params) and width in widths_of_heads:
-                    styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
-                    legit[owner] = True
-                    tracker.inside.append(name)
-                elif (
-                    all(p.numel() == width for p in params)
-                    and rms_norm_eps(module) is not None
-                    and (len(args) < 2 or gates_before_norm(module))  # Mamba-2's gated norm, one group
-                ):
-                    styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
-                    legit[owner] = True
-                    tracker.inside.append(name)
-                else:
-                    across = all(p.numel() == width for p in params)
-                    why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
-                    if across and len(params) == 1:
-                        # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
-                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
-                        tracker.deferred.append((name, why, len(tracker.violations)))
-                    else:
-                        tracker.violations.append(why)
-
-        return hook
-
-    def post(name):
-        def hook(module, args, out):
-            if running and running[-1] == name:
-                running.pop()
-            if tracker.inside and tracker.inside[-1] == name:
-                tracker.inside.pop()
-            if tracker.deferred and tracker.deferred[-1][0] == name:
-                _, why, start = tracker.deferred.pop()
-                if len(tracker.violations) > start or any(id(p) not in tracker.follows for p in module.parameters()):
-                    tracker.violations.insert(start, why)
-            tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
-            if isinstance(out, torch.Tensor) and styles.get(name) in ("colwise", "rowwise", "replicate"):
-                tracker.mark(out, frozenset({name}) if styles[name] == "colwise" else None)
-                if styles[name] == "colwise":
-                    tracker.layouts[id(out)] = (-1, (out.shape[-1],))
-                    tracker.cuts.origins[id(out)] = (name, 0)
-                outputs[name] = out
-            track_output(tracker, name, out, styles.get(name) == "rowwise")
-            if name in latents and isinstance(out, torch.Tensor):
-                tracker.latent[id(out)] = frozenset({name})
-            for t in tree_flatten(out)[0]:
-                for fqn in tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
-                    if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
-                        tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
-
-        return hook
-
-    for name, module in meta.named_modules():
-        hooks.append(module.register_forward_pre_hook(pre(name)))
-        hooks.append(module.register_forward_hook(post(name)))
+    hooks.install(meta)
     reads: dict[str, set[str]] = {}
     watched = {
         name: watch_reads(m, reads.setdefault(name, set()), name) for name, m in meta.named_modules() if holds_linear(m)
@@ -238,69 +111,15 @@ def trace_model(
         with tracker:
             meta_forward(meta, shape)
     except Exception as exc:
-        if running:
-            exc.add_note(f"{RUNNING_NOTE}{running[-1]} ({type(meta.get_submodule(running[-1])).__name__})")
+        if hooks.running:
+            running = hooks.running[-1]
+            exc.add_note(f"{RUNNING_NOTE}{running} ({type(meta.get_submodule(running)).__name__})")
         raise
     finally:
-        for h in hooks:
-            h.remove()
+        hooks.remove()
         for name, cls in watched.items():
             meta.get_submodule(name).__class__ = cls
-    int_reads = {
-        name: {a for a in names if type(meta.get_submodule(name).__dict__.get(a)) is int}
-        for name, names in reads.items()
-    }
-    direct = tracker.direct - styles.keys()  # multiplied directly by its parent, its forward never run
-    for fqn in direct:  # (``summed.py``)
-        styles[fqn] = "colwise"
-    for fqn in sorted(tracker.rows_met & tracker.rows_leaks.keys()):
-        tracker.violations.append(
-            (
-                closer_inputs.get(fqn, frozenset()),
-                f"the output of {fqn}, whole, meets its split activations and {tracker.rows_leaks[fqn]}",
-            )
-        )
-    summed = tracker.rows_met - tracker.rows_leaks.keys()
-    parts, views = {}, {}
-    for name, style in styles.items():
-        if style == "colwise" and name in outputs:
-            views[name] = tracker.first_view.get(id(outputs[name]), ())[outputs[name].dim() :]
-            found = parts_from_consumer(tracker, outputs[name]) or tracker.later_parts.get(name)
-            found = refined(found or [outputs[name].shape[-1]], tracker.cuts.parts(name, 0, outputs[name].shape[-1]))
-            if found and len(found) > 1:
-                styles[name], parts[name] = "packed_colwise", found
-    names = {
-        id(p): f"{m_name}.{p_name}" if m_name else p_name
-        for m_name, m in meta.named_modules()
-        for p_name, p in m.named_parameters(recurse=False)
-    }
-    follows = {names[pid]: source for pid, source in tracker.follows.items()} | tracker.buffer_follows
-    whole = {name: whole_flags(wholes, name, 0, p) for name, p in parts.items()}
-    for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
-        sources, (width,) = tracker.follows[pid]
-        follows[names[pid]] = (sources, tracker.cuts.parts(linear, start, width))
-        whole[names[pid]] = whole_flags(wholes, linear, start, follows[names[pid]][1])
-    return Traced(
-        styles,
-        parts,
-        tracker.violations,
-        closer_inputs,
-        views,
-        tracker.foreign,
-        tracker.dropout_sites,
-        follows,
-        {name: names for name, names in int_reads.items() if names},
-        tracker.split_sizes,
-        tracker.int_uses,
-        tracker.found_wholes - wholes,
-        {name: flags for name, flags in whole.items() if any(flags)},
-        latent_candidates(tracker, styles, outputs, closer_inputs),
-        {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
-        dict(tracker.latent_leaks),
-        direct,
-        summed,
-        {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
-    )
+    return collect(meta, tracker, hooks, reads, wholes)
 
 
 def dropout_dims(model: nn.Module, traced: Traced, forced: frozenset[str]) -> list[int | None]:

@@ -157,15 +157,10 @@ class ShardTracker(TorchFunctionMode):
     def param_ids(self, t: torch.Tensor) -> frozenset[int]:
         return frozenset({id(t)}) if isinstance(t, nn.Parameter) else self.from_param_ids.get(id(t), frozenset())
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if asks_data(name, args):
-            return meta_answer(name, args, kwargs)
-        self._record_dropout(func, args, kwargs)
-        out = func(*args, **kwargs)
-        flat = tree_flatten((args, kwargs))[0]
-        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+    def _record_reads(self, func, name: str, args: tuple, flat: list, inputs: list, out) -> None:
+        """What an op's inputs tell before any split is propagated: head counts read off split shapes and
+        the tensors made from them, every tensor kept alive, each tensor's first consumer, parameters
+        used by a forward other than their owner's (``foreign``)."""
         if (getattr(func, "__self__", None) is _SHAPE or name == "size") and self.is_sharded(args[0]):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
@@ -189,6 +184,17 @@ class ShardTracker(TorchFunctionMode):
                 owner = self.param_owner[id(t)]
                 if owner.split(" (")[0] != self.running[-1]:
                     self.foreign.setdefault(owner, self.running[-1])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if asks_data(name, args):
+            return meta_answer(name, args, kwargs)
+        self._record_dropout(func, args, kwargs)
+        out = func(*args, **kwargs)
+        flat = tree_flatten((args, kwargs))[0]
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        self._record_reads(func, name, args, flat, inputs, out)
         if direct_product(self, name, args, out):
             return out  # a linear's column-parallel output (``summed.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
