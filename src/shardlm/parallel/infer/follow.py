@@ -15,6 +15,7 @@ parameter's parts are those cuts (``ShardTracker.follow_origins``, ``layouts.Cut
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from shardlm.parallel.plan.rows import lead_dim
 
@@ -109,3 +110,15 @@ def _spread(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:
         return out.dim() == s.dim() and out.shape == torch.broadcast_shapes(t.shape, s.shape)
     except RuntimeError:
         return False
+
+
+def declare_follow_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.buffers: dict[int, str] = {}  # id(buffer) -> its fqn
+    tracker.buffer_follows: dict[str, tuple[frozenset[str], None]] = {}  # see ``follow.buffer_follows``
+    tracker.params: dict[int, nn.Parameter] = {}  # id -> parameter (``follows``)
+    # a parameter acting per channel (or per head) on split activations (a depthwise conv's weight,
+    # Mamba's/DeltaNet's A_log, dt_bias): id(param) -> (the column-parallel linears they came from,
+    # the parts of their channel layout, or None: the one linear's whole output)
+    tracker.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
+    tracker.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows

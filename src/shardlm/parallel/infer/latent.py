@@ -118,3 +118,16 @@ def _first_view(tracker, t: int) -> tuple[int, ...]:
             break
         t = tracker.biased[t]
     return tracker.first_view.get(t, ())
+
+
+def declare_latent_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    # id(tensor) -> id of the first tensor of its shape computed from it and parameters alone (a
+    # per-channel bias added: Kimi-Linear's forget gate ``f_b_proj(...) + dt_bias``), for ``latent.py``
+    tracker.biased: dict[int, int] = {}
+    # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
+    # still whole on every rank; the modules with parameters reading such tensors; why a latent's
+    # partial gradients would reach something computed whole on every rank (then it is not one)
+    tracker.latent: dict[int, frozenset[str]] = {}
+    tracker.latent_readers: dict[str, frozenset[str]] = {}
+    tracker.latent_leaks: dict[str, str] = {}

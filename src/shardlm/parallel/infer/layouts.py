@@ -279,3 +279,9 @@ def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
         layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
     elif len({layouts[id(t)] for t in tensors}) == 1:
         layouts[id(out)] = layouts[id(tensors[0])]
+
+
+def declare_layout_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
+    tracker.cuts = Cuts()  # origins of split tensors in their linear's columns, and where those were cut

@@ -73,3 +73,12 @@ def refined(parts: list[int], cut: tuple[int, ...]) -> list[int]:
             bounds.add(offset)
     edges = sorted(bounds)
     return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def declare_parts_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.first_consumer: dict[int, tuple[str, tuple]] = {}
+    tracker.slices: dict[int, set[int]] = {}
+    # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
+    # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
+    tracker.later_parts: dict[str, list[int]] = {}

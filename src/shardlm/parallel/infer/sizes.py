@@ -89,3 +89,10 @@ def watch_reads(module: nn.Module, names: set[str], fqn: str) -> type:
 
     module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
     return cls
+
+
+def declare_sizes_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
+    tracker.split_sizes: dict[str, set[int]] = {}
+    tracker.int_uses: dict[str, dict[str, set[str]]] = {}  # ``sizes.record_uses``

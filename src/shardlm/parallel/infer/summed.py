@@ -127,3 +127,16 @@ def place_direct(model: nn.Module, plan: Plan, direct: set[str]) -> None:
         if plan.styles.get(fqn) == Style.COLWISE and fqn not in plan.sliced:
             plan.styles[fqn] = Style.PER_CHANNEL.value
             plan.channels[fqn] = {n: fqn for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)}
+
+
+def declare_summed_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    # ``summed.py``: the weights of block linears a parent may multiply directly (id -> linear), those
+    # found so; id(tensor) -> the row-parallel linears whose whole output it is computed from alone,
+    # those whose region meets split activations, the modules with parameters reading it, its leaks
+    tracker.direct_weights: dict[int, str] = {}
+    tracker.direct: set[str] = set()
+    tracker.rows: dict[int, frozenset[str]] = {}
+    tracker.rows_met: set[str] = set()
+    tracker.rows_readers: dict[str, frozenset[str]] = {}
+    tracker.rows_leaks: dict[str, str] = {}

@@ -25,13 +25,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.checks import check, check_reduction
-from shardlm.parallel.infer.latent import check_latent
-from shardlm.parallel.infer.layouts import Cuts, Layout, propagate
+from shardlm.parallel.infer.follow import declare_follow_records
+from shardlm.parallel.infer.latent import check_latent, declare_latent_records
+from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
-from shardlm.parallel.infer.parts import SPLIT_OPS, record_later_split, record_slice
-from shardlm.parallel.infer.sizes import record_uses
-from shardlm.parallel.infer.summed import direct_product, track
-from shardlm.parallel.infer.wholes import hold_whole, record_contraction
+from shardlm.parallel.infer.parts import SPLIT_OPS, declare_parts_records, record_later_split, record_slice
+from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
+from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
+from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
 from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_dropout_call
 
 _VIEW_OPS = {"view", "reshape", "unflatten"}
@@ -52,20 +53,9 @@ class ShardTracker(TorchFunctionMode):
         self, param_owner: dict[int, str] | None = None, legit: dict | None = None, heads=(), wholes=frozenset()
     ) -> None:
         super().__init__()
-        # stretches of linears' outputs held whole on every rank, (linear, first column, width): found
-        # contracted over their split channels by a previous trace (``wholes.record_contraction``), and found now;
-        # the tensors cut to one of them, and those computed from such tensors alone
-        self.wholes: frozenset[tuple[str, int, int]] = frozenset(wholes)
-        self.found_wholes: set[tuple[str, int, int]] = set()
-        self.whole_ids: set[int] = set()
-        self.buffers: dict[int, str] = {}  # id(buffer) -> its fqn
-        self.buffer_follows: dict[str, tuple[frozenset[str], None]] = {}  # see ``follow.buffer_follows``
         self.sharded: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
-        self.first_consumer: dict[int, tuple[str, tuple]] = {}
-        self.slices: dict[int, set[int]] = {}
         self.param_owner = param_owner or {}
-        self.params: dict[int, nn.Parameter] = {}  # id -> parameter (``follows``)
         # head counts read off split tensors' shapes in the running module's forward, and the tensors
         # made from such sizes (a recurrent state ``zeros(batch, value.shape[-2], ...)``): per head, but
         # made at each rank's own head count, unlike ALiBi slopes made from the config's
@@ -75,9 +65,6 @@ class ShardTracker(TorchFunctionMode):
         self.heads = {h for h in heads if h > 1}
         self.violations: list[tuple[frozenset[str], str]] = []
         self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
-        # id(tensor) -> id of the first tensor of its shape computed from it and parameters alone (a
-        # per-channel bias added: Kimi-Linear's forget gate ``f_b_proj(...) + dt_bias``), for ``latent.py``
-        self.biased: dict[int, int] = {}
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
         self.running: list[str] = []  # modules whose forward is running, innermost last
         self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
@@ -90,19 +77,6 @@ class ShardTracker(TorchFunctionMode):
         # meeting them (each rank would compute its gradient from its own heads only)
         self.from_params: dict[int, frozenset[str]] = {}
         self.from_param_ids: dict[int, frozenset[int]] = {}  # the same tensors -> ids of those parameters
-        # a parameter acting per channel (or per head) on split activations (a depthwise conv's weight,
-        # Mamba's/DeltaNet's A_log, dt_bias): id(param) -> (the column-parallel linears they came from,
-        # the parts of their channel layout, or None: the one linear's whole output)
-        self.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
-        self.layouts: dict[int, Layout] = {}  # id(split tensor) -> its channel layout (``layouts.py``)
-        self.cuts = Cuts()  # origins of split tensors in their linear's columns, and where those were cut
-        self.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows
-        # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
-        self.split_sizes: dict[str, set[int]] = {}
-        self.int_uses: dict[str, dict[str, set[str]]] = {}  # ``sizes.record_uses``
-        # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
-        # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
-        self.later_parts: dict[str, list[int]] = {}
         self.inside: list[str] = []  # running modules whose own math on split tensors is handled by their style
         # running modules with one parameter of the split width, judged by their ops (name, the violation
         # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
@@ -110,21 +84,13 @@ class ShardTracker(TorchFunctionMode):
         self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
         # per dropout call: (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
-        # MLA (``latent.py``): id(tensor) -> the latents (linears kept whole) it is computed from while
-        # still whole on every rank; the modules with parameters reading such tensors; why a latent's
-        # partial gradients would reach something computed whole on every rank (then it is not one)
-        self.latent: dict[int, frozenset[str]] = {}
-        self.latent_readers: dict[str, frozenset[str]] = {}
-        self.latent_leaks: dict[str, str] = {}
-        # ``summed.py``: the weights of block linears a parent may multiply directly (id -> linear), those
-        # found so; id(tensor) -> the row-parallel linears whose whole output it is computed from alone,
-        # those whose region meets split activations, the modules with parameters reading it, its leaks
-        self.direct_weights: dict[int, str] = {}
-        self.direct: set[str] = set()
-        self.rows: dict[int, frozenset[str]] = {}
-        self.rows_met: set[str] = set()
-        self.rows_readers: dict[str, frozenset[str]] = {}
-        self.rows_leaks: dict[str, str] = {}
+        declare_whole_records(self, wholes)
+        declare_follow_records(self)
+        declare_latent_records(self)
+        declare_summed_records(self)
+        declare_parts_records(self)
+        declare_sizes_records(self)
+        declare_layout_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``call_sites.is_dropout_call``): is its input sharded, its shape, its p."""

@@ -46,3 +46,13 @@ def whole_flags(wholes, linear: str, start: int, parts) -> list[bool]:
         flags.append((linear, start, p) in wholes)
         start += p
     return flags
+
+
+def declare_whole_records(tracker, wholes=frozenset()) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    # stretches of linears' outputs held whole on every rank, (linear, first column, width): found
+    # contracted over their split channels by a previous trace (``wholes.record_contraction``), and found now;
+    # the tensors cut to one of them, and those computed from such tensors alone
+    tracker.wholes: frozenset[tuple[str, int, int]] = frozenset(wholes)
+    tracker.found_wholes: set[tuple[str, int, int]] = set()
+    tracker.whole_ids: set[int] = set()
