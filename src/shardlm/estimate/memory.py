@@ -272,7 +272,7 @@ def activation_elements(
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
-    the elements of each recurrent mixer (``mixer_sizes.mixer_elements``), in place of attention
+    the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
     in as many layers."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
@@ -298,7 +298,7 @@ def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
     for fqn, pname, rows in ranks_rows:
         module = model.get_submodule(fqn)
         # a bias is only added, its copy not kept; a buffer's rows (Falcon-H1's ``mup_vector``) are
-        # counted with its mixer (``scan_sizes``), as one process keeps the buffer itself
+        # counted with its mixer (``scans.py``), as one process keeps the buffer itself
         params = dict(module.named_parameters(recurse=False))
         if rows is not None and len(rows[0]) > 1 and pname != "bias" and pname in params:
             p = params[pname]

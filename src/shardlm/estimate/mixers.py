@@ -125,7 +125,7 @@ def mixer_elements(sizes: MixerSizes, batch: int, seq: int, tp: int, wide: int =
 
     where the sequence is padded to P = N c (chunks of c = 64; one fewer ``dk`` term when N = 1:
     the zero initial state needs no query saved). Left out: the c x c bool mask (c^2 bytes).
-    A state-space mixer: ``scan_sizes.scan_elements``, with ``channels`` the rank's conv channels
+    A state-space mixer: ``scans.scan_elements``, with ``channels`` the rank's conv channels
     (the plan's rows of it; default ``C / tp``)."""
     t, T = tp, batch * seq
     if sizes.scan is not None:

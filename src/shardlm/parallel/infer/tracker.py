@@ -8,7 +8,7 @@ tensor (``checks.py``, with what follows the channels instead: ``follow.py``), w
 projection is cut into parts (``parts.py``), stretches contracted over their split channels
 (``wholes.py``), the channel layouts of split tensors (``layouts.py``) and the sizes that made them
 (``sizes.py``), MLA's latents (``latent.py``), row-parallel outputs read back inside the split region
-(``summed.py``), dropout call sites (``dropout.py``), and the answers to data-dependent questions
+(``summed.py``), dropout call sites (``plan/call_sites.py``), and the answers to data-dependent questions
 asked of meta tensors (``meta_answers.py``).
 
 Also here, the head counts read off a split tensor's shape in the running module's forward: a

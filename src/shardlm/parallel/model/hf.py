@@ -25,7 +25,7 @@ CONFIG_NAMES = {
     "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "vocab_size": ("vocab_size",),
-    # a Mamba-2 mixer's B/C groups and scan chunk (``scan_sizes``: what its parameters do not tell)
+    # a Mamba-2 mixer's B/C groups and scan chunk (``estimate/scans.py``: what its parameters do not tell)
     "ssm_groups": ("n_groups", "mamba_n_groups"),
     "ssm_chunk": ("chunk_size", "mamba_chunk_size"),
 }
