@@ -132,7 +132,7 @@ def rank_body(path: str, layout: dict, batch: int, seq: int, bf16: bool, extra: 
 
 def run(name: str, steps: int) -> dict:
     from shardlm.distributed.launch import spawn
-    from shardlm.estimate import estimate
+    from shardlm.estimate.memory import estimate
 
     model, layout, batch, seq, bf16, extra = CONFIGS[name]
     path = model_dir(model)

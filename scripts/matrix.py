@@ -36,8 +36,8 @@ STEPS = 3
 TOL = (1e-5, 1e-4)  # loss, grad_norm relative: the tolerances of tests/test_autotp.py
 FSDP_SUBSET = [
     "gpt2", "llama", "bloom", "codegen", "falcon", "gpt_bigcode", "lfm2", "qwen3", "gemma3_text", "opt",
-    "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/channels.py)
-    "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/summed.py)
+    "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/infer/channels.py)
+    "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/infer/summed.py)
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",  # Mamba-2 mixers (n_groups=1 < tp: B, C whole)
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
@@ -96,8 +96,8 @@ def survey(model_type: str, root: str) -> dict:
     from tiny import tiny_config
 
     from shardlm.errors import ConfigError
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
 
     row = {"type": model_type}
     path = os.path.join(root, model_type.replace("/", "_"), "model")

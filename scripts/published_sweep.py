@@ -44,8 +44,10 @@ def sweep(model_type: str, root: str) -> dict | None:
     from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from shardlm.parallel import published, published_write
-    from shardlm.parallel.build import _base_state, _retie, _shared_parameters, build_meta_model
+    from shardlm.parallel.build import _retie, _shared_parameters
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.weights import published, published_write
+    from shardlm.parallel.weights.fill import _base_state
 
     row: dict = {"type": model_type}
     try:

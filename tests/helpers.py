@@ -138,8 +138,8 @@ def plain_reference(
 
     from transformers import get_scheduler
 
-    from shardlm.parallel.build import reference_model
-    from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
+    from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
+    from shardlm.parallel.weights.fill import reference_model
 
     cfg = train_config(model_path, {}, global_batch, 1, steps)
     t = cfg.train
@@ -222,7 +222,7 @@ def make_adapter(model_path: str, out: str, targets: list[str], seed: int = 0, d
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from shardlm.parallel.build import reference_model
+    from shardlm.parallel.weights.fill import reference_model
 
     base = reference_model(model_path, seed)
     conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
@@ -263,7 +263,7 @@ class CountCollectives(TorchDispatchMode):
 def model_collectives(model, mesh) -> list[dict]:
     """Collectives of one micro-batch of ``model``: forward, loss, backward, and the trainer's sum
     of TP-partial gradients."""
-    from shardlm.parallel.tp import sum_tp_partial_grads
+    from shardlm.parallel.runtime.grads import sum_tp_partial_grads
     from shardlm.train.loss import loss_context, token_loss_sum
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))

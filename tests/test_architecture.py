@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: no import cycles, no private names imported
 across modules, no hidden (function-level) imports between our own modules outside the CLI,
-and nothing stored on the model's modules under ``shardlm_*`` names."""
+the wings of ``parallel/`` imported one way, functions short, and nothing stored on the model's
+modules under ``shardlm_*`` names."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardlm"
 LAZY_ALLOWED = {"shardlm.cli"}
 # the packages in dependency order: each imports only from those before it (and itself)
 LAYERS = ["errors", "config", "data", "distributed", "parallel", "checkpoint", "train", "preflight", "estimate", "cli"]
+# the wings of ``parallel/`` in dependency order; the wings of one layer never import each other
+# (inference and the runtime styles meet only in the builder); ``build`` and ``__init__`` on top
+PARALLEL_LAYERS = [{"model"}, {"plan"}, {"infer", "runtime", "weights"}, {"build"}]
 
 
 def module_name(path: Path) -> str:
@@ -94,6 +98,28 @@ def test_packages_depend_one_way():
             assert layer(target) <= layer(module), f"{module} imports {target}, a later layer"
 
 
+def parallel_wing(module: str) -> tuple[int, str]:
+    """(layer, wing) of a module of ``shardlm.parallel``: its subpackage, or the entry points on top."""
+    wing = module.split(".")[2] if module.count(".") >= 2 else "__init__"
+    found = [i for i, wings in enumerate(PARALLEL_LAYERS) if wing in wings]
+    return (found[0] if found else len(PARALLEL_LAYERS)), wing
+
+
+def test_parallel_wings_depend_one_way():
+    parallel = {m: ts for m, ts in graph().items() if m.startswith("shardlm.parallel.")}
+    assert {parallel_wing(m)[1] for m in parallel} >= {w for ws in PARALLEL_LAYERS for w in ws}
+    wings = {f"shardlm.parallel.{w}" for ws in PARALLEL_LAYERS for w in ws}
+    loose = {m for m in parallel if m.count(".") == 2} - wings  # the builder is a wing of its own
+    assert not loose, f"loose files in parallel/ besides its entry points: {sorted(loose)}"
+    for module, targets in parallel.items():
+        layer, wing = parallel_wing(module)
+        for target in targets:
+            if not target.startswith("shardlm.parallel."):
+                continue
+            t_layer, t_wing = parallel_wing(target)
+            assert t_layer < layer or t_wing == wing, f"{module} ({wing}) imports {target} ({t_wing})"
+
+
 def test_no_private_names_cross_modules_and_no_hidden_imports():
     mods = modules()
     known = set(mods)
@@ -108,3 +134,19 @@ def test_nothing_is_stored_on_modules_under_shardlm_names():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 assert not node.attr.startswith("shardlm_"), f"{path.name}:{node.lineno} sets .{node.attr}"
+
+
+MAX_FUNCTION_LINES = 80
+JUSTIFIED = ("long", "one piece", "kept whole")  # a docstring saying why a function stays long
+
+
+def test_functions_are_short_unless_their_docstring_says_why():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                doc = (ast.get_docstring(node) or "").lower()
+                if lines > MAX_FUNCTION_LINES and not any(word in doc for word in JUSTIFIED):
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions over 80 lines without a docstring saying why: " + ", ".join(long)

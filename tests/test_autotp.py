@@ -37,11 +37,11 @@ FAMILIES = [
     "phi3_gqa",
     "olmo2",
 ]
-# and the hybrids of families.TINY, their mixers split by heads (parallel/channels.py): Qwen3.5 text,
+# and the hybrids of families.TINY, their mixers split by heads (parallel/infer/channels.py): Qwen3.5 text,
 # Qwen3-Next and OLMo-hybrid (Gated DeltaNet linear attention), LFM3 (short convolution), Mamba2 and
 # Nemotron-H (Mamba-2 mixers, n_groups=2: in_proj packed [z, x, B, C, dt], the conv over [x, B, C]), Bamba
 # and Falcon-H1 (n_groups=1: B and C whole on every rank, the gated norm over the split width all-reduced);
-# and by channels: Jamba, Mamba, Falcon-Mamba (Mamba-1, x_proj's output gradient summed: parallel/summed.py)
+# and by channels: Jamba, Mamba, Falcon-Mamba (Mamba-1, x_proj's output gradient summed: parallel/infer/summed.py)
 HYBRID = list(TINY)
 # models whose TP-partial gradients are summed after backward (Qwen3.5, Qwen3-Next, OLMo-hybrid: their
 # gated norm per value head; LFM3: its attention's q/k norms; Bamba, Falcon-H1 (n_groups=1): in_proj and
@@ -212,7 +212,7 @@ def test_fewer_kv_heads_than_tp_are_replicated_and_resume_and_consolidate(dirs, 
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
     from shardlm.cli import main
-    from shardlm.estimate import estimate
+    from shardlm.estimate.memory import estimate
 
     tp2, _ = dirs
     paths = {f: tp2[f] for f in ("llama", "qwen3", "phi3_gqa")}
@@ -290,8 +290,8 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
     import json
 
     from shardlm.cli import main
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
 
     tp2, _ = dirs
     assert main(["plan", tp2["qwen3"], "--tp", "2", "--json"]) == 0

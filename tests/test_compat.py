@@ -42,7 +42,7 @@ EXPECT = {
     "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
     "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
     "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
-    # the short conv over the x third of in_proj follows its channels (parallel/layouts.py): nothing kept whole
+    # the short conv over the x third of in_proj follows its channels (parallel/infer/layouts.py): nothing kept whole
     "lfm2_conv": (0, "packed model.layers.0.conv.in_proj: parts [64, 64, 64], each split 2 ways", None),
     "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
     "xlm": (0, "transformer.layer_norm_emb", None),
@@ -51,7 +51,7 @@ EXPECT = {
     "hrm_text": (0, "replicate_own", None),
     # the later blocks' LayerNorms read split activations: those blocks stay whole
     "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.attention.key"),
-    # split by channels (parallel/summed.py): x_proj row-parallel in the middle, dt_proj used directly
+    # split by channels (parallel/infer/summed.py): x_proj row-parallel in the middle, dt_proj used directly
     "mamba": (0, "its output, read back inside the split channels, has its gradient summed over TP", None),
     # its in_proj cut into [z, x|B|C, dt] and x|B|C again after the conv: packed by both cuts; at n_groups=1
     # B and C (summed over their state dim) are held whole on every rank, the gated norm all-reduces its
@@ -98,7 +98,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
             else (not kept)
         ), (name, kept)
     # anything the trace does not expect becomes one line naming the running module
-    from shardlm.parallel import autotp, trace
+    from shardlm.parallel.infer import autotp, trace
 
     forward = trace.meta_forward
 
@@ -118,7 +118,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 # with parity in `make matrix` (docs/compatibility.md), here only their plans are checked
 TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
 TRAINED += ["cpmant", "xlm", "roc_bert", "diffllama", "hrm_text"]  # kept replicated on local tensors, shared bias
-TRAINED += ["rwkv"]  # channels of its WKV mixer split (parallel/channels.py)
+TRAINED += ["rwkv"]  # channels of its WKV mixer split (parallel/infer/channels.py)
 
 
 @pytest.mark.ranks

@@ -23,7 +23,7 @@ from helpers import (
 from peft import PeftModel
 from torch.distributed.tensor import DTensor
 
-from shardlm.parallel.dropout import DropoutKey, _attention, keep_mask
+from shardlm.parallel.runtime.dropout import DropoutKey, _attention, keep_mask
 
 GLOBAL_BATCH = 4
 MODELS = {

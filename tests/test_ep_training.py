@@ -1,5 +1,5 @@
 """Expert parallelism with the rest of training: LoRA, the router's load-balancing loss, bf16 and
-activation checkpointing, each against one process (``parallel/ep.py``; the EP layouts themselves
+activation checkpointing, each against one process (``parallel/runtime/ep.py``; the EP layouts themselves
 and their collectives: ``test_moe.py``).
 
 One 2-rank job (fsdp=2 x ep=2) and one shorter 4-rank job (tp=2 x fsdp=2 x ep=2) on the pooled

@@ -12,7 +12,7 @@ import torch
 from helpers import run_ranks, tiny_config, token_dataset, train_config, write_model_dir
 
 from shardlm.config import LoraConfig
-from shardlm.estimate import LORA_TARGETS, activation_elements, estimate
+from shardlm.estimate.memory import LORA_TARGETS, activation_elements, estimate
 
 # vocab 256 makes the embedding a large share of the model, so the TP embedding's replicated
 # gradient (estimate.replicated_embedding_grad) moves the total by more than the tolerance
@@ -61,7 +61,7 @@ def mixers_at_tp2(paths: list[str]) -> dict[str, dict[str, int]]:
 
     from shardlm import build_mesh, init_distributed, parallelize
     from shardlm.config import ParallelConfig
-    from shardlm.parallel.mixer_sizes import mixer_sizes
+    from shardlm.estimate.mixers import mixer_sizes
 
     init_distributed()
     mesh = build_mesh(ParallelConfig(tp=2))
@@ -100,16 +100,16 @@ def unmodeled_bytes(m, seq: int) -> tuple[int, int]:
 @pytest.mark.ranks
 def test_state_bytes_match_two_real_ranks(tmp_path):
     """The state rows on two real ranks; and each hybrid mixer's activations at tp=2 (its heads
-    split by ``parallel/channels.py``) against ``mixer_elements`` at tp=2 (with the rank's conv
+    split by ``parallel/infer/channels.py``) against ``mixer_elements`` at tp=2 (with the rank's conv
     channels, ``local_channels``) plus the weight rows the rank copies (``row_copies``):
     ``TP2_MIXERS``, 2 x 50 tokens (one padded delta-rule chunk, four Mamba-2 chunks of 16)."""
     from families import write_tiny_dir
 
-    from shardlm.estimate import local_channels, row_copies
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
-    from shardlm.parallel.styles import Style
+    from shardlm.estimate.memory import local_channels, row_copies
+    from shardlm.estimate.mixers import mixer_elements, mixer_sizes
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.styles import Style
 
     path = write_model_dir(str(tmp_path / "llama"), **MODEL)
     hybrid = [write_tiny_dir(str(tmp_path / n), n) for n in TP2_MIXERS]
@@ -173,14 +173,14 @@ MOE_CASES = [("mixtral", {}), ("mixtral", {"num_experts_per_tok": 1}), ("qwen2_m
 @pytest.mark.parametrize("family,overrides", MOE_CASES)
 def test_moe_activation_formula_matches_saved_tensors(family, overrides):
     """Mixture-of-experts layers (``estimate.moe_elements``, sizes read from the model by
-    ``experts.moe_sizes``): Mixtral's experts, Qwen2-MoE's shared expert and its gate, with
+    ``moe.moe_sizes``): Mixtral's experts, Qwen2-MoE's shared expert and its gate, with
     transformers' default (grouped-matmul) experts kernel; top-1 and top-2 routing."""
     import sys
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    from shardlm.parallel.experts import moe_sizes
+    from shardlm.estimate.moe import moe_sizes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from tiny import tiny_config as tiny_moe_config
@@ -246,7 +246,7 @@ def mixer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, mixers: l
     return got
 
 
-# hybrid models (``parallel/mixer_sizes.py``): Gated DeltaNet with fewer key heads than value heads
+# hybrid models (``estimate/mixers.py``): Gated DeltaNet with fewer key heads than value heads
 # and as many (Qwen3.5's default), short convolutions (LFM2, LFM3); Qwen3-Next's and OLMo-hybrid's
 # (the same chunk path) are checked per rank at tp=2 in ``test_state_bytes_match_two_real_ranks``
 MIXER_CASES = [
@@ -265,7 +265,7 @@ def test_mixer_activation_formula_matches_saved_tensors(family, overrides):
     rule's 64 x 64 bool mask (4 KiB, 0.3% of these tiny mixers)."""
     from transformers import AutoModelForCausalLM
 
-    from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
+    from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 
     config = _tiny(family, overrides)
     model = AutoModelForCausalLM.from_config(config).float().train()
@@ -277,7 +277,7 @@ def test_mixer_activation_formula_matches_saved_tensors(family, overrides):
         assert 0 <= got[m.fqn] - want <= (4096 if m.heads else 0), (m, got[m.fqn], want)
 
 
-# state-space mixers (``parallel/scan_sizes.py``), transformers' torch paths: Mamba-1 at batch 1 and
+# state-space mixers (``estimate/scans.py``), transformers' torch paths: Mamba-1 at batch 1 and
 # 2 (x_proj's input a view, then a copy), with its dt/B/C norms weightless (Falcon-Mamba) and
 # weighted (Jamba); Mamba-2 at batch 1 and 2, padded and whole chunks, B and C in 2 groups or 1,
 # Falcon-H1's scalings without a gated norm (GraniteMoE-hybrid's copy of Mamba-2's, checked by hand
@@ -300,7 +300,7 @@ def test_scan_mixer_formula_matches_saved_tensors(family, batch, seq):
     from families import TINY
     from transformers import AutoModelForCausalLM
 
-    from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
+    from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 
     config = _tiny(*TINY.get(family, (family, {})))
     model = AutoModelForCausalLM.from_config(config).float().train()
@@ -325,8 +325,8 @@ def test_hybrid_activation_formula_matches_saved_tensors(family, overrides, tole
     Bamba: two state-space blocks) against ``activation_elements`` with its mixers and MoE."""
     from transformers import AutoModelForCausalLM
 
-    from shardlm.parallel.experts import moe_sizes
-    from shardlm.parallel.mixer_sizes import mixer_elements, mixer_sizes
+    from shardlm.estimate.mixers import mixer_elements, mixer_sizes
+    from shardlm.estimate.moe import moe_sizes
 
     config = _tiny(family, overrides)
     model = AutoModelForCausalLM.from_config(config).float().train()

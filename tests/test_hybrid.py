@@ -1,4 +1,4 @@
-"""Hybrid models under TP: Qwen3.5's Gated DeltaNet linear attention split by heads (``parallel/channels.py``).
+"""Hybrid models under TP: Qwen3.5's Gated DeltaNet linear attention split by heads (``parallel/infer/channels.py``).
 
 The plan is derived from the dataflow: the fused q/k/v projection is found packed where its
 output is split after the depthwise convolution, the conv1d and the per-head ``A_log``/``dt_bias``
@@ -23,9 +23,9 @@ def qwen35(tmp_path_factory) -> str:
 
 def test_gated_deltanet_is_split_by_heads(qwen35, capsys):
     from shardlm.cli import main
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.describe import describe_plan
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
 
     model = build_meta_model(qwen35)
     plan = infer_plan(model, 2)
@@ -71,9 +71,9 @@ def mixers(tmp_path_factory) -> dict[str, str]:
 
 
 def mixer_plan(path: str, mixer: str):
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.describe import describe_plan
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
 
     model = build_meta_model(path)
     plan = infer_plan(model, 2)
@@ -91,8 +91,8 @@ def test_convolutions_over_reshaped_split_channels_follow_them():
     channel layout (``layouts.py``) says how each rank's channels lie, and the conv follows it."""
     import torch
 
-    from shardlm.parallel.layouts import propagate
-    from shardlm.parallel.tracker import ShardTracker
+    from shardlm.parallel.infer.layouts import propagate
+    from shardlm.parallel.infer.tracker import ShardTracker
 
     # LFM's short conv: in_proj [.., 3H] transposed, chunked into B, C, x; the conv over x (H channels)
     tracker = ShardTracker()
@@ -149,8 +149,8 @@ def test_linear_attention_and_short_conv_mixers_are_split_by_heads(mixers):
     assert plan.channels[f"{mixer}.conv1d"] == {"weight": " + ".join(f"{mixer}.{p}_proj" for p in "kqv")}
     assert plan.channel_parts[f"{mixer}.conv1d.weight"] == [32, 32, 64]
     assert not plan.replicated
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.describe import describe_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
 
     rows = {r["module"]: r["source"] for r in describe_plan(build_meta_model(mixers["olmo_hybrid"]), plan, 2)}
     assert rows[f"{mixer}.conv1d"].endswith("weight split with the output channels of k_proj + q_proj + v_proj")
@@ -167,7 +167,7 @@ def test_kimi_delta_attention_gates_are_latents_and_its_heads_split(tmp_path):
     head_dim -> heads x head_dim; the forget gate adds its per-channel ``dt_bias`` before the view
     into heads): the first linear of each is a latent kept whole (``latent.py``), the second split
     by heads; ``A_log`` [1, 1, heads, 1] follows the heads on its dim 2, ``dt_bias`` on dim 0."""
-    from shardlm.parallel.styles import ExpertParam
+    from shardlm.parallel.plan.styles import ExpertParam
 
     mixer = "model.layers.0.self_attn"
     plan, styles, local = mixer_plan(write_tiny_dir(str(tmp_path / "kimi"), "kimi_linear"), mixer)
@@ -202,9 +202,9 @@ def test_mamba1_mixers_are_split_by_channels(tmp_path):
     over TP; Jamba's norms of dt, B, C partial, summed after backward); dt_proj, multiplied directly by
     the mixer (``dt_proj.weight @ dt``), split by rows; A_log [I, N] meets dt's channels through
     ``A[None, :, None, :] * dt[:, :, :, None]`` and follows them, D and the conv follow x's."""
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.styles import ExpertParam
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.styles import ExpertParam
 
     mixer = "model.layers.0.mamba"
     plan, styles, local = mixer_plan(write_tiny_dir(str(tmp_path / "jamba"), "jamba"), mixer)
@@ -241,7 +241,7 @@ def test_mamba1_mixers_are_split_by_channels(tmp_path):
     # LoRA on x_proj would all-reduce its output without summing the gradient back: refused by name
     from shardlm import ConfigError
     from shardlm.config.schema import LoraConfig
-    from shardlm.parallel.lora import check_lora
+    from shardlm.parallel.runtime.lora import check_lora
 
     model = build_meta_model(write_tiny_dir(str(tmp_path / "mamba"), "mamba"))
     with pytest.raises(ConfigError, match="x_proj' is a row-parallel layer whose output is read back inside"):
@@ -260,9 +260,9 @@ def test_mamba2_mixer_is_split_by_heads_and_groups(mamba2):
     the conv: both cuts make its parts (``layouts.Cuts``), the conv follows [x, B, C], the gated norm over
     groups the split keeps whole has its weight follow the channels, and the sizes its forward views by
     are made local, but not ``ssm_state_size``, equal to ``num_heads`` (8) yet sizing B's state dim."""
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.describe import describe_plan
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
 
     mixer = "backbone.layers.0.mixer"
     model = build_meta_model(mamba2)
@@ -293,7 +293,7 @@ def test_cuts_of_a_stretch_of_a_linear_refine_its_parts():
     is a cut of the linear at those columns; a regrouping view drops the origin."""
     import torch
 
-    from shardlm.parallel.layouts import Cuts, propagate
+    from shardlm.parallel.infer.layouts import Cuts, propagate
 
     layouts, cuts = {}, Cuts()
     out = torch.empty(1, 13, 40, device="meta")
@@ -322,7 +322,7 @@ def test_permutes_and_einsums_move_the_split_dim_by_position_not_by_size():
     Falcon-H1's mixers were kept replicated after the Mamba-1 and Mamba-2 work merged)."""
     import torch
 
-    from shardlm.parallel.layouts import Cuts, propagate
+    from shardlm.parallel.infer.layouts import Cuts, propagate
 
     layouts, cuts = {}, Cuts()
     a = torch.empty(1, 2, 16, 8, device="meta")  # [b, c, l, h], h split
@@ -349,7 +349,7 @@ def test_permutes_and_einsums_move_the_split_dim_by_position_not_by_size():
 def test_ints_sizing_only_unsplit_dims_are_not_made_local():
     import torch
 
-    from shardlm.parallel.sizes import NamedInt, record_uses, used_only
+    from shardlm.parallel.infer.sizes import NamedInt, record_uses, used_only
 
     layouts, uses = {}, {}
     b = torch.empty(1, 13, 16, device="meta")
@@ -403,7 +403,7 @@ def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
     import torch
 
-    from shardlm.parallel.tracker import ShardTracker
+    from shardlm.parallel.infer.tracker import ShardTracker
 
     tracker = ShardTracker()
     out = torch.empty(1, 13, 24, device="meta")
@@ -425,7 +425,7 @@ def test_fused_mamba_kernels_on_gpu_are_refused_before_spawning(tmp_path, monkey
     from helpers import train_config
 
     from shardlm import ConfigError, preflight
-    from shardlm.parallel import channels
+    from shardlm.parallel.infer import channels
 
     monkeypatch.setattr(channels, "weight_kernels_available", lambda: True)
     monkeypatch.setattr(preflight, "device_type", lambda: "cuda")

@@ -251,7 +251,7 @@ def test_lora_resume_is_exact_and_exports_a_peft_adapter(tmp_path):
 
     from shardlm.checkpoint.export import consolidate
     from shardlm.checkpoint.manager import read_metadata
-    from shardlm.parallel.build import reference_model
+    from shardlm.parallel.weights.fill import reference_model
 
     path = write_model_dir(str(tmp_path / "llama"), "llama")
     full, resumed, bf16, dtypes, other_layout = run_ranks(lora_resume_rank, 2, path, str(tmp_path))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts under TP: experts split by their intermediate dim (``parallel/experts.py``,
+"""Mixture-of-experts under TP: experts split by their intermediate dim (``parallel/infer/experts.py``,
 the ``experts`` style), trained exactly like one process.
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``: 4 experts, top-2, only
@@ -7,12 +7,12 @@ gate/up, expert biases). Reference: the plain transformers loop of ``helpers.pla
 default experts kernel, grouped_mm on CPU), 5 steps; tolerances of the issue: loss 1e-5 and
 grad_norm 1e-4 relative.
 
-Expert parallelism (``parallel.ep``, ``parallel/ep.py``): Qwen3-MoE, Mixtral and gpt-oss at
+Expert parallelism (``parallel.ep``, ``parallel/runtime/ep.py``): Qwen3-MoE, Mixtral and gpt-oss at
 fsdp=2 x ep=2 in the module's one 2-rank spawn (with DCP resumes across ep=2 <-> ep=1 and
 consolidation), Qwen3-MoE and gpt-oss at tp=2 x fsdp=2 x ep=2 in its one 4-rank spawn; Qwen3-MoE
 and Mixtral at ep=2 alone (dp_replicate=2) and tp=2 x ep=2 (tp=2 x dp_replicate=2) in the same spawns.
 
-Multi-head latent attention (``parallel/latent.py``): DeepSeek-V3 (MLA, a shared expert, grouped
+Multi-head latent attention (``parallel/infer/latent.py``): DeepSeek-V3 (MLA, a shared expert, grouped
 routing) and MiniCPM3 at tp=2, DeepSeek-V3 at fsdp=2 x ep=2 (with a DCP resume from tp=2 and
 consolidation) in the same 2-rank spawn, and at tp=2 x fsdp=2 x ep=2 in the 4-rank one.
 """
@@ -61,7 +61,7 @@ def dirs(tmp_path_factory):
 
 
 def _meta(path: str):
-    from shardlm.parallel.build import build_meta_model
+    from shardlm.parallel.model.meta import build_meta_model
 
     return build_meta_model(path)
 
@@ -73,9 +73,9 @@ def _layout(entry: dict) -> dict:
 def test_the_plan_derives_each_experts_layout(dirs):
     """Which parameter is the in/out projection, its intermediate dim, and gate/up concatenated (2
     parts) or interleaved (gpt-oss: 1 part, its down bias added once) come from the probe."""
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.describe import describe_plan
-    from shardlm.parallel.experts import find_experts
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.infer.experts import find_experts
+    from shardlm.parallel.plan.describe import describe_plan
 
     for model_type in CONCAT:
         plan = infer_plan(_meta(dirs[model_type]), 2)
@@ -112,7 +112,7 @@ def test_the_plan_derives_each_experts_layout(dirs):
 
 def _split_sum(experts, layout: dict, tp: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """(the whole module's output, the sum of the outputs of ``tp`` ranks' pieces of ``layout``)."""
-    from shardlm.parallel.experts import local_positions
+    from shardlm.parallel.infer.experts import local_positions
 
     whole = {n: p.detach().clone() for n, p in experts.named_parameters(recurse=False)}
     for p in whole.values():
@@ -144,7 +144,7 @@ def test_split_experts_sum_to_the_whole_with_every_kernel(dirs, kernel):
     from the eager probe alone."""
     from transformers import AutoModelForCausalLM
 
-    from shardlm.parallel.experts import find_experts
+    from shardlm.parallel.infer.experts import find_experts
 
     for model_type in TRAINED:
         config = tiny_config(model_type)
@@ -165,7 +165,7 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
     """An experts module no placement reproduces is refused in one line naming it."""
     from shardlm.cli import main
     from shardlm.errors import ConfigError
-    from shardlm.parallel.experts import probe_layout
+    from shardlm.parallel.infer.experts import probe_layout
 
     meta = _meta(_write(tmp_path, "qwen3_moe"))
     experts = meta.get_submodule("model.layers.0.mlp.experts")
@@ -183,7 +183,7 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
     why = probe_layout(experts, meta.config.hidden_size, 2)
     assert isinstance(why, str) and "reproduces its output" in why
     with pytest.raises(ConfigError):
-        from shardlm.parallel.experts import find_experts
+        from shardlm.parallel.infer.experts import find_experts
 
         find_experts(meta, 2)
     # Mixtral with router jitter: each rank would draw its own noise
@@ -615,7 +615,7 @@ def test_plan_shows_the_experts_per_rank(dirs, capsys):
 def test_estimate_counts_the_experts_per_rank(dirs):
     """``shardlm estimate --ep``: the experts are divided over ep (not chunked by FSDP), and FSDP
     neither gathers nor reduce-scatters them."""
-    from shardlm.estimate import estimate
+    from shardlm.estimate.memory import estimate
 
     c = tiny_config("qwen3_moe")
     experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size  # elements
@@ -655,8 +655,8 @@ def test_mla_plan_splits_the_heads_after_the_latents(mla_dirs):
     """The latents (``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every rank, their norms summing
     their gradients over TP, the per-head up-projections column-parallel (half of their bytes per
     rank), ``o_proj`` row-parallel; nothing kept replicated; the router whole."""
-    from shardlm.parallel.autotp import infer_plan
-    from shardlm.parallel.describe import describe_plan
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.plan.describe import describe_plan
 
     for model_type in MLA_PLANNED:
         meta = _meta(mla_dirs[model_type])
@@ -688,7 +688,7 @@ def test_a_latent_whose_gradient_would_leak_is_kept_replicated(mla_dirs, monkeyp
     replicated, sub-block by sub-block, and trains as before."""
     from transformers.models.minicpm3 import modeling_minicpm3
 
-    from shardlm.parallel import autotp
+    from shardlm.parallel.infer import autotp
 
     original = modeling_minicpm3.MiniCPM3Attention.forward
 

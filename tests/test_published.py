@@ -40,8 +40,8 @@ from helpers import run_ranks, token_dataset, train_config
 
 from shardlm.checkpoint.output import CHECK_MESSAGE
 from shardlm.cli import main
-from shardlm.parallel import published, published_write
-from shardlm.parallel.build import build_meta_model
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.weights import published, published_write
 
 
 def check(path: str) -> published.Layout:

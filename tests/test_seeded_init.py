@@ -12,8 +12,9 @@ import math
 import torch
 from families import family_config
 
-from shardlm.parallel.build import build_meta_model, decoder_blocks, reference_model
-from shardlm.parallel.seeded_init import UnwrittenInit, seeded_state
+from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
+from shardlm.parallel.weights.fill import reference_model
+from shardlm.parallel.weights.seeded_init import UnwrittenInit, seeded_state
 
 
 def model_dir(tmp_path, family: str, **overrides) -> str:

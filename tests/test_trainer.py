@@ -162,7 +162,7 @@ def two_ranks_body(path, out):
 
 
 def plain_model(path):
-    from shardlm.parallel.build import reference_model
+    from shardlm.parallel.weights.fill import reference_model
 
     return reference_model(path, 0)
 

@@ -8,8 +8,8 @@ from shardlm.config import Config, DataConfig, LoraConfig, ParallelConfig, Train
 from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed
 from shardlm.distributed.shards import full_tensor
 from shardlm.errors import ConfigError
-from shardlm.parallel.autotp import infer_tp_plan
 from shardlm.parallel.build import parallelize
+from shardlm.parallel.infer.autotp import infer_tp_plan
 from shardlm.train.trainer import Trainer, run
 
 __all__ = [

@@ -125,10 +125,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from shardlm.config.paths import check_model_dir
-    from shardlm.parallel.autotp import any_block, check_geometry, infer_plan
-    from shardlm.parallel.build import build_meta_model
-    from shardlm.parallel.describe import describe_plan
-    from shardlm.parallel.ep import describe_ep
+    from shardlm.parallel.infer.autotp import check_geometry, infer_plan
+    from shardlm.parallel.infer.refusals import any_block
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
+    from shardlm.parallel.runtime.ep import describe_ep
 
     if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:
         raise ConfigError(f"--tp {args.tp} --ep {args.ep}: a plan needs tp >= 2 or ep >= 2")
@@ -198,7 +199,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from shardlm.estimate import estimate, format_table
+    from shardlm.estimate.memory import estimate, format_table
 
     est = estimate(
         args.model,

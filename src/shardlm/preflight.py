@@ -7,7 +7,7 @@ cannot compute over the global batch (``train/router_loss.py``), LayerDrop under
 the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
-the model's weights (their names through transformers' conversion rules, ``parallel/published.py``),
+the model's weights (their names through transformers' conversion rules, ``parallel/weights/published.py``),
 ``lora.modules_to_save``, the free space under ``train.output_dir`` against a checkpoint's size,
 and the checkpoint ``train.resume`` names (its bytes against its manifest, its model's fingerprint).
 ``check_data`` then checks ``data.seq_len`` against the model's positions, loads the tokenizer and
@@ -30,13 +30,14 @@ from shardlm.data.dataset import build_dataset
 from shardlm.data.fit import check_ids, check_seq_len, check_tokenizer, load_tokenizer, model_config, vocab_size
 from shardlm.distributed.mesh import device_type
 from shardlm.errors import ConfigError
-from shardlm.parallel.autotp import check_geometry, infer_plan
-from shardlm.parallel.build import build_meta_model, has_weights
-from shardlm.parallel.channels import check_fused_kernels
-from shardlm.parallel.dropout import check_layerdrop
-from shardlm.parallel.ep import check_ep, check_ep_lora
-from shardlm.parallel.lora import check_lora
-from shardlm.parallel.published import check as check_weights
+from shardlm.parallel.infer.autotp import check_geometry, infer_plan
+from shardlm.parallel.infer.channels import check_fused_kernels
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.runtime.dropout import check_layerdrop
+from shardlm.parallel.runtime.ep import check_ep, check_ep_lora
+from shardlm.parallel.runtime.lora import check_lora
+from shardlm.parallel.weights.fill import has_weights
+from shardlm.parallel.weights.published import check as check_weights
 from shardlm.train import router_loss
 from shardlm.train.trainer import check_activation_checkpointing
 

@@ -44,8 +44,8 @@ from shardlm.checkpoint.output import (
     write_hf_files,
 )
 from shardlm.errors import ConfigError
-from shardlm.parallel.build import build_meta_model
-from shardlm.parallel.published_write import PublishedUnpack, check_reload
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.weights.published_write import PublishedUnpack, check_reload
 
 Unpack = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 SINGLE_FILE = "model.safetensors"
@@ -122,7 +122,7 @@ def plan_sources(step_dir: str, metadata, target: torch.dtype, unpack: Unpack) -
                 {k: (tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in outs.items()},
             )
         )
-    if hasattr(unpack, "published_shapes"):  # the names and shapes save_pretrained writes (parallel/published_write.py)
+    if hasattr(unpack, "published_shapes"):  # what save_pretrained writes (parallel/weights/published_write.py)
         expected = unpack.published_shapes(expected)
     produced = {k: v[0] for s in sources for k, v in s.outputs.items()}
     if produced != expected:

@@ -30,8 +30,8 @@ from transformers.core_model_loading import revert_weight_conversion
 from shardlm.checkpoint.io import load_dcp, read_metadata
 from shardlm.checkpoint.output import CHECK_MESSAGE, VerificationError, same_bits, staged, write_hf_files
 from shardlm.errors import ConfigError
-from shardlm.parallel import lora
-from shardlm.parallel.build import has_weights, reference_model
+from shardlm.parallel.runtime import lora
+from shardlm.parallel.weights.fill import has_weights, reference_model
 
 
 def read_adapter(step_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -20,8 +20,9 @@ import uuid
 
 from shardlm.checkpoint.manifest import write_manifest
 from shardlm.errors import ConfigError
-from shardlm.parallel.build import build_meta_model, has_weights
-from shardlm.parallel.published_write import record_layout
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.weights.fill import has_weights
+from shardlm.parallel.weights.published_write import record_layout
 
 log = logging.getLogger("shardlm")
 

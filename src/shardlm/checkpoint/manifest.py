@@ -28,7 +28,7 @@ import json
 import os
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.build import build_meta_model
+from shardlm.parallel.model.meta import build_meta_model
 
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20

@@ -59,7 +59,7 @@ class ParallelConfig:
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
-    different data and exchange tokens with all-to-all (``parallel/ep.py``); it adds no processes.
+    different data and exchange tokens with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
     """
 
     tp: int = 1
@@ -86,7 +86,7 @@ class ParallelConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (``parallel/lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
+    """LoRA adapters (``parallel/runtime/lora.py``), with peft's meaning: ``r`` (default 8), ``alpha`` (peft's
     ``lora_alpha``, default 2*r; the update is scaled by alpha/r), ``dropout`` (``lora_dropout``),
     ``target_modules`` (module names or a regex; null: peft's default for the model type),
     ``modules_to_save`` (modules trained whole and saved with the adapter). ``adapter``: a peft

@@ -339,7 +339,7 @@ class GlobalBatchOrder:
 
 def micro_batch_start(micro: int, dp_rank: int, dp_size: int, per_device: int) -> int:
     """Position in the global batch of the first sample of this dp rank's micro-step ``micro``
-    (also what ``parallel/dropout.py`` keys a sample's masks on)."""
+    (also what ``parallel/runtime/dropout.py`` keys a sample's masks on)."""
     return (micro * dp_size + dp_rank) * per_device
 
 

@@ -45,7 +45,7 @@ class Mesh:
 
     @property
     def experts(self) -> DeviceMesh:
-        """The ``(ep, tp)`` mesh the experts' parameters are placed on (``parallel/ep.py``)."""
+        """The ``(ep, tp)`` mesh the experts' parameters are placed on (``parallel/runtime/ep.py``)."""
         if self.ep_world is None:
             raise ValueError("Mesh.experts: parallel.ep is 1, the experts are placed by TP and FSDP")
         return self.ep_world["ep", "tp"]

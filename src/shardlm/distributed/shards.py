@@ -3,7 +3,7 @@
 One rule, used for init, HF loading and checkpoints alike: placements apply right to left, TP
 first, then FSDP2's chunking of the TP-local tensor (how FSDP2 shards a TP DTensor). On the TP
 mesh dim a ``_StridedShard`` (P equal parts) or a ``PartsShard`` (parts of any sizes) is a packed
-projection (``tp.PackedColwiseParallel``) or what acts on its channels: each of its parts is
+projection (``linear.PackedColwiseParallel``) or what acts on its channels: each of its parts is
 chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``. ``packed_placement`` picks one.
 
 Every local piece is one box of the global tensor except a packed projection's, which is P boxes

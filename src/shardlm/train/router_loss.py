@@ -13,7 +13,7 @@ data-parallel ranks gives the global ``C``, ``S``, ``N``, and each rank backprop
 exactly the gradient of ``coef * E * (C . S) / N**2``, one process's term. Under TP every rank of
 a TP group holds the same tokens and a whole router (``replicate_local``): each computes the same
 term, and its gradient lands on replicated parameters and activations, which TP does not sum, so
-it counts once. Under expert parallelism (``parallel/ep.py``) the EP ranks are data-parallel ranks
+it counts once. Under expert parallelism (``parallel/runtime/ep.py``) the EP ranks are data-parallel ranks
 with tokens of their own and the router stays whole on each, before any token is dispatched: the
 same sums over the same data-parallel group.
 

@@ -56,7 +56,7 @@ def tp_replicated_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def check_tp_replicas(params: list[tuple[str, torch.Tensor]], tp_group: dist.ProcessGroup, step: int) -> None:
     """Raise if the TP ranks' copies of a replicated parameter differ (one all-reduce of two
     checksums per parameter): the TP group would be training different models without any error,
-    e.g. from random numbers drawn per rank that ``parallel/dropout.py`` does not replace."""
+    e.g. from random numbers drawn per rank that ``parallel/runtime/dropout.py`` does not replace."""
     if not params:
         return
     sums = []

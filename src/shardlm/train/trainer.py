@@ -26,7 +26,7 @@ each decoder block's ``forward``, not its ``__call__``, so FSDP2's hooks on the 
 the recomputed region, and module FQNs do not change (checkpoints, plans and TP bookkeeping keep
 working). The recompute replays the TP styles' hooks, so it produces the same numbers.
 
-Dropout (``parallel/dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
+Dropout (``parallel/runtime/dropout.py``): each micro-step's forward runs under ``DeterministicDropout``, whose
 masks are a hash of (seed, step, call site, the element's position in the global batch and in
 the unsharded tensor): TP ranks agree, dp ranks differ, every layout equals one process, and the
 recompute of a checkpointed block redraws the same masks. A model without dropout (p = 0
@@ -66,9 +66,9 @@ from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_fr
 from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
-from shardlm.parallel.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
-from shardlm.parallel.ep import sum_expert_grads
-from shardlm.parallel.tp import sum_tp_partial_grads
+from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
+from shardlm.parallel.runtime.ep import sum_expert_grads
+from shardlm.parallel.runtime.grads import sum_tp_partial_grads
 from shardlm.train import faults
 from shardlm.train.evaluation import eval_loss
 from shardlm.train.loss import loss_context, token_loss_sum

@@ -1,0 +1,516 @@
+"""Memory per rank of a training layout, before starting anything: ``shardlm estimate``.
+
+Why: the first question about a layout is whether it fits, and the answer should not cost a
+failed launch. Parameter shapes come from the meta model and the same TP plan ``parallelize``
+applies (``autotp.infer_plan``), so the model-state numbers are what the ranks really hold:
+
+* TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
+  input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
+  ``replicate_grad_allreduce`` (norms) are whole on every TP rank, and so are the plan's
+  ``sliced`` projections (k/v when kv heads < tp, Phi-3's GQA qkv_proj).
+* FSDP2 then chunks dim 0 of each TP-local tensor over ``fsdp`` (the largest chunk, rank 0's,
+  is reported). ``dp_replicate`` holds full copies: it divides nothing.
+* Gradients: one per trainable parameter, same local shape and dtype (fp32 master weights),
+  except the TP embedding's (``replicated_embedding_grad``). AdamW: two fp32 states per
+  trainable parameter. With ``lora_r``, only the adapters train:
+  ``r*(in+out)`` per targeted linear, A/B placed like their base (colwise base: B sharded;
+  rowwise base: A sharded); under ``bf16`` the frozen base is stored in 2 bytes.
+
+Activations saved for backward, per decoder layer, in elements (T = batch*seq tokens per rank,
+h hidden, a heads, k kv heads, d head dim, f intermediate, t = tp; no sequence parallelism,
+flash/SDPA attention, so no T*seq score matrix)::
+
+    T * (6h + 2                   per RMSNorm (replicated over TP): input, normalized input,
+                                  output (the next linear's input), rstd
+         + (a + 2k) d / t         q, k (after RoPE) and v, kept by attention (k < t: a d / t + 2 d,
+                                  one replicated kv head per rank)
+         + a d / t                attention output (o_proj input)
+         + 4 f / t                gate, act(gate), up, act*up (down_proj input)
+         + a / t)                 attention logsumexp
+
+A mixture-of-experts layer (``moe.moe_sizes``: E experts of width I, in-projection width
+``I_in`` = 2I for gate and up, top-k choices per token, shared-expert width ``s``) saves instead of
+the MLP's ``4f/t``, as transformers' grouped-matmul kernel runs it::
+
+    T * (E + 1                    router probabilities, top-k normalizer
+         + k (I_in + 2I) / t      per (token, choice) pair: in-projection output, act(gate), the
+                                  down projection's input (a non-gated expert: I_in + I)
+         + k (2h + 10)            the pair's gathered input row and its down output (weighted by the
+                                  router), sort permutations and indices (int64: 2 elements each)
+         + 4 s / t                a shared expert, as a dense MLP
+         + g (h + 2))             a 1-wide gate on its output (Qwen2-MoE): the output and the gate
+
+Under EP a rank runs the pairs routed to its experts (its share when routing is balanced) and saves
+a few more int64 indices per pair: measured on rank 0 of a 2-rank ep=2 run (experts dispatched,
+the rest as one process), +1.2% (Mixtral) and +0.4% (Qwen2-MoE) of these activations, left out;
+the all-to-all buffers (the rows sent, received and returned, ``3kh`` per token) live only during
+a layer's forward or backward. Routing that sends a rank more than its share of the pairs is not
+in it, nor per-head q/k norms (Qwen3, OLMoE).
+
+A hybrid model's recurrent mixers (``estimate/mixers.py``: a module holding a depthwise
+``Conv1d``, its sizes read off its parameters) save instead of attention's terms what
+transformers' torch paths keep: for a short convolution (LFM2, LFM3) ``T*5C/t + batch*C/t*(seq +
+K - 1)``; for Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) the conv's input and padded output,
+the gates, and the chunked tensors and per-chunk recurrent states of ``torch_chunk_gated_delta_rule``
+(the sequence padded to chunks of 64: ``~batch*H/t*P*(6dk + 3dv + 5*64)``), which it computes in
+fp32 whatever the activation dtype. Checked per mixer against autograd's saved tensors (fp32, one
+process and per rank at tp=2): the same but for the delta rule's 4 KiB chunk mask; the whole Qwen3.5
+text stack is 5.6% under (its attention layer's q/k norms and output gate). Under bf16 autocast the
+delta rule's matmul operands are saved in bf16: the count is an upper bound there (+16% measured on
+the tiny Qwen3.5 mixer). The state-space mixers (``estimate/scans.py``: Mamba-1 in Mamba,
+Falcon-Mamba, Jamba; Mamba-2 in Mamba2, Nemotron-H, Bamba, Falcon-H1, GraniteMoE-hybrid) save what
+transformers' torch scans keep: Mamba-1's sequential scan ``~3*batch*seq*C/t*n`` (per channel and
+state: the discretized A and B, and the state at every step), Mamba-2's chunked one
+``~batch*P*(H/t*(3c + 5n) + 5I/t)`` (P: the sequence padded to chunks of c), on a rank its rows of
+the conv (``local_channels``: Mamba-2's B and C whole at ``n_groups < tp``). Checked per mixer
+against autograd's saved tensors (fp32, one process and per rank at tp=2): equal to the byte but for
+Mamba-2's bool masks (``2c^2 + 2(N+1)^2`` bytes); under bf16 autocast within -2% (Mamba-1), -3%
+(Mamba-2) and -10% (Falcon-H1) on the tiny mixers. Not modeled: the fused kernels (fla,
+causal-conv1d, mamba-ssm) on GPU, which save far less; Kimi-Linear's delta attention (a decay per
+key channel, its own chunk path), counted as attention.
+A sliced projection whose rows some ranks share (Mamba-2's ``in_proj`` with B and C held whole at
+``n_groups < tp``) and the conv over it are stored whole; each rank copies its rows of their weights
+in each forward and autograd keeps the copy (``row_copies``; not a bias's, which is only added).
+Packed projections of unequal parts (Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
+
+With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
+while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
+really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
+and their gradient. ``bf16`` is shardlm's mixed precision (``train.bf16``): fp32 master weights,
+gradients and Adam states, activations in 2 bytes. ``compute_weights``: with FSDP, the gathered
+copies it computes with (root + two blocks with prefetch, in the compute dtype); without FSDP
+under bf16, autocast's bf16 copy of every local weight (cached for the forward, kept for the
+backward). ``reduce_scatter``: with FSDP, the unsharded fp32 gradients of one decoder block that
+FSDP2 fills before reducing them (the root's are filled at the end of backward, when the
+activations are gone).
+
+The peak is the larger of two phases: the step (the model state plus everything above, alive
+at once at the start of backward: an upper bound, since activations are freed while gradients
+are made) and the optimizer step (the model state plus ``optimizer_temporaries``: foreach AdamW
+makes one fp32 temporary per trainable element, ``sqrt(exp_avg_sq)``). ``runtime`` is the
+resident memory of a process that has imported torch and transformers, measured here and
+printed on its own line: it is not in the total (on a GPU it is outside the allocator).
+Measured against the peak RSS of real runs minus that baseline (``make bench-scale``,
+``benchmarks/README.md``): +3.4% (349M Llama, tp2 x fsdp2), -6.5% (125M, tp2), -5.3% (349M,
+fsdp2, activation checkpointing). On CPU that holds because ``mesh.release_freed_memory`` lets
+freed tensors go back to the OS.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from shardlm.config import ParallelConfig
+from shardlm.config.paths import check_model_dir
+from shardlm.config.ranges import check_value, check_world
+from shardlm.data.fit import check_seq_len, max_positions, model_config
+from shardlm.errors import ConfigError
+from shardlm.estimate.mixers import mixer_elements, mixer_sizes
+from shardlm.estimate.moe import MoeSizes, moe_elements, moe_sizes
+from shardlm.parallel.infer.autotp import check_geometry, infer_plan
+from shardlm.parallel.model.experts import experts_modules
+from shardlm.parallel.model.geometry import read_geometry
+from shardlm.parallel.model.hf import is_conv1d
+from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
+from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import lead_dim
+from shardlm.parallel.plan.styles import Style, local_shape, lora_dims, sharded_dim
+from shardlm.parallel.runtime.ep import check_ep
+
+DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (fewer when the model has fewer positions)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+GIB = 1024**3
+# rows alive during the forward/backward of a step, beside the model state
+STEP_ROWS = ("activations", "logits", "compute_weights", "reduce_scatter")
+
+
+@dataclass
+class Estimate:
+    """Per-rank counts and bytes of one layout (``bytes`` keys are the table rows)."""
+
+    layout: dict
+    params_full: int
+    params_local: int
+    trainable_local: int
+    bytes: dict[str, int] = field(default_factory=dict)
+    memory_gib: float | None = None
+    runtime_bytes: int = 0  # resident memory of torch + transformers alone (not in the total)
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state: what a rank holds between steps."""
+        return self.bytes["parameters"] + self.bytes["gradients"] + self.bytes["optimizer"]
+
+    @property
+    def step_bytes(self) -> int:
+        """The forward/backward phase: model state plus everything a step allocates on top."""
+        return self.state_bytes + sum(self.bytes[k] for k in STEP_ROWS)
+
+    @property
+    def optimizer_step_bytes(self) -> int:
+        """The optimizer phase: model state plus the optimizer's temporaries."""
+        return self.state_bytes + self.bytes["optimizer_temporaries"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_gib is None else self.bytes["total"] <= self.memory_gib * GIB
+
+    def to_dict(self) -> dict:
+        phases = {"step_bytes": self.step_bytes, "optimizer_step_bytes": self.optimizer_step_bytes}
+        return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
+
+
+def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
+    """Elements of the largest local piece: TP chunk of ``tp_dim``, then FSDP's chunk of dim 0."""
+    dims = list(shape)
+    if tp_dim is not None:
+        dims[tp_dim] = math.ceil(dims[tp_dim] / tp)
+    if dims and fsdp > 1:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def _lora_shapes(module: nn.Module, r: int, style: str | None) -> list[tuple[tuple[int, int], int | None]]:
+    """(shape, tp dim) of lora_A ``[r, in]`` and lora_B ``[out, r]`` for a targeted linear."""
+    w = module.weight
+    fan_in, fan_out = (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
+    a_dim, b_dim = lora_dims(style) if style is not None else (None, None)
+    return [((r, fan_in), a_dim), ((fan_out, r), b_dim)]
+
+
+def count_params(
+    model: nn.Module,
+    styles: dict[str, str],
+    tp: int,
+    fsdp: int,
+    lora_r: int | None = None,
+    experts: dict | None = None,
+    ep: int = 1,
+) -> tuple[int, int, int, int]:
+    """(full, local, trainable local, trainable tensors) parameter counts; tied parameters count once.
+    ``experts``: the plan's per-parameter placements of ``experts`` modules (``Plan.experts``).
+    ``ep`` > 1: the experts modules' parameters are divided over ep on dim 0, not chunked by FSDP."""
+    experts = experts or {}
+    ep_modules = set(experts_modules(model)) if ep > 1 else set()
+    seen: set[int] = set()
+    full = local = trainable = 0
+    targeted = tensors = 0
+    for mname, module in model.named_modules():
+        style = styles.get(mname)
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            dim = sharded_dim(style, module, pname, experts.get(mname))
+            if mname in ep_modules:  # Shard(0) over ep, TP inside each expert, left out by FSDP
+                n = local_numel(local_shape(tuple(param.shape), 0, ep), dim, tp, 1)
+            else:
+                n = local_numel(tuple(param.shape), dim, tp, fsdp)
+            full += param.numel()
+            local += n
+            trainable += 0 if lora_r else n
+            tensors += 0 if lora_r else 1
+        if lora_r and mname.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(module, "weight"):
+            targeted += 1
+            for shape, dim in _lora_shapes(module, lora_r, style):
+                n = local_numel(shape, dim, tp, fsdp)
+                full += math.prod(shape)
+                local += n
+                trainable += n
+                tensors += 1
+    if lora_r and not targeted:
+        raise ConfigError(
+            f"--lora-r: no linear layer of this model is named {'/'.join(LORA_TARGETS)}; LoRA has no target"
+        )
+    return full, local, trainable, tensors
+
+
+def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
+    """Extra gradient elements of a vocab-parallel embedding trained with TP and no FSDP wrapping.
+
+    torch's sharding rule for the embedding backward yields a ``Replicate`` gradient: the whole
+    ``[vocab, hidden]`` on every TP rank, not its ``Shard(0)`` piece. FSDP2 (any dp > 1) reshards
+    it, and a tied LM head's sharded gradient absorbs it; otherwise it costs ``(1 - 1/tp)`` of the
+    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``parallel/runtime/linear.py`` shards it.
+    """
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):
+        return 0
+    full = emb.weight.numel()
+    return full - local_numel(tuple(emb.weight.shape), 0, tp, 1)
+
+
+def _dims(config) -> dict[str, int]:
+    """The sizes the formulas use, under the names of ``hf.CONFIG_NAMES``; no attention heads (a
+    pure state-space model: Mamba, Falcon-Mamba, Mamba2) counts none."""
+    geo = read_geometry(config)
+    h, a = geo.hidden, geo.heads or 0
+    return {
+        "h": h,
+        "a": a,
+        "k": geo.kv_heads or a,
+        "d": geo.head_dim or 0,
+        "f": geo.intermediate or 4 * h,
+        "L": geo.layers,
+        "V": geo.vocab,
+    }
+
+
+def activation_elements(
+    config,
+    tokens: int,
+    tp: int,
+    checkpointing: bool,
+    lora_r: int | None = None,
+    moe: list[MoeSizes] = (),
+    mixers: list[int] = (),
+) -> int:
+    """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
+    model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
+    the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
+    in as many layers."""
+    g = _dims(config)
+    h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
+    local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
+    norms = tokens * (6 * h + 2)
+    attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
+    if lora_r:
+        attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
+    mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
+    mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
+    stack = g["L"] * tokens * h + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
+    return stack + tokens * (3 * h + 1)
+
+
+def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
+    """Per parameter fqn, the elements a TP rank copies out of several row ranges of it where it is
+    stored whole (``linear.take_rows``: a sliced projection of parts some held whole such as Mamba-2's
+    ``in_proj`` at ``n_groups < tp``, the conv following it), saved for backward by the op using
+    them: one copy per forward of their layer."""
+    ranks_rows = [(fqn, "weight", rows) for fqn, rows in plan.sliced.items()]  # per rank: its row ranges
+    ranks_rows += [(fqn, p, param_rows(plan, fqn, p)) for fqn, names in plan.channels.items() for p in names]
+    copies = {}
+    for fqn, pname, rows in ranks_rows:
+        module = model.get_submodule(fqn)
+        # a bias is only added, its copy not kept; a buffer's rows (Falcon-H1's ``mup_vector``) are
+        # counted with its mixer (``scans.py``), as one process keeps the buffer itself
+        params = dict(module.named_parameters(recurse=False))
+        if rows is not None and len(rows[0]) > 1 and pname != "bias" and pname in params:
+            p = params[pname]
+            copies[f"{fqn}.{pname}"] = sum(b - a for a, b in rows[0]) * (p.numel() // p.shape[lead_dim(p)])
+    return copies
+
+
+def local_channels(plan: Plan, conv: str, channels: int, tp: int) -> int:
+    """The channels of ``per_channel`` convolution ``conv`` rank 0 computes: its rows where it is
+    stored whole (Mamba-2's, whose B and C parts stay whole at ``n_groups < tp``), else ``1/tp``."""
+    rows = param_rows(plan, conv, "weight")
+    if rows is None:
+        return channels // tp
+    return sum(b - a for a, b in rows[0])
+
+
+def tp_local_elements(
+    model: nn.Module, styles: dict[str, str], tp: int, prefix: str = "", experts: dict | None = None, skip=()
+) -> int:
+    """Elements ``model`` (or a submodule whose fqn is ``prefix``) holds per TP rank, before FSDP;
+    ``skip``: module fqns left out (the experts under EP, which FSDP does not gather)."""
+    experts = experts or {}
+    seen: set[int] = set()
+    n = 0
+    for mname, sub in model.named_modules():
+        fqn = ".".join(x for x in (prefix, mname) if x)
+        for pname, p in sub.named_parameters(recurse=False):
+            if id(p) not in seen and fqn not in skip:
+                seen.add(id(p))
+                n += local_numel(tuple(p.shape), sharded_dim(styles.get(fqn), sub, pname, experts.get(fqn)), tp, 1)
+    return n
+
+
+def _block_elements(
+    model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None, skip=()
+) -> tuple[int, int]:
+    """(TP-local elements of one decoder block, number of blocks); the whole model when it has none."""
+    blocks = decoder_blocks(model)
+    if not blocks:
+        return tp_local_elements(model, styles, tp, experts=experts, skip=skip), 1
+    names = {id(m): n for n, m in model.named_modules()}
+    return tp_local_elements(blocks[0], styles, tp, names[id(blocks[0])], experts, skip), len(blocks)
+
+
+def _gathered_elements(model: nn.Module, styles: dict[str, str], tp: int, experts: dict | None = None, skip=()) -> int:
+    """TP-local elements FSDP all-gathers at once: the root's parameters plus two decoder blocks (prefetch)."""
+    block, count = _block_elements(model, styles, tp, experts, skip)
+    return tp_local_elements(model, styles, tp, experts=experts, skip=skip) - count * block + min(2, count) * block
+
+
+def _compute_weight_bytes(
+    model: nn.Module, styles: dict[str, str], tp: int, fsdp: int, bf16: bool, experts: dict | None = None, skip=()
+) -> int:
+    """Weights in the compute dtype held beside the master shards (see the module docstring)."""
+    if fsdp > 1:
+        return (2 if bf16 else 4) * _gathered_elements(model, styles, tp, experts, skip)
+    return 2 * tp_local_elements(model, styles, tp, experts=experts) if bf16 else 0
+
+
+def runtime_bytes() -> int:
+    """Resident memory of this process (torch and transformers imported): what every rank holds
+    before its first tensor. Linux's /proc; 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _check_layout(
+    tp: int, fsdp: int, dp_replicate: int, batch: int, seq: int, ep: int, lora_r: int | None, memory_gib: float | None
+) -> None:
+    """The layout ``estimate`` is asked about, checked before the model is read (one ``ConfigError``
+    line): each flag against the range of the config key it stands for (``config/ranges.py``)."""
+    for flag, key, value in (
+        ("--tp", "parallel.tp", tp),
+        ("--fsdp", "parallel.fsdp", fsdp),
+        ("--dp-replicate", "parallel.dp_replicate", dp_replicate),
+        ("--batch", "train.per_device_train_batch_size", batch),
+        ("--seq", "data.seq_len", seq),
+        ("--ep", "parallel.ep", ep),
+    ):
+        check_value(key, value, flag)
+    check_world(tp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --tp")
+    if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
+        raise ConfigError(
+            f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
+            "expert-parallel ranks are carved out of the data-parallel ranks"
+        )
+    if lora_r is not None and lora_r < 1:
+        raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
+    if memory_gib is not None and memory_gib <= 0:
+        raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
+
+
+def estimate(
+    model_path: str,
+    tp: int = 1,
+    fsdp: int = 1,
+    dp_replicate: int = 1,
+    batch: int = 4,
+    seq: int | None = None,
+    bf16: bool = False,
+    lora_r: int | None = None,
+    gradient_checkpointing: bool = False,
+    memory_gib: float | None = None,
+    ep: int = 1,
+) -> Estimate:
+    """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
+    ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
+    carved out of the data-parallel ranks)."""
+    check_model_dir(model_path)
+    if seq is None:
+        bound = max_positions(model_config(model_path))
+        seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
+    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib)
+    baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
+    check_geometry(model_path, tp)
+    check_seq_len(model_config(model_path), seq, "--seq")
+    model = build_meta_model(model_path)
+    check_ep(model, ep)
+    plan = infer_plan(model, tp)
+    skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
+    # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
+    styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
+    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
+    # EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward
+    ep_casts = (
+        sum(
+            count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
+            for fqn in skip
+        )
+        // ep
+        if bf16
+        else 0
+    )
+    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
+    act_bytes = 2 if bf16 else 4
+    tokens = batch * seq
+    # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
+    copies = row_copies(model, plan).values()
+    mixers = [
+        mixer_elements(m, batch, seq, tp, 4 // act_bytes, local_channels(plan, m.conv, m.channels, tp))
+        if styles.get(m.conv) == Style.PER_CHANNEL
+        else mixer_elements(m, batch, seq, 1, 4 // act_bytes)
+        for m in mixer_sizes(model)
+    ]
+    vocab = _dims(model.config)["V"]
+    rows = {
+        # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
+        "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
+        "gradients": 4 * grads,
+        "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
+        "activations": act_bytes
+        * (
+            activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers)
+            # with gradient checkpointing one layer's at a time: the largest
+            + (max(copies, default=0) if gradient_checkpointing else sum(copies))
+        ),
+        "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
+        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
+        "reduce_scatter": (
+            4 * _block_elements(model, styles, tp, plan.experts, skip)[0]
+            if fsdp * dp_replicate > 1 and not lora_r
+            else 0
+        ),
+        "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
+    }
+    state = rows["parameters"] + rows["gradients"] + rows["optimizer"]
+    rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
+    layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
+    layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
+    return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(est: Estimate) -> str:
+    """The readable report ``shardlm estimate`` prints."""
+    lay = est.layout
+    lines = [
+        (
+            f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
+            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}, per rank: "
+            f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
+            f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
+            f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
+        ),
+        (
+            f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank, "
+            f"{est.trainable_local:,} trainable on each rank"
+        ),
+    ]
+    for key, value in est.bytes.items():
+        if key == "total":
+            lines.append(f"{'':-<21}  {'':->12}")
+            lines.append(f"{'step phase':<21}  {_human(est.step_bytes):>12}")
+            lines.append(f"{'optimizer phase':<21}  {_human(est.optimizer_step_bytes):>12}")
+            key = "total (peak)"
+        lines.append(f"{key:<21}  {_human(value):>12}")
+    if est.runtime_bytes:
+        note = "(torch + transformers, measured here; not in the total)"
+        lines.append(f"{'+ runtime':<21}  {_human(est.runtime_bytes):>12}  {note}")
+    if est.memory_gib is not None:
+        verdict = "fits" if est.fits else "does NOT fit"
+        lines.append(
+            f"{verdict} in {est.memory_gib:g} GiB per rank ({_human(abs(est.memory_gib * GIB - est.bytes['total']))} "
+            f"{'to spare' if est.fits else 'short'})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""What cannot act on split activations as they stand: the violations that keep a sub-block replicated.
+
+Every op of the trace that reads a split tensor is checked (``check``): a parameter of a module not
+split with it, a tensor computed from such parameters, or a per-head tensor not split with the heads
+(ALiBi slopes) would compute with each rank's share as if it were the whole, unless it follows the
+channels (``follow.py``). A reduction over the split width of a flat column-parallel output (a
+parameter-free norm, a softmax gate) would reduce each rank's columns only (``check_reduction``).
+Each violation names the column-parallel linears the tensor came from: ``trace_model``'s caller keeps
+that whole sub-block replicated (``autotp``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.infer.follow import buffer_follows, follows
+
+# ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
+# would reduce its own columns only (a parameter-free norm, a softmax gate)
+_REDUCTIONS = {
+    "sum", "mean", "softmax", "log_softmax", "norm", "var", "std", "var_mean", "std_mean", "amax", "amin",
+    "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod", "logsumexp", "prod",
+    "layer_norm", "rms_norm", "group_norm", "normalize", "vector_norm", "linalg_vector_norm",
+}  # fmt: skip
+
+
+def check(
+    tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str], args=(), kwargs=None, out=None
+) -> None:
+    """Record what cannot act on this op's sharded input(s) as they stand."""
+    sharded = [t for t in inputs if id(t) in tracker.sharded]
+    for t in inputs:
+        if id(t) in tracker.sharded:
+            continue
+        if follows(tracker, name, t, sharded, args, kwargs or {}, out) or buffer_follows(tracker, t, sharded, out):
+            continue
+        if isinstance(t, nn.Parameter):
+            owner = tracker.param_owner.get(id(t), "?")
+            if owner not in tracker.legit:
+                tracker.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
+        elif id(t) in tracker.from_params and not tracker.from_params[id(t)] <= tracker.legit.keys():
+            owner = sorted(tracker.from_params[id(t)] - tracker.legit.keys())[0]
+            tracker.violations.append(
+                (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
+            )
+        elif t.dim() and t.numel() > 1 and tracker.heads and id(t) not in tracker.from_split_shape | tracker.whole_ids:
+            for s in sharded:
+                # the heads dim of split activations is never the last (that is head_dim or keys)
+                for i in range(2, min(t.dim(), s.dim()) + 1):
+                    if t.shape[-i] == s.shape[-i] and t.shape[-i] in tracker.heads:
+                        tracker.violations.append(
+                            (
+                                sources,
+                                f"a per-head tensor of shape {tuple(t.shape)} (ALiBi slopes, position "
+                                f"biases) is not split with the heads ({name})",
+                            )
+                        )
+                        return
+
+
+def check_reduction(tracker, name: str, args: tuple, kwargs: dict, sources: frozenset[str]) -> None:
+    """A reduction over the last dim of a flat column-parallel output (its width not yet viewed
+    into heads) would reduce each rank's columns only."""
+    if (
+        name not in _REDUCTIONS
+        or not args
+        or not isinstance(args[0], torch.Tensor)
+        or id(args[0]) not in tracker.sharded
+    ):
+        return
+    t = args[0]
+    layout = tracker.layouts.get(id(t)) if tracker.deferred else None  # inside a deferred module: any split dim
+    full = bool(t.dim()) and t.shape[-1] in {tracker.widths.get(src) for src in sources}
+    if not t.dim() or not (full or layout):
+        return
+    if name in ("layer_norm", "rms_norm", "group_norm"):
+        dims = {t.dim() - 1}
+    else:
+        pos = 2 if name == "topk" else 1
+        dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
+        if isinstance(dim, torch.Tensor) or (
+            name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor)
+        ):
+            return  # elementwise max/min of two tensors
+        if dim is None and name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "cumsum"):
+            dim = -1
+        dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
+    if dims is None or t.dim() - 1 in dims if full else layout[0] % t.dim() in dims:
+        tracker.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))

@@ -1,0 +1,112 @@
+"""The dry run: an inferred plan run on meta at one rank's shapes, before any rank is spawned.
+
+The trace (``trace.py``) sees the model whole; some layouts only break, or silently regroup, once
+each rank holds its own rows and head counts: head counts hard-wired into a reshape (Falcon's
+multi-query ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), fused
+projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of ``[q, v, k]``).
+``autotp`` keeps the sub-block ``dry_run`` names replicated and infers again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.infer.trace import Traced, meta_forward
+from shardlm.parallel.infer.tracker import ShardTracker
+from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
+from shardlm.parallel.model.meta import build_meta
+from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.local_geometry import localize_geometry
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import lead_dim
+from shardlm.parallel.plan.styles import SPLIT_LINEAR
+
+
+def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str, str] | None:
+    """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
+    attention modules their local head counts (``localize_geometry``), as the ranks will.
+
+    Returns ``(module, why)`` for the sub-block that breaks, or None. This catches layouts that a
+    global trace cannot see: head counts hard-wired into a reshape (Falcon's multi-query
+    ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), and fused
+    projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
+    ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
+    with the global trace's)."""
+    meta = build_meta(model, eager=False)
+    localize_geometry(meta, plan, tp)
+    for fqn, style in plan.styles.items():
+        module = meta.get_submodule(fqn)
+        conv1d = is_conv1d(module)
+        if style in ("colwise", "packed_colwise") and is_linear(module):
+            rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
+            shape = list(module.weight.shape)
+            shape[1 if conv1d else 0] = rows
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+            if module.bias is not None:
+                module.bias = nn.Parameter(torch.empty(rows, device="meta"))
+            if conv1d:
+                module.nf = rows
+        elif style == "rowwise" and is_linear(module):
+            shape = list(module.weight.shape)
+            shape[0 if conv1d else 1] //= tp
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+        elif style == "sharded_norm":
+            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+            module.forward = lambda x, gate=None: x  # ``replicate.ShardedRMSNorm`` keeps the shape (groups by width)
+        elif style == "per_channel":
+            for pname in plan.channels.get(fqn, {}):
+                shape = list(getattr(module, pname).shape)
+                rows = param_rows(plan, fqn, pname)
+                d = lead_dim(getattr(module, pname))
+                shape[d] = sum(b - a for a, b in rows[0]) if rows is not None else shape[d] // tp
+                setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
+    stack: list[str] = []
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in meta.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o, name=name: _pop(stack, name, o, outputs)))
+    tracker = ShardTracker()
+    try:
+        with tracker:
+            meta_forward(meta)
+    except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
+        owner = _owner_of_split_linears(plan, stack)
+        detail = " ".join(str(exc).split())[:120]
+        return owner, f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})"
+    finally:
+        for h in hooks:
+            h.remove()
+    for fqn, global_view in traced.views.items():
+        out = outputs.get(fqn)
+        if out is None or fqn not in plan.styles or not global_view:
+            continue
+        local_view = tracker.first_view.get(id(out), ())[out.dim() :]
+        if local_view and local_view != global_view:
+            owner = fqn.rpartition(".")[0]
+            return owner, (
+                f"{fqn} ({type(meta.get_submodule(fqn)).__name__}) is fused in groups whose size depends on the "
+                f"split (reshaped to {global_view} whole, {local_view} per rank): its layout is fixed by the "
+                "checkpoint"
+            )
+    return None
+
+
+def _pop(stack: list[str], name: str, out, outputs: dict) -> None:
+    if stack and stack[-1] == name:
+        stack.pop()
+    if isinstance(out, torch.Tensor):
+        outputs[name] = out
+
+
+def _owner_of_split_linears(plan: Plan, stack: list[str]) -> str:
+    """The innermost running module that owns split linears (or the parent of a running one)."""
+    split = {f for f, s in plan.styles.items() if s in SPLIT_LINEAR}
+    parents = {f.rpartition(".")[0] for f in split}
+    for name in reversed(stack):
+        if name in split:
+            return name.rpartition(".")[0]
+        if name in parents:
+            return name
+    return stack[-1] if stack else ""

@@ -1,0 +1,237 @@
+"""Mixture-of-experts layers under tensor parallelism: which modules hold experts, and how each of
+their parameters splits, derived from the model (a probe run), not from a table of names.
+
+transformers 5 stores a layer's experts fused, as 3-D parameters (Qwen3-MoE's
+``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; gpt-oss's transposed
+``gate_up_proj [E, H, 2I]`` with gate and up interleaved, ``down_proj [E, I, H]``, and biases),
+and runs them with whichever ``experts_implementation`` is active (an eager loop over the hit
+experts, batched or grouped matmuls); every kernel takes ``(hidden_states, top_k_index,
+top_k_weights)`` and returns the weighted sum of the chosen experts' outputs.
+
+Under TP (the ``experts`` style, ``runtime.experts.ExpertsParallel``) each expert's intermediate dim is split:
+rank r holds its chunk of the gate half and of the up half of ``gate_up_proj`` (each part on its
+own, like ``packed_colwise``, so the kernel's local ``chunk(2)`` still pairs gate with up) and the
+matching input columns of ``down_proj``; a bias after the down projection is added by one rank.
+Every rank runs the module's own forward, whatever the kernel, on its local pieces: its output
+is a partial sum, all-reduced once, the way a row-parallel down projection's is.
+
+Found: a module inside the decoder blocks whose own parameters all share one leading size E > 1,
+at least two of them 3-D. Derived: ``probe_layout`` runs a CPU copy of the module, cut to a few
+experts with random fp64 values, through its eager forward on random hidden states, expert
+indices and routing weights; then, for each candidate placement, once per TP rank on that rank's
+pieces. The first candidate whose rank outputs sum to the whole module's output is the plan.
+Candidates: each 3-D parameter sharded on one of its two non-expert dims, in 1 or 2 parts; a 2-D
+one (a bias ``[E, X]``) likewise on dim 1, or whole and added once; preferred first: the dims
+that are not the hidden width, 1 part before 2, a hidden-width bias added once. So which
+parameter is the in- or out-projection, which dim is the intermediate one and whether gate and
+up are concatenated (``chunk(2)``: 2 parts) or interleaved (``[..., ::2]``: 1 part) is what the
+module computes, not what its names or a kernel say; and the plan does not depend on the active
+kernel (the probe runs eager; every kernel computes the same function).
+
+What is not found so is refused by name before spawning (``refuse_unhandled_moe``): a layer
+whose class names it a mixture of experts / router (``...SparseMoeBlock``, ``...Experts``,
+JetMoE's ``MoA``) outside a handled MoE block, or an expert count in the config of a model in
+which no experts module was found.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.infer.refusals import any_block, cannot_split
+from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module
+from shardlm.parallel.model.hf import config_size, config_value
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.styles import SPLIT_LINEAR, ExpertParam, Style
+
+# class names of mixture-of-experts (and mixture-of-attention) layers
+_MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
+
+
+_MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+_JITTER = ("router_jitter_noise", "input_jitter_noise")  # random in training (Mixtral, Phi-MoE): per rank
+
+
+_PROBE_EXPERTS = 4  # experts kept in the probe copy
+
+
+_PROBE_TOKENS = 5
+
+
+_PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by O(1)
+
+
+def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
+    """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
+    ``ConfigError`` for an experts module no placement splits exactly, for router jitter noise
+    (drawn by each rank on its own), and for any other mixture-of-experts layer
+    (``refuse_unhandled_moe``)."""
+    for key in _JITTER:
+        noise = config_value(model.config, key)
+        if isinstance(noise, (int, float)) and noise > 0:
+            raise cannot_split(
+                f"{key}={noise} randomizes the router in training (jitter), which each TP rank would "
+                f"draw on its own (0 in config.json turns it off)"
+            )
+    hidden = config_size(model.config, "hidden_size")
+    blocks = block_prefixes(model)
+    found: dict[str, dict[str, ExpertParam]] = {}
+    probed: dict[tuple, dict[str, ExpertParam] | str] = {}
+    for name, module in model.named_modules():
+        if not name.startswith(blocks) or not is_experts_module(module):
+            continue
+        key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)))
+        if key not in probed:
+            probed[key] = probe_layout(module, hidden, tp) if hidden else "the model's config has no hidden_size"
+        layout = probed[key]
+        if isinstance(layout, str):
+            raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
+        found[name] = layout
+    refuse_unhandled_moe(model, found)
+    return found
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module).forward is nn.Linear.forward
+
+
+def place_experts(model: nn.Module, plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
+    """Put ``experts`` (``find_experts``) into ``plan``: the ``experts`` style and placements, and
+    ``replicate_local`` for the other whole modules of their MoE blocks (the router): those compute
+    on plain tensors with local views of their parameters, so buffers the block's routing code
+    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors. A router the
+    trace took for a split linear layer (Phi-MoE's is an ``nn.Linear`` subclass returning a tuple,
+    and samples its experts at random in training) is refused."""
+    plan.experts = experts
+    blocks = {fqn.rpartition(".")[0] for fqn in experts}
+    for fqn, style in plan.styles.items():
+        if fqn in experts:
+            plan.styles[fqn] = Style.EXPERTS.value
+        elif fqn.rpartition(".")[0] in blocks and style == Style.REPLICATE:
+            plan.styles[fqn] = Style.REPLICATE_LOCAL.value
+        elif fqn.rpartition(".")[0] in blocks and style in SPLIT_LINEAR and not _plain_linear(model.get_submodule(fqn)):
+            module = model.get_submodule(fqn)
+            raise cannot_split(
+                f"{any_block(fqn)} ({type(module).__name__}) is a router the trace takes for a "
+                f"{style} layer (a linear layer with a forward of its own)"
+            )
+
+
+def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
+    """Mixture-of-experts layers other than the ``handled`` experts modules and the MoE blocks
+    holding them (their routers and shared experts are ordinary modules the trace places; the
+    decoder layers around them are fine) route tokens in ways not split yet: refused, found by
+    class name less the model's family prefix (``Qwen3Moe``: its attention is no MoE layer):
+    ``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA`` inside the decoder
+    blocks; or by an expert count in the config of a model where no experts module was handled."""
+    blocks = block_prefixes(model)
+    owners = tuple(f"{name.rpartition('.')[0]}." for name in handled)  # the MoE blocks
+    family = re.sub(r"For\w+$", "", type(model).__name__)  # Qwen3Moe: every class of the family starts so
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        covered = f"{name}.".startswith(owners) or any(owner.startswith(f"{name}.") for owner in owners)
+        if name.startswith(blocks) and not covered and _MOE_CLASS.search(cls.removeprefix(family)):
+            raise cannot_split(
+                f"{name} ({cls}) is a mixture-of-experts layer whose experts are not fused 3-D "
+                f"parameters shardlm can split"
+            )
+    if handled:
+        return
+    configs = [model.config, config_value(model.config, "text_config")]
+    for key in _MOE_COUNTS:
+        counts = [config_value(c, key) for c in configs if c is not None]
+        if any(isinstance(n, int) and n > 1 for n in counts):
+            raise cannot_split(
+                f"{type(model).__name__} is a mixture-of-experts model "
+                f"({key}={max(n or 0 for n in counts)}) in which shardlm finds no fused experts module"
+            )
+
+
+def local_positions(size: int, parts: int, tp: int, rank: int) -> torch.Tensor:
+    """Positions along a dim of ``size`` that rank holds when it is split ``tp`` ways in ``parts``
+    parts each on its own (``_StridedShard(dim, split_factor=parts)``; parts 1: ``Shard``)."""
+    return torch.cat([part.chunk(tp)[rank] for part in torch.arange(size).chunk(parts)])
+
+
+def _options(shape: tuple[int, ...], hidden: int, tp: int) -> list[ExpertParam]:
+    """Candidate placements of one parameter, preferred first (see the module docstring)."""
+    dims = sorted(range(1, len(shape)), key=lambda d: shape[d] == hidden)
+    options = [ExpertParam(d, parts) for d in dims for parts in (1, 2) if shape[d] % (tp * parts) == 0]
+    if len(shape) == 2:
+        once = ExpertParam(None, once=True)
+        options = [once, *options] if shape[1] == hidden else [*options, once]
+    return options
+
+
+def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A CPU copy of ``module`` cut to ``experts`` experts, random fp64 parameters, eager kernel
+    (shallow: its submodules, activations, are shared; nothing of ``module`` is changed or copied
+    whole, so a real model's experts cost only the few kept)."""
+    probe = copy.copy(module)
+    probe._parameters, values = {}, {}
+    for name, p in module.named_parameters(recurse=False):
+        shape = (experts, *p.shape[1:])
+        values[name] = torch.randn(shape, generator=g, dtype=torch.float64) / max(1, p.shape[-1]) ** 0.5
+        probe._parameters[name] = nn.Parameter(values[name], requires_grad=False)
+    probe._buffers = {n: torch.zeros(b.shape, dtype=b.dtype) if b.is_meta else b for n, b in module._buffers.items()}
+    for name in count_attrs(module):
+        setattr(probe, name, experts)  # num_experts
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "_experts_implementation"):
+        probe.config = copy.deepcopy(config)
+        probe.config._experts_implementation = "eager"
+    return probe, values
+
+
+@torch.no_grad()
+def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertParam] | str:
+    """The placement of each parameter of experts ``module`` at TP degree ``tp`` whose per-rank
+    outputs sum to the module's output (see the module docstring), or why there is none."""
+    g = torch.Generator().manual_seed(0)
+    experts = min(_PROBE_EXPERTS, next(module.parameters()).shape[0])
+    top_k = min(2, experts)
+    try:
+        probe, values = _probe_copy(module, experts, g)
+        x = torch.randn(_PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
+        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(_PROBE_TOKENS)])
+        weights = torch.rand(_PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
+        want = probe.forward(x, index, weights)
+    except Exception as exc:  # noqa: BLE001 - a module that is not called like transformers' experts
+        detail = " ".join(str(exc).split())[:120]
+        return (
+            f"its forward does not run as (hidden_states, top_k_index, top_k_weights) ({type(exc).__name__}: {detail})"
+        )
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return "its forward does not return one tensor shaped like its hidden states"
+    scale = want.abs().max().item() or 1.0
+    shapes = {name: tuple(v.shape) for name, v in values.items()}
+    options = [_options(shape, hidden, tp) for shape in shapes.values()]
+    for choice in itertools.product(*options):
+        layout = dict(zip(shapes, choice))
+        total = torch.zeros_like(want)
+        try:
+            for rank in range(tp):
+                for name, param in layout.items():
+                    value = values[name]
+                    if param.dim is not None:
+                        positions = local_positions(value.shape[param.dim], param.parts, tp, rank)
+                        value = value.index_select(param.dim, positions)
+                    elif param.once and rank:
+                        value = torch.zeros_like(value)
+                    probe._parameters[name] = nn.Parameter(value, requires_grad=False)
+                total += probe.forward(x, index, weights)
+        except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
+            continue
+        if (total - want).abs().max().item() <= _PROBE_RTOL * scale and any(p.dim is not None for p in choice):
+            return layout
+    return (
+        f"no split of its parameters {shapes} over tp={tp} reproduces its output (per expert: an intermediate "
+        "width split in 1 or 2 parts, a bias after the sum added once)"
+    )

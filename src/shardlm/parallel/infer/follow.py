@@ -1,0 +1,124 @@
+"""Which parameters and buffers *follow* split activations: act per channel on them, so split with them.
+
+A column-parallel linear splits its output's channels across TP ranks. A parameter (or a tensor
+computed from one alone) whose first dim meets those channels at their full size, along their
+split dim (a depthwise convolution with ``groups`` equal to the channels, or an elementwise op
+broadcasting it along them), acts on each channel alone: it can be split the same way instead of
+keeping the sub-block replicated. Qwen3.5 DeltaNet's conv1d weight, Mamba's ``A_log`` and
+``dt_bias``, LFM's short conv. The split activations' channel layout (``layouts.py``) says how each
+rank's channels lie; where a stretch of a linear's output is cut again later (Mamba-2's x|B|C), the
+parameter's parts are those cuts (``ShardTracker.follow_origins``, ``layouts.Cuts``).
+``channels.py`` then splits what follows, as the trace recorded it (``ShardTracker.follows``,
+``ShardTracker.buffer_follows``). The trace's violation checks (``checks.py``) ask here first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.plan.rows import lead_dim
+
+
+def follows(
+    tracker, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, out=None
+) -> bool:
+    """Whether ``t`` (a parameter, or computed from one alone) acts per channel on split
+    activations, so that it can be split with them: its first dim meets their split dim at its
+    full size (a depthwise convolution over those channels, or an elementwise op broadcasting
+    it along them). Their channel layout (``layouts.py``) says how each rank's channels lie;
+    without one, the first dim must be the whole width of the one linear they came from."""
+    ids = tracker.param_ids(t)
+    sources = frozenset().union(*(tracker.sharded[id(s)] for s in sharded))
+    if len(ids) != 1:
+        return False
+    (pid,) = ids
+    param = tracker.params.get(pid)
+    if param is None or not param.dim() or not t.dim() or tracker.param_owner.get(pid) in tracker.legit:
+        return False  # a split linear's (or norm's) own parameters: its style places them
+    if name in ("conv1d", "conv2d", "convolution"):
+        groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+        x = args[0] if args else kwargs.get("input")
+        if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
+            return False
+        met, dim, tdim, spread = [x], 1 - x.dim(), 0, False
+    else:
+        # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
+        # their split dim, and the result has their shape (not a product or reduction over the channels)
+        if not isinstance(out, torch.Tensor) or not all(
+            t.dim() <= s.dim() and (_along(t, s, out) or _spread(t, s, out)) for s in sharded
+        ):
+            return False
+        # both broadcast (Mamba's ``A[None, :, None, :] * dt[:, :, :, None]``): only along a known layout
+        spread = not all(_along(t, s, out) for s in sharded)
+        # its leading dims of size 1 broadcast (Kimi-Linear's ``A_log`` of shape [1, 1, heads, 1])
+        met, tdim = sharded, lead_dim(t)
+        dim = tdim - t.dim()
+    found = {tracker.layouts.get(id(s)) for s in met}
+    layout = found.pop() if len(found) == 1 else None
+    origin = None
+    if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
+        whole = len(sources) == 1 and layout[1] == (tracker.widths.get(next(iter(sources))),)
+        follow = (sources, None if whole else layout[1])
+        origins = {tracker.cuts.origins.get(id(s)) for s in met}
+        if not whole and len(origins) == 1 and None not in origins and len(layout[1]) == 1:
+            origin = origins.pop()  # its parts: those the linear's cuts make of its columns (``Cuts``)
+    elif (
+        len(sources) == 1
+        and not spread
+        and param.shape[0] == tracker.widths.get(next(iter(sources)))
+        and (name in ("conv1d", "conv2d", "convolution") or any(a == param.shape[0] for a in t.shape))
+    ):
+        follow = (sources, None)  # no layout known: the source's whole width
+    else:
+        return False
+    if tracker.follows.get(pid, follow) != follow:
+        return False
+    tracker.follows[pid] = follow
+    if origin is not None:
+        tracker.follow_origins[pid] = origin
+    return True
+
+
+def buffer_follows(tracker, t: torch.Tensor, sharded: list[torch.Tensor], out) -> bool:
+    """A buffer of one column-parallel linear's output width multiplied into that whole output
+    (Falcon-H1's ``mup_vector``, [1, 1, width]): it follows the linear's rows (``buffer_follows``)."""
+    fqn = tracker.buffers.get(id(t))
+    if fqn is None or not t.dim() or not isinstance(out, torch.Tensor) or len(sharded) != 1:
+        return False  # a scalar buffer (XIELU's beta) multiplies every channel alike
+    if out.shape != sharded[0].shape:
+        return False
+    sources = tracker.sharded[id(sharded[0])]
+    (source, *rest) = sorted(sources)
+    width = tracker.widths.get(source)
+    if rest or tracker.layouts.get(id(sharded[0])) != (-1, (width,)) or t.shape[-1] != width or t.numel() != width:
+        return False
+    tracker.buffer_follows[fqn] = (sources, None)
+    return True
+
+
+def _along(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:
+    """``t`` broadcast along the split tensor ``s`` (its dims equal to or 1 against ``s``'s trailing
+    ones), giving ``s``'s shape: elementwise, not a product or reduction over the channels."""
+    return out.shape == s.shape and all(a == b or a == 1 for a, b in zip(t.shape, s.shape[s.dim() - t.dim() :]))
+
+
+def _spread(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:
+    """``t`` and the split tensor ``s`` both broadcast into ``out`` (an outer product per channel:
+    Mamba's ``A[None, :, None, :] * dt[:, :, :, None]``, each channel's state row)."""
+    try:
+        return out.dim() == s.dim() and out.shape == torch.broadcast_shapes(t.shape, s.shape)
+    except RuntimeError:
+        return False
+
+
+def declare_follow_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.buffers: dict[int, str] = {}  # id(buffer) -> its fqn
+    tracker.buffer_follows: dict[str, tuple[frozenset[str], None]] = {}  # see ``follow.buffer_follows``
+    tracker.params: dict[int, nn.Parameter] = {}  # id -> parameter (``follows``)
+    # a parameter acting per channel (or per head) on split activations (a depthwise conv's weight,
+    # Mamba's/DeltaNet's A_log, dt_bias): id(param) -> (the column-parallel linears they came from,
+    # the parts of their channel layout, or None: the one linear's whole output)
+    tracker.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
+    tracker.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows

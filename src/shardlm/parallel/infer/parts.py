@@ -1,0 +1,84 @@
+"""Packed projections: where a column-parallel linear's output is cut into parts along its width.
+
+The first op that consumes a colwise output tells whether the projection is fused: a split, chunk
+or slice of the last dim means packed parts (GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` and
+``gate_up_proj``), each part then split across ranks on its own (``packed_colwise``); a view into
+heads means per-head interleaving (GPT-NeoX), which plain column sharding already keeps whole. A
+fused projection whose output is cut only later, after per-channel ops (DeltaNet's q/k/v, convolved
+first), is found packed at that cut (``ShardTracker.later_parts``); a cut of a stretch of a linear's
+output (Mamba-2's x|B|C, cut again after its conv) refines that linear's parts (``layouts.Cuts``,
+``refined``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# torch ops by which a consumer cuts a fused projection's output into parts along the last dim
+SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
+
+
+def record_slice(tracker, tensor: torch.Tensor, index) -> None:
+    """The int bounds of a slice ``tensor[..., a:b]`` of the last dim (``parts_from_consumer``)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index and index[0] is Ellipsis and len(index) == 2 and isinstance(index[1], slice):
+        bounds = tracker.slices.setdefault(id(tensor), set())
+        for b in (index[1].start, index[1].stop):
+            if isinstance(b, int):
+                bounds.add(b)
+
+
+def record_later_split(tracker, name: str, source: str, args: tuple, kwargs: dict) -> None:
+    """A split of a tensor computed from ``source``'s output alone, along a dim of its full width."""
+    t, width = args[0], tracker.widths.get(source)
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if not isinstance(dim, int) or not t.dim() or t.shape[dim] != width or source in tracker.later_parts:
+        return
+    sizes = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("sections"))
+    if name == "chunk" and isinstance(sizes, int) and sizes > 1 and width % sizes == 0:
+        sizes = width // sizes  # chunk's argument is the number of parts
+    if isinstance(sizes, (list, tuple)) and sum(sizes) == width and len(sizes) > 1:
+        tracker.later_parts[source] = list(sizes)
+    elif isinstance(sizes, int) and 0 < sizes < width and width % sizes == 0:
+        tracker.later_parts[source] = [sizes] * (width // sizes)
+
+
+def parts_from_consumer(tracker, out: torch.Tensor) -> list[int] | None:
+    """Part sizes if the projection output is cut along its last dim right away, else None."""
+    width = out.shape[-1]
+    if id(out) in tracker.slices:
+        bounds = sorted({0, width} | {b % width if b < 0 else b for b in tracker.slices[id(out)]})
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    name, rest = tracker.first_consumer.get(id(out), ("", ()))
+    if name not in SPLIT_OPS or not rest:
+        return None
+    dim = rest[1] if len(rest) > 1 else -1
+    if dim not in (-1, out.dim() - 1):
+        return None
+    arg = rest[0]
+    if name == "chunk":
+        return [width // arg] * arg
+    if isinstance(arg, int):
+        return [arg] * (width // arg)
+    return list(arg)
+
+
+def refined(parts: list[int], cut: tuple[int, ...]) -> list[int]:
+    """The parts both ``parts`` and ``cut`` (of the same width) make: every boundary of either."""
+    bounds = {0}
+    for sizes in (parts, cut):
+        offset = 0
+        for p in sizes:
+            offset += p
+            bounds.add(offset)
+    edges = sorted(bounds)
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def declare_parts_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.first_consumer: dict[int, tuple[str, tuple]] = {}
+    tracker.slices: dict[int, set[int]] = {}
+    # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
+    # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
+    tracker.later_parts: dict[str, list[int]] = {}

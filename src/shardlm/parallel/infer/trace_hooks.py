@@ -1,0 +1,139 @@
+"""The forward hooks of one trace (``trace.py``): what each module decides as its forward starts and ends.
+
+Before a module runs (``pre``): a linear inside the decoder blocks reading an unsplit tensor becomes
+column-parallel, one reading a split tensor row-parallel (its input's sources recorded); a module with
+parameters reading a split tensor is a per-head norm, a norm across the split width, or a violation. After
+it runs (``post``): the output of a column-parallel linear is marked split (its sources, layout and cut
+origin), a latent's output tagged, what leaves its module recorded. The state the hooks fill (styles,
+outputs, closer inputs, the modules running) is this object's; the tensor-level state is the tracker's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from shardlm.parallel.infer.summed import track_output
+from shardlm.parallel.infer.tracker import ShardTracker
+from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps
+
+
+class TraceHooks:
+    """Pre- and post-forward hooks on every module of a meta model (``install``, ``remove``).
+
+    ``forced``: linears kept replicated; ``latents``: forced linears whose outputs are low-rank latents;
+    ``widths_of_heads``: head widths a per-head norm may have; ``legit``: owner label -> whether its use of
+    split activations is placed (shared with the tracker)."""
+
+    def __init__(
+        self,
+        tracker: ShardTracker,
+        forced: frozenset[str],
+        latents: frozenset[str],
+        widths_of_heads: set[int],
+        legit: dict[str, bool],
+    ):
+        self.tracker, self.forced, self.latents, self.widths_of_heads, self.legit = (
+            tracker,
+            forced,
+            latents,
+            widths_of_heads,
+            legit,
+        )
+        self.block_prefixes: tuple[str, ...] = ()  # the decoder blocks' prefixes: their linears are split
+        self.styles: dict[str, str] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.closer_inputs: dict[str, frozenset[str]] = {}  # rowwise linear -> sources of what it reads
+        self.running: list[str] = []  # modules whose forward is running (named when an exception escapes)
+        tracker.running = self.running
+        self.handles: list = []
+
+    def install(self, meta: nn.Module) -> None:
+        for name, module in meta.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self.pre(name)))
+            self.handles.append(module.register_forward_hook(self.post(name)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def pre(self, name: str):
+        label = f"{name} ({{}})"
+
+        def hook(module, args):
+            self.running.append(name)
+            self.tracker.shape_heads.clear()
+            if not args or not isinstance(args[0], torch.Tensor):
+                return
+            if id(args[0]) in self.tracker.latent and any(True for _ in module.parameters(recurse=False)):
+                self.tracker.latent_readers[name] = self.tracker.latent[id(args[0])]
+            if id(args[0]) in self.tracker.rows and any(True for _ in module.parameters(recurse=False)):
+                self.tracker.rows_readers[name] = self.tracker.rows[id(args[0])]
+            sources = self.tracker.sources(args[0])
+            owner = label.format(type(module).__name__)
+            if is_linear(module) and name in self.forced:
+                self.styles[name] = "replicate"
+                if sources:
+                    self.tracker.violations.append((sources, f"{owner} reads its split activations"))
+            elif is_linear(module) and name.startswith(self.block_prefixes):
+                self.styles[name] = "rowwise" if sources else "colwise"
+                self.tracker.widths[name] = out_features(module)
+                self.legit[owner] = True
+                if sources:
+                    self.closer_inputs[name] = self.closer_inputs.get(name, frozenset()) | sources
+            elif sources and any(True for _ in module.parameters(recurse=False)):
+                width = args[0].shape[-1]
+                params = list(module.parameters(recurse=False))
+                if all(p.dim() == 1 and p.numel() == width for p in params) and width in self.widths_of_heads:
+                    self.styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
+                    self.legit[owner] = True
+                    self.tracker.inside.append(name)
+                elif (
+                    all(p.numel() == width for p in params)
+                    and rms_norm_eps(module) is not None
+                    and (len(args) < 2 or gates_before_norm(module))  # Mamba-2's gated norm, one group
+                ):
+                    self.styles[name] = "sharded_norm"  # across the whole split width (OLMo-2's q_norm)
+                    self.legit[owner] = True
+                    self.tracker.inside.append(name)
+                else:
+                    across = all(p.numel() == width for p in params)
+                    why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
+                    if across and len(params) == 1:
+                        # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
+                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
+                        self.tracker.deferred.append((name, why, len(self.tracker.violations)))
+                    else:
+                        self.tracker.violations.append(why)
+
+        return hook
+
+    def post(self, name: str):
+        def hook(module, args, out):
+            if self.running and self.running[-1] == name:
+                self.running.pop()
+            if self.tracker.inside and self.tracker.inside[-1] == name:
+                self.tracker.inside.pop()
+            if self.tracker.deferred and self.tracker.deferred[-1][0] == name:
+                _, why, start = self.tracker.deferred.pop()
+                if len(self.tracker.violations) > start or any(
+                    id(p) not in self.tracker.follows for p in module.parameters()
+                ):
+                    self.tracker.violations.insert(start, why)
+            self.tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
+            if isinstance(out, torch.Tensor) and self.styles.get(name) in ("colwise", "rowwise", "replicate"):
+                self.tracker.mark(out, frozenset({name}) if self.styles[name] == "colwise" else None)
+                if self.styles[name] == "colwise":
+                    self.tracker.layouts[id(out)] = (-1, (out.shape[-1],))
+                    self.tracker.cuts.origins[id(out)] = (name, 0)
+                self.outputs[name] = out
+            track_output(self.tracker, name, out, self.styles.get(name) == "rowwise")
+            if name in self.latents and isinstance(out, torch.Tensor):
+                self.tracker.latent[id(out)] = frozenset({name})
+            for t in tree_flatten(out)[0]:
+                for fqn in self.tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
+                    if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
+                        self.tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
+
+        return hook

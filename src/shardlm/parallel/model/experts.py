@@ -1,0 +1,37 @@
+"""Mixture-of-experts modules as the model holds them: fused 3-D experts (``is_experts_module``),
+where they sit (``experts_modules``, inside the decoder blocks) and the attributes holding their count
+(``count_attrs``). Read off the model only; the plan's placement of their parameters is
+``infer/experts.py``'s, their sizes for the estimate ``estimate/moe.py``'s.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def block_prefixes(model: nn.Module) -> tuple[str, ...]:
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, nn.ModuleList))
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Own parameters all of leading size E > 1, at least two of them 3-D (fused experts)."""
+    own = [p for p in module.parameters(recurse=False)]
+    three_d = [p for p in own if p.dim() == 3]
+    return len(three_d) >= 2 and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] > 1
+
+
+def experts_modules(model: nn.Module) -> list[str]:
+    """FQNs of the fused experts modules inside the decoder blocks (``is_experts_module``)."""
+    blocks = block_prefixes(model)
+    return [name for name, m in model.named_modules() if name.startswith(blocks) and is_experts_module(m)]
+
+
+def count_attrs(module: nn.Module) -> list[str]:
+    """Integer attributes of an experts module holding its expert count (``num_experts``), found by
+    value and name: what a forward on fewer experts (a probe, an expert-parallel rank) must change."""
+    count = next(module.parameters()).shape[0]
+    return [
+        name
+        for name, value in vars(module).items()
+        if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and value == count
+    ]

@@ -1,0 +1,189 @@
+"""What shardlm reads off a Hugging Face model, in one place: config names, Conv1D, tied weights,
+the fused kernels a mixer may call.
+
+Families name the same size differently (``num_attention_heads`` / ``n_head`` / ``num_heads``),
+some configs refuse to answer a global value (Gemma 4's per-layer ``head_dim``), GPT-2-style
+``Conv1D`` stores its weight transposed (``[in, out]``), and tied input/output embeddings are one
+parameter under two names. The plan, the styles, LoRA, the estimator and the checkpoint code
+all ask here, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.nn as nn
+
+# the config attribute names of each size, in the order they are tried
+CONFIG_NAMES = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
+    "head_dim": ("head_dim",),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "vocab_size": ("vocab_size",),
+    # a Mamba-2 mixer's B/C groups and scan chunk (``estimate/scans.py``: what its parameters do not tell)
+    "ssm_groups": ("n_groups", "mamba_n_groups"),
+    "ssm_chunk": ("chunk_size", "mamba_chunk_size"),
+}
+# the sizes tensor parallelism must divide (``autotp.check_config_geometry``)
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+# attribute names attention modules keep their head counts under (localized per rank by ``plan/local_geometry.py``)
+MODULE_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+MODULE_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
+MODULE_KV_COUNT_ATTRS = MODULE_KV_ATTRS + ("num_key_value_groups",)
+# fused kernels that read the weights of a mixer's projections themselves (the GPU fast path of
+# transformers' Mamba and Mamba-2 mixers, from mamba_ssm or the hub's kernels): they bypass the split
+# of those layers (``x_proj`` row-parallel, ``out_proj``'s all-reduce), so such a mixer cannot be
+# split where they run (``autotp.check_fused_kernels``)
+WEIGHT_KERNELS = ("mamba_inner_fn", "split_conv1d_scan_combined")
+
+
+def config_value(config, name: str):
+    """``config.name``, or None where the config has no single value (Gemma 4's per-layer
+    ``head_dim`` raises rather than answer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
+def config_size(config, key: str) -> int | None:
+    """The size ``key`` of ``CONFIG_NAMES`` under the first name this family uses (a positive int)."""
+    for name in CONFIG_NAMES[key]:
+        value = config_value(config, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def geometry(config) -> dict[str, int]:
+    """The sizes TP must divide that this config has (``SPLIT_SIZES``)."""
+    return {key: v for key in SPLIT_SIZES if (v := config_size(config, key)) is not None}
+
+
+def per_layer_values(config, name: str) -> set[int]:
+    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any."""
+    found = set()
+    per_layer = config_value(config, "per_layer_config")
+    for layer in per_layer.values() if isinstance(per_layer, dict) else per_layer or []:
+        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
+        if isinstance(value, int):
+            found.add(value)
+    return found
+
+
+def head_widths(config) -> set[int]:
+    """Head dims of the attention layers (several where layers differ, as in Gemma 4)."""
+    heads, hidden = config_size(config, "num_attention_heads"), config_size(config, "hidden_size")
+    widths = {w for w in [config_value(config, "head_dim")] if isinstance(w, int)} | per_layer_values(
+        config, "head_dim"
+    )
+    if not widths and heads and hidden:
+        widths.add(hidden // heads)
+    return widths
+
+
+def all_head_widths(config) -> set[int]:
+    """``head_widths`` and the other head dims a config names (``..._head_dim``: Qwen3.5's Gated
+    DeltaNet ``linear_key_head_dim``/``linear_value_head_dim``, MLA's ``v_head_dim``): widths a
+    per-head norm or a mixer's size may have, never split."""
+    widths = head_widths(config)
+    for name in dir(config):
+        if name.endswith("head_dim") and name != "head_dim" and not name.startswith("_"):
+            value = config_value(config, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                widths.add(value)
+    return widths
+
+
+def head_counts(config) -> set[int]:
+    """Head counts (query and kv), per-layer ones included: dims of per-head tensors."""
+    geo = geometry(config)
+    counts = {geo[k] for k in ("num_attention_heads", "num_key_value_heads") if k in geo}
+    return counts | per_layer_values(config, "num_attention_heads") | per_layer_values(config, "num_key_value_heads")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and relatives): a linear layer whose weight is ``[in, out]``."""
+    return type(module).__name__ == "Conv1D"
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or transformers' Conv1D."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def out_dim(module: nn.Module) -> int:
+    """The weight dimension that holds the output features (1 for Conv1D, 0 for nn.Linear)."""
+    return 1 if is_conv1d(module) else 0
+
+
+def out_features(module: nn.Module) -> int:
+    return module.weight.shape[out_dim(module)]
+
+
+def tied_keys(model: nn.Module) -> set[str]:
+    """Parameter names that name a parameter already named by an earlier one (tied embeddings)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for key, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(key)
+        seen.setdefault(id(param), key)
+    return tied
+
+
+def rms_norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of ``module`` if it computes ``weight * x / sqrt(mean(x^2) + eps)`` (in fp32),
+    checked by running a CPU copy of it on random numbers; None otherwise (LayerNorm, Gemma's
+    ``1 + weight``, anything else) so that only what ``sharded_norm`` reproduces gets it."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if [n for n, _ in module.named_parameters(recurse=False)] != ["weight"] or not isinstance(eps, float):
+        return None
+    return eps if _computes_rms_norm(module, eps, gated=False) else None
+
+
+def gates_before_norm(module: nn.Module) -> bool:
+    """Whether ``module(x, gate)`` computes ``weight * h / sqrt(mean(h^2) + eps)`` of ``h = x * silu(gate)``
+    (Mamba-2's gated RMSNorm with one group, ``norm_before_gate=False``), checked like ``rms_norm_eps``."""
+    eps = rms_norm_eps(module)
+    return eps is not None and _computes_rms_norm(module, eps, gated=True)
+
+
+def _computes_rms_norm(module: nn.Module, eps: float, gated: bool) -> bool:
+    """Run a CPU copy of ``module`` on random numbers, ``probe(x)`` (or ``probe(x, gate)``), against
+    the RMSNorm of ``x`` (or of ``x * silu(gate)``); a forward taking other arguments does not match."""
+    probe = copy.deepcopy(module).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
+        x, gate = (torch.randn(3, probe.weight.shape[0], generator=g) for _ in range(2))
+        h = x * torch.nn.functional.silu(gate) if gated else x
+        want = probe.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        try:
+            got = probe(x, gate) if gated else probe(x)
+        except TypeError:  # a forward of other arguments (a gated norm's gate when ungated): not this norm
+            return False
+        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
+
+
+def weight_kernels_available() -> bool:
+    """Whether transformers would run ``WEIGHT_KERNELS`` here: mamba_ssm on a CUDA machine, or the
+    hub's kernels switched on (``TRANSFORMERS_USE_HUB_KERNELS``)."""
+    from transformers.integrations import hub_kernels
+    from transformers.utils.import_utils import is_mamba_ssm_available
+
+    return is_mamba_ssm_available() or bool(getattr(hub_kernels, "_kernels_enabled", False))
+
+
+def weight_kernel(module: nn.Module) -> str | None:
+    """The fused kernel of ``WEIGHT_KERNELS`` the forward of ``module``'s class may call, or None."""
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):  # a class without source (built in a test, or compiled)
+        return None
+    return next((k for k in WEIGHT_KERNELS if k in source), None)

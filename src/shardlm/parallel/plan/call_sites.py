@@ -1,0 +1,49 @@
+"""Dropout call sites: the calls ``runtime/dropout.py`` takes over (``F.dropout``, sdpa's ``dropout_p``)
+recognized with their arguments. The trace counts them (``infer/tracker.py``) and the runtime masks them
+by the same count, so both read them here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def is_dropout_call(func) -> bool:
+    """The calls ``DeterministicDropout`` takes over (each one is a call site, whatever its p)."""
+    return func is F.dropout or func is F.scaled_dot_product_attention
+
+
+def dropout_args(args, kwargs) -> tuple[torch.Tensor, float, bool, bool]:
+    names, defaults = ("input", "p", "training", "inplace"), (None, 0.5, True, False)
+    values = [args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
+    return tuple(values)
+
+
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None)
+
+
+def sdpa_args(args, kwargs) -> dict:
+    pairs = enumerate(zip(_SDPA_NAMES, _SDPA_DEFAULTS))
+    out = {n: args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in pairs}
+    out["enable_gqa"] = kwargs.get("enable_gqa", False)
+    return out
+
+
+def dropout_p(func, args, kwargs) -> float:
+    """The probability a dropout call was given (0 where it is the identity: not training)."""
+    if func is F.scaled_dot_product_attention:
+        return float(sdpa_args(args, kwargs)["dropout_p"])
+    _, p, training, _ = dropout_args(args, kwargs)
+    return float(p) if training else 0.0
+
+
+def dropout_input_shape(func, args, kwargs, x) -> tuple[int, ...]:
+    """Shape of the tensor a dropout call masks (for attention: ``[batch, heads, q, k]`` probabilities)."""
+    if func is F.scaled_dot_product_attention:
+        a = sdpa_args(args, kwargs)
+        return (*a["query"].shape[:-1], a["key"].shape[-2])
+    return tuple(x.shape)

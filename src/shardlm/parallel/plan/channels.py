@@ -1,0 +1,29 @@
+"""The plan's answers about ``per_channel`` parameters (``infer/channels.py`` places them): every rank's
+rows of one stored whole (``param_rows``) and the local views a ``per_channel`` module runs with
+(``local_views``), read by the runtime style, the dry run, the plan table and the estimate.
+"""
+
+from __future__ import annotations
+
+from shardlm.parallel.plan.plan import Plan
+
+
+def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:
+    """Every rank's rows of ``per_channel`` parameter (or buffer) ``fqn.pname`` where it is stored
+    whole (some of its channels shared by ranks, or a buffer), else None."""
+    key = f"{fqn}.{pname}"
+    if key in plan.channel_rows or key in plan.channel_parts:
+        return plan.channel_rows.get(key)
+    return plan.sliced.get(plan.channels[fqn][pname])
+
+
+def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:
+    """For ``per_channel`` module ``fqn``: the ``per_channel`` modules it runs (itself: "", and
+    those under it, by path relative to it), each with, per whole-stored parameter, every rank's rows."""
+    views = {}
+    for name, params in plan.channels.items():
+        if name == fqn or name.startswith(f"{fqn}."):
+            path = name[len(fqn) + 1 :]
+            found = {p: param_rows(plan, name, p) for p in params}
+            views[path] = {p: r for p, r in found.items() if r is not None}
+    return views

@@ -1,0 +1,58 @@
+"""Head counts and widths set to their local values after TP (``localize_geometry``): attention
+modules reading ``self.num_heads``, ``self.split_size``, ``self.config.num_attention_heads`` get the
+per-rank numbers, mixers their ``Plan.local_sizes``. Used by the builder and by the dry run at one
+rank's shapes, so it belongs to the plan, not to the runtime styles.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+
+from shardlm.parallel.model.hf import (
+    MODULE_HEAD_ATTRS,
+    MODULE_KV_ATTRS,
+)
+from shardlm.parallel.plan.plan import Plan
+
+_WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
+
+
+def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
+    """Set head counts and head-concatenation widths of attention modules to their local values.
+
+    Only modules that own a head-count attribute and hold column-parallel children are touched;
+    a module reading ``self.config`` for head counts gets its own localized copy of the config.
+    """
+    for name, sizes in plan.local_sizes.items():  # a mixer's widths (``channels.local_sizes``)
+        for attr, value in sizes.items():
+            setattr(model.get_submodule(name), attr, value)
+    config, heads = model.config, plan.geometry.heads
+    if heads is None or not plan.attention:
+        return  # attention-free, or every attention block kept replicated
+    kv, head_dim = plan.geometry.kv, plan.geometry.head_dim or 0
+    local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    for name in plan.attention:
+        module = model.get_submodule(name)
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
+            # repeats k/v by it; sdpa packs by it)
+            module.num_key_value_groups = max(1, (heads // tp) // local_kv)
+        if not any(isinstance(getattr(module, a, None), int) for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+            continue
+        for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + _WIDTH_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
+                continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes above
+            if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
+                setattr(module, attr, value // tp)
+            elif attr in MODULE_KV_ATTRS and value == kv:
+                setattr(module, attr, local_kv)
+        if getattr(module, "config", None) is config:
+            local = copy.copy(config)
+            for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
+                if isinstance(getattr(config, attr, None), int):
+                    value = getattr(config, attr)
+                    setattr(local, attr, local_kv if attr in MODULE_KV_ATTRS and value == kv else value // tp)
+            module.config = local

@@ -1,0 +1,52 @@
+"""The tensor-parallel plan of one model at one TP degree: what ``autotp`` derives, what the
+styles (``runtime/``), LoRA, the estimator and ``shardlm plan`` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardlm.parallel.model.geometry import Geometry
+from shardlm.parallel.plan.styles import ExpertParam
+
+
+@dataclass
+class Plan:
+    """The inferred plan plus what was learned on the way (packed part sizes, attention modules)."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    parts: dict[str, list[int]] = field(default_factory=dict)  # packed_colwise fqn -> part sizes
+    # packed_colwise fqn or per_channel parameter fqn -> per part, whether it is held whole on every rank
+    # (Mamba-2's B and C at n_groups < tp: summed over their state dim, ``wholes.record_contraction``)
+    whole_parts: dict[str, list[bool]] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)  # modules holding sharded heads (geometry)
+    agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
+    # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
+    sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
+    # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
+    replicated: dict[str, str] = field(default_factory=dict)
+    # per dropout call site of a forward, in call order (``parallel/runtime/dropout.py``): the dim along which its
+    # input is sharded across TP ranks, None where it is replicated, -1 where sharded on no one dim
+    # (or not resolved: p was 0 there when traced, see ``_dropout_dims``)
+    dropout_sites: list[int | None] = field(default_factory=list)
+    # ``experts`` module fqn -> {parameter name: its placement} (``parallel/infer/experts.py`` derives it)
+    # ``per_channel`` modules' entries too (``parallel/infer/channels.py``): dim 0 split like their source, or None
+    experts: dict[str, dict[str, ExpertParam]] = field(default_factory=dict)
+    # ``per_channel`` module fqn -> {parameter: the column-parallel linear whose channels it acts on}
+    channels: dict[str, dict[str, str]] = field(default_factory=dict)
+    # ``per_channel`` parameter fqn -> the parts of the channels it meets, where they are not one linear's
+    # whole output (``parallel/infer/layouts.py``: LFM's conv over one third of in_proj, OLMo-hybrid's over q|k|v),
+    # and, where those parts are unequal, every rank's rows of it (stored whole, each rank using its rows)
+    channel_parts: dict[str, list[int]] = field(default_factory=dict)
+    channel_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    # module fqn -> {int attribute its forward reads: its value on one rank} (a mixer's ``key_dim``)
+    local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # MLA (``latent.py``): module reading a low-rank latent kept whole (a column-parallel up-projection,
+    # a norm) -> that latent; their input gradients are partial, summed over TP at the latent's input
+    latent_readers: dict[str, str] = field(default_factory=dict)
+    # row-parallel linears whose whole output is read back inside the split region (Mamba's x_proj:
+    # ``summed.py``): the backward of their output's all-reduce sums its partial gradient over TP
+    summed: list[str] = field(default_factory=list)
+    # the model's sizes, read once from its config (``model/geometry.py``): the row slicing, the local
+    # head counts and the estimate read them here
+    geometry: Geometry = field(default_factory=Geometry)

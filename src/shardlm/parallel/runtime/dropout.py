@@ -1,0 +1,270 @@
+"""Dropout whose masks are the same in every layout: a hash of (seed, step, call site, position).
+
+torch's dropout draws its mask from each process's RNG. Under tensor parallelism that breaks
+training silently: the TP ranks of a group hold the *same* replicated activations (the residual
+stream) but nothing makes their RNG states agree (a rank-0-only draw, a seed per rank), so each rank drops
+different elements, the "replicated" activations and then the replicated parameters drift apart,
+and a checkpoint keeps one rank's copy. DTensor's offset-based RNG would fix this on CUDA only
+(torch 2.13 refuses CPU) and only for DTensor activations, which most of ours are not.
+
+While training, ``DeterministicDropout`` (a ``TorchFunctionMode``) replaces ``F.dropout`` (so
+``nn.Dropout`` too) and the dropout of ``F.scaled_dot_product_attention`` (attention then runs
+as its math: scores, softmax, dropout, times values) by a counter-based mask: element ``e`` is
+kept iff ``hash(seed, step, site, sample, index) >= p * 2**24`` (splitmix64), where
+
+* ``site`` counts the dropout calls of one forward in call order (the model's code is the same
+  in every layout); an activation-checkpointed block's recompute restarts from the count its
+  forward had (``checkpoint_context_fn``), so it redraws exactly the same masks;
+* ``sample`` is the sample's position in the *global* batch (dp rank and micro-step offsets),
+  so data-parallel ranks draw different masks and one process draws the same ones;
+* ``index`` is the element's index within its sample in the *unsharded* tensor: for a site the
+  plan's trace found sharded across TP (attention probabilities of this rank's heads, an MLP
+  intermediate), along dim ``d`` (``Plan.dropout_sites``), the local index is shifted to this
+  rank's slice, so each shard draws its own part of the one-process mask.
+
+Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
+reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
+step is part of the key), so a resumed run continues exactly. In evaluation (``training=False``)
+dropout is the identity as usual. peft's LoRA dropout is covered too (``lora_dropout_sites``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from shardlm.errors import ConfigError
+from shardlm.parallel.plan.call_sites import dropout_args, is_dropout_call, sdpa_args
+
+_BITS = 24  # resolution of the keep test: p is rounded to a multiple of 2**-24
+
+
+_M64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    v &= _M64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_C1, _C2, _GOLDEN = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (multiplication wraps modulo 2**64)."""
+    x = x ^ _srl(x, 30)
+    x = x * _C1
+    x = x ^ _srl(x, 27)
+    x = x * _C2
+    return x ^ _srl(x, 31)
+
+
+def _mix_int(v: int) -> int:
+    """The same finalizer on a Python int (exact), for the per-call salt."""
+    v &= _M64
+    v ^= v >> 30
+    v = (v * 0xBF58476D1CE4E5B9) & _M64
+    v ^= v >> 27
+    v = (v * 0x94D049BB133111EB) & _M64
+    return v ^ (v >> 31)
+
+
+@dataclass
+class DropoutKey:
+    """What a micro-step's masks depend on. ``positions``: each local sample's index in the
+    global batch; ``sites``: ``Plan.dropout_sites`` (empty at tp=1: nothing is sharded)."""
+
+    seed: int
+    step: int
+    positions: torch.Tensor
+    tp_rank: int = 0
+    tp: int = 1
+    sites: tuple = ()
+
+
+def traced_dim(key: DropoutKey, site: int) -> int | None:
+    """The sharded dim of counted call ``site`` (``Plan.dropout_sites``); None when replicated."""
+    if key.tp == 1:
+        return None
+    if site >= len(key.sites):
+        raise RuntimeError(
+            f"dropout call #{site + 1} of this forward was not seen when the TP plan was traced "
+            f"({len(key.sites)} calls); its masks cannot be placed"
+        )
+    if key.sites[site] == -1:
+        raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
+    return key.sites[site]
+
+
+def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device, dim: int | None) -> torch.Tensor:
+    """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``, sharded
+    across TP along ``dim`` (None: replicated)."""
+    numel = math.prod(shape)
+    flat = torch.arange(numel, device=device, dtype=torch.int64)
+    total = numel
+    if dim is not None and key.tp > 1:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
+        inner = math.prod(shape[dim + 1 :])
+        block = shape[dim] * inner
+        flat = (flat // block) * (block * key.tp) + key.tp_rank * block + flat % block
+        total = numel * key.tp
+    batch = key.positions.numel()
+    if batch == 0 or total % batch:
+        raise RuntimeError(
+            f"dropout: a tensor of shape {list(shape)} does not split into the micro-batch's {batch} samples; "
+            "shardlm's dropout needs batch-first activations"
+        )
+    per_sample = total // batch
+    salt = _signed(_mix_int(_mix_int(_mix_int(key.seed) + key.step) + site))
+    sample_keys = _mix(key.positions.to(device=device, dtype=torch.int64) * _GOLDEN + salt)
+    h = _mix(sample_keys[flat // per_sample] + (flat % per_sample) * _GOLDEN)
+    return (_srl(h, 64 - _BITS) >= round(p * (1 << _BITS))).view(shape)
+
+
+def hashed_dropout(
+    x: torch.Tensor, p: float, key: DropoutKey, site: int, dim: int | None, inplace: bool = False
+) -> torch.Tensor:
+    """``F.dropout(x, p, training=True)`` with the mask of ``keep_mask``."""
+    if isinstance(x, DTensor):
+        if not all(pl.is_replicate() for pl in x.placements):
+            raise RuntimeError(f"dropout on a DTensor with placements {x.placements} is not supported")
+        local = hashed_dropout(x.to_local(), p, key, site, dim, inplace)
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    if p >= 1.0:
+        return x.zero_() if inplace else torch.zeros_like(x)
+    with torch.no_grad():
+        scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim).to(x.dtype) * (1.0 / (1.0 - p))
+    return x.mul_(scale) if inplace else x * scale
+
+
+def _attention(a: dict, drop) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as its math, with ``drop`` on the probabilities."""
+    q, k, v = a["query"], a["key"], a["value"]
+    if a["enable_gqa"] and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    length, source = q.shape[-2], k.shape[-2]
+    if a["is_causal"]:
+        causal = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    mask = a["attn_mask"]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return drop(probs) @ v
+
+
+_active: list[DeterministicDropout] = []
+
+
+class DeterministicDropout(TorchFunctionMode):
+    """Replaces dropout while active (see the module docstring); ``site``: the next call's number.
+    ``used`` tells afterwards whether any call dropped something (p > 0 in training)."""
+
+    def __init__(self, key: DropoutKey, site: int = 0) -> None:
+        super().__init__()
+        self.key, self.site, self.used = key, site, False
+        self.lora: tuple[int, bool] | None = None  # inside a LoRA dropout: (its site, input sharded)
+
+    def __enter__(self):
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
+
+    def _next_site(self) -> int:
+        self.site += 1
+        return self.site - 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not is_dropout_call(func):
+            return func(*args, **kwargs)
+        if self.lora is not None and func is F.dropout:  # not counted: the trace ran without LoRA
+            x, p, training, inplace = dropout_args(args, kwargs)
+            if not training or p == 0.0:
+                return func(*args, **kwargs)
+            self.used = True
+            site, sharded = self.lora
+            return hashed_dropout(x, p, self.key, site, x.dim() - 1 if sharded else None, inplace)
+        site = self._next_site()
+        if func is F.dropout:
+            x, p, training, inplace = dropout_args(args, kwargs)
+            if not training or p == 0.0:
+                return func(*args, **kwargs)
+            self.used = True
+            return hashed_dropout(x, p, self.key, site, traced_dim(self.key, site), inplace)
+        a = sdpa_args(args, kwargs)
+        p = a["dropout_p"]
+        if p == 0.0:
+            return func(*args, **kwargs)
+        self.used = True
+        dim = traced_dim(self.key, site)
+        return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site, dim))
+
+
+def check_layerdrop(model_path: str) -> None:
+    """Refuse LayerDrop (OPT's ``layerdrop``) on more than one process: each rank would skip
+    decoder layers by its own ``torch.rand`` draw, so TP and FSDP ranks would run different layers
+    (different collectives: a hang, or silently different models)."""
+    from transformers import AutoConfig
+
+    layerdrop = getattr(AutoConfig.from_pretrained(model_path), "layerdrop", 0.0)
+    if isinstance(layerdrop, (int, float)) and layerdrop > 0:
+        raise ConfigError(
+            f"model: layerdrop={layerdrop} skips layers by each rank's own random draw, which desynchronizes "
+            "the ranks; set layerdrop to 0 in config.json, or train on one process"
+        )
+
+
+def checkpoint_context_fn():
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the recompute of a block runs
+    under a ``DeterministicDropout`` restarted at the site count the block's forward started from."""
+    if not _active:
+        return nullcontext(), nullcontext()
+    mode = _active[-1]
+    return nullcontext(), DeterministicDropout(mode.key, mode.site)
+
+
+_LORA_SITES = 1 << 40  # LoRA sites are numbered apart from the counted ones
+
+
+def lora_dropout_sites(model: nn.Module, plan=None, tp: int = 1) -> None:
+    """Give peft's ``lora_dropout`` modules sites of their own: they are not in the plan's trace
+    (it runs before peft wraps the model), so they take no count; their site is a hash of the
+    adapted layer's FQN as shardlm names it (a ``PeftModel``'s ``base_model.model.`` prefix
+    removed, so one-process peft draws the same masks). Their input is sharded on its last dim
+    exactly when the layer is row-parallel (``plan``'s style at ``tp`` > 1)."""
+    styles = plan.styles if plan is not None and tp > 1 else {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Dropout) or ".lora_dropout." not in f".{name}.":
+            continue
+        layer = name.split(".lora_dropout.")[0].removeprefix("base_model.model.")
+        site = (_LORA_SITES + zlib.crc32(layer.encode()), styles.get(layer) == "rowwise")
+
+        def enter(module, args, site=site):
+            if _active:
+                _active[-1].lora = site
+
+        def leave(module, args, out):
+            if _active:
+                _active[-1].lora = None
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)

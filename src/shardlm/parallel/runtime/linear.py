@@ -1,0 +1,231 @@
+"""The linear DTensor styles (``Colwise``, ``Rowwise``, packed, sliced, latent), and how every style
+word of the plan becomes a ``ParallelStyle`` (``plan_styles.py`` maps them; ``replicate.py``,
+``experts.py``, ``channels.py`` hold the others; ``grads.py`` the TP-partial gradient sums).
+
+``colwise``/``rowwise``/``embedding``/``lm_head`` are torch's own styles; for GPT-2's
+``Conv1D`` (weight stored ``[in, out]``) the same styles shard the transposed dimension, so
+checkpoints keep their HF layout. Three styles are ours:
+
+* ``replicate``: a module (a norm) whose parameters must be DTensors on the TP mesh while the
+  activations through it are plain tensors: inputs enter as replicated DTensors and leave
+  local, so its gradients are replicated DTensors like everything else. Plans now give
+  ``replicate_local`` (``LocalReplicate``: the module computes on plain tensors and local views
+  of its parameters, so tensors it makes of its own never meet DTensors) to every such module
+  with nothing split under it, and ``replicate_own`` (its own parameters only) to one around
+  split children.
+* ``replicate_grad_allreduce``: the same, for a module applied per head to a *sharded*
+  activation (Qwen3's q_norm/k_norm): each rank's gradient covers only its heads, so the
+  trainer sums these gradients over the TP group (``sum_tp_partial_grads``).
+* ``packed_colwise``: a fused projection of parts (GPT-2 c_attn, Phi-3 gate_up, Qwen3.5's
+  q|k|v of key, key and value widths) is sharded part by part (``shards.packed_placement``:
+  ``_StridedShard(dim, split_factor=P)`` for P equal parts, ``PartsShard`` for unequal ones):
+  rank r holds rows ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global
+  view stays in HF order (consolidation and resharding need no permutation). The matmul runs on
+  local tensors.
+* ``SlicedColwise`` (the plan's ``sliced`` entries: k/v with fewer kv heads than tp, packed
+  projections with a part every rank needs whole or a replicated kv head): parameters replicated
+  on the TP mesh, each rank multiplies only its rows; their gradients are summed over TP like
+  ``replicate_grad_allreduce``. The input's gradient joins the sibling colwise layers' partial
+  sum (one all-reduce per sub-block).
+
+* ``ExpertsParallel`` (``experts``, mixture-of-experts layers): fused 3-D expert parameters,
+  each expert's intermediate dim sharded (``Plan.experts``: per parameter, derived by
+  ``parallel/infer/experts.py``); the module's own forward, whatever experts kernel is active, runs on
+  the local pieces and its output, a partial sum, is all-reduced once; in backward the gradients of
+  its replicated inputs (hidden states, routing weights) are summed over TP in one all-reduce.
+
+After TP, attention modules that read head counts from attributes (``self.num_heads``,
+``self.split_size``, ``self.config.num_attention_heads``) get those set to the local values
+(``plan/local_geometry.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from shardlm.distributed.shards import packed_placement, parameter
+from shardlm.parallel.model.hf import (
+    is_conv1d,
+)
+from shardlm.parallel.runtime.regions import copy_to_region
+
+
+def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, parameter(param, mesh, placements[name], src))
+
+
+class _Conv1DAware:
+    """Mixin: run torch's Linear partitioning on Conv1D with the weight's dims swapped."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        colwise = isinstance(self, ColwiseParallel)
+        if not colwise:
+            self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for nn.Linear
+        placements = {"weight": Shard(1) if colwise else Shard(0), "bias": Shard(0) if colwise else Replicate()}
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: shard_params(mod, mesh, placements, self.src_data_rank),
+            lambda mod, inputs, mesh: self._prepare_input_fn(
+                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
+            ),
+            lambda mod, outputs, mesh: self._prepare_output_fn(
+                self.output_layouts, self.use_local_output, mod, outputs, mesh
+            ),
+        )
+
+
+class Colwise(_Conv1DAware, ColwiseParallel):
+    """ColwiseParallel whose sibling layers share one DTensor view of their common input.
+
+    q/k/v (and gate/up) read the same activation. Converted separately, each backward would
+    all-reduce its own partial input gradient (5 all-reduces per Llama block); converted once,
+    the partial gradients add up locally and one all-reduce per sub-block remains (Megatron's
+    minimum).
+    """
+
+    _last: tuple = (None, None, None)  # (weakref to the plain input, mesh, its DTensor view)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor) or input_layouts != (Replicate(),):
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        return replicated_view(x, device_mesh)
+
+
+def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """One replicated DTensor view per (activation, mesh), shared by every column-parallel reader
+    of ``x`` (``Colwise``, LoRA layers): their partial input gradients add up on the view, and
+    its backward all-reduces them once."""
+    ref, last_mesh, view = Colwise._last
+    if ref is None or ref() is not x or last_mesh is not mesh:
+        view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        Colwise._last = (weakref.ref(x), mesh, view)
+    return view
+
+
+class Rowwise(_Conv1DAware, RowwiseParallel):
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        # to_local() returns a view made inside an autograd Function; models that add into it
+        # in place (Falcon's ``mlp_output += attention_output``) need a tensor of their own
+        return out.clone() if use_local_output else out
+
+
+class SummedRowwise(Rowwise):
+    """``rowwise`` whose whole output is read back inside the split region (Mamba's ``x_proj``:
+    ``parallel/infer/summed.py``): each rank's gradient of it covers its own channels only, so the backward
+    of the output's all-reduce is an all-reduce of that gradient."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return copy_to_region(out, device_mesh)
+
+
+def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` (replicated) for a layer computing on local column shards: the same values, but its
+    gradient, which covers only this rank's output columns, is summed over TP on the way back."""
+    return copy_to_region(replicated_view(x, mesh), mesh)
+
+
+def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
+    weight = module.weight.to_local()
+    bias = module.bias.to_local() if with_bias and module.bias is not None else None
+    if is_conv1d(module):
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+        return out.view(*x.shape[:-1], weight.shape[1])
+    return nn.functional.linear(x, weight, bias)
+
+
+def _local_linear_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part).
+
+    ``mesh``: the style's TP mesh, the object the sibling column-parallel layers key their shared
+    view of ``x`` by (``replicated_view``); the weight's ``device_mesh`` is an equal but distinct
+    object, with which this layer's input gradient was all-reduced on its own (Qwen3.5's
+    ``in_proj_qkv`` beside ``in_proj_z/b/a``: one all-reduce more per mixer backward)."""
+    return local_linear(module, column_input(x, mesh))
+
+
+class PackedColwiseParallel(ParallelStyle):
+    """Fused projection of ``parts`` (their sizes), each sharded on its own (see module docstring)."""
+
+    def __init__(self, parts: list[int]):
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        out_dim = 1 if is_conv1d(module) else 0
+        placements = {"weight": packed_placement(out_dim, self.parts), "bias": packed_placement(0, self.parts)}
+        shard_params(module, device_mesh, placements, self.src_data_rank)
+        module.forward = functools.partial(_local_linear_forward, module, device_mesh)
+        return module
+
+
+def _sliced_linear_forward(
+    module: nn.Module, rows: list[tuple[int, int]], mesh: DeviceMesh, x: torch.Tensor
+) -> torch.Tensor:
+    """Linear on this rank's ``rows`` of replicated parameters (bound by ``SlicedColwise``).
+
+    The input's gradient from this rank covers only these rows: declared Partial on the shared
+    view of ``x``, it is summed once over TP together with the sibling colwise layers'
+    (``mesh`` is the object sibling Colwise layers see: their shared view's key).
+    """
+    return sliced_linear(module, column_input(x, mesh), rows)
+
+
+def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of each range of ``rows``, concatenated (a view when there is one range)."""
+    return torch.cat([t[a:b] for a, b in rows]) if len(rows) > 1 else t[rows[0][0] : rows[0][1]]
+
+
+def sliced_linear(module: nn.Module, x: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Linear on ``rows`` of the module's replicated (DTensor) weight and bias."""
+    bias = take_rows(module.bias.to_local(), rows) if module.bias is not None else None
+    return nn.functional.linear(x, take_rows(module.weight.to_local(), rows), bias)
+
+
+class SlicedColwise(ParallelStyle):
+    """Replicated nn.Linear whose forward computes only this rank's output rows (see module docstring)."""
+
+    def __init__(self, rows: list[list[tuple[int, int]]]):
+        super().__init__()
+        self.rows = rows
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"sliced colwise needs nn.Linear, got {type(module).__name__}")
+        shard_params(
+            module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
+        )
+        rows = self.rows[device_mesh.get_local_rank()]
+        module.forward = functools.partial(_sliced_linear_forward, module, rows, device_mesh)
+        return module
+
+
+class LatentColwise(ParallelStyle):
+    """``colwise`` reading a low-rank latent kept whole (MLA's ``q_b_proj``, ``kv_b_proj``;
+    ``parallel/infer/latent.py``): sharded by output features, computing on its input as it is, whose
+    gradient from this rank's heads stays partial: it is summed over TP at the latent's input."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = 1 if is_conv1d(module) else 0
+        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0)}, self.src_data_rank)
+        module.forward = types.MethodType(local_linear, module)
+        return module

@@ -1,0 +1,84 @@
+"""Plan words -> torch ``ParallelStyle`` objects: ``make_style`` for one word of ``plan.styles.Style``,
+``plan_styles`` for every module of a plan.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from shardlm.parallel.plan.channels import local_views
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.styles import ExpertParam, Style
+from shardlm.parallel.runtime.channels import PerChannel
+from shardlm.parallel.runtime.experts import ExpertsParallel
+from shardlm.parallel.runtime.linear import (
+    Colwise,
+    LatentColwise,
+    PackedColwiseParallel,
+    Rowwise,
+    SlicedColwise,
+    SummedRowwise,
+)
+from shardlm.parallel.runtime.replicate import LocalReplicate, ReplicateParallel, ShardedRMSNorm
+
+
+def make_style(
+    style: str,
+    parts: list[int] | None = None,
+    rows: list | None = None,
+    experts: dict[str, ExpertParam] | None = None,
+    views: dict | None = None,
+    latent_input: bool = False,
+    summed: bool = False,
+) -> ParallelStyle:
+    """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
+    ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
+    output rows); ``experts``: the plan's ``experts`` entry of an experts or ``per_channel``
+    module; ``views``: a ``per_channel`` module's ``channels.local_views``; ``latent_input``: a
+    ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``); ``summed``: a
+    ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``)."""
+    if rows is not None:
+        return SlicedColwise(rows)
+    match Style(style):
+        case Style.COLWISE:
+            return LatentColwise() if latent_input else Colwise()
+        case Style.ROWWISE:
+            return SummedRowwise() if summed else Rowwise()
+        case Style.PACKED_COLWISE:
+            return PackedColwiseParallel(parts)
+        case Style.EMBEDDING:
+            # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
+            # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
+            return Rowwise(input_layouts=Replicate())
+        case Style.LM_HEAD:
+            # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+            return Colwise(output_layouts=Shard(-1), use_local_output=False)
+        case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
+            return ReplicateParallel()
+        case Style.REPLICATE_LOCAL:
+            return LocalReplicate()
+        case Style.REPLICATE_OWN:
+            return LocalReplicate(own_only=True)
+        case Style.SHARDED_NORM:
+            return ShardedRMSNorm()
+        case Style.EXPERTS:
+            return ExpertsParallel(experts or {})
+        case Style.PER_CHANNEL:
+            return PerChannel(experts or {}, views or {})
+
+
+def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
+    """The torch style of every module of ``plan``."""
+    return {
+        fqn: make_style(
+            s,
+            plan.parts.get(fqn),
+            plan.sliced.get(fqn),
+            plan.experts.get(fqn),
+            local_views(plan, fqn),
+            fqn in plan.latent_readers,
+            fqn in plan.summed,
+        )
+        for fqn, s in plan.styles.items()
+    }
