@@ -7,7 +7,8 @@ cannot compute over the global batch (``train/router_loss.py``), LayerDrop under
 the experts ``parallel.ep`` divides,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
-the model's weights (their names through transformers' conversion rules, ``parallel/published.py``)
+the model's weights (their names through transformers' conversion rules, ``parallel/published.py``),
+document packing the model cannot keep apart (``train/document_mask.py``)
 and the checkpoint ``train.resume`` names.
 """
 
@@ -24,6 +25,7 @@ from shardlm.parallel.ep import check_ep, check_ep_lora
 from shardlm.parallel.lora import check_lora
 from shardlm.parallel.published import check as check_weights
 from shardlm.train import router_loss
+from shardlm.train.document_mask import check_packing
 
 
 def check_run(cfg: Config) -> None:
@@ -31,8 +33,9 @@ def check_run(cfg: Config) -> None:
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
+    packed = cfg.data.packing and cfg.data.packing_strategy == "bfd"
     # one meta model for every check that needs it (LoRA adapts it last)
-    model = build_meta_model(cfg.model) if traced or weights or router or p.ep > 1 else None
+    model = build_meta_model(cfg.model) if traced or weights or router or packed or p.ep > 1 else None
     if p.ep > 1:  # the model has experts, as many as ep divides
         check_ep(model, p.ep)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
@@ -41,6 +44,8 @@ def check_run(cfg: Config) -> None:
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
+    if packed:  # before LoRA wraps the model: the base model's forward decides
+        check_packing(cfg, model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)
         plan = infer_plan(model, p.tp)
         if p.tp > 1 and device_type() == "cuda":

@@ -118,6 +118,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
     if d.seq_len < 2:
         raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if d.packing_strategy not in d.PACKING_STRATEGIES:
+        names = " or ".join(d.PACKING_STRATEGIES)
+        raise ConfigError(f"data.packing_strategy must be {names}, got '{d.packing_strategy}'")
     if t.lr_scheduler_type not in SCHEDULERS:
         names = ", ".join(SCHEDULERS)
         raise ConfigError(f"train.lr_scheduler_type must be one of {names}, got '{t.lr_scheduler_type}'")
