@@ -44,8 +44,6 @@ def check_run(cfg: Config) -> None:
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
     if p.world_size > 1:
         check_layerdrop(cfg.model)
-    if packed:  # before LoRA wraps the model: the base model's forward decides
-        check_packing(cfg, model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)
         plan = infer_plan(model, p.tp)
         if p.tp > 1 and device_type() == "cuda":
@@ -54,4 +52,6 @@ def check_run(cfg: Config) -> None:
             check_lora(cfg.lora, model, plan)
             if p.ep > 1:
                 check_ep_lora(model)
+    if packed:  # last of the model's checks: another refusal names its own key first
+        check_packing(cfg, model)
     precheck_resume(cfg)
