@@ -130,7 +130,7 @@ def plain_reference(
     whole global batch, torch's clip_grad_norm_, AdamW (or ``optimizer(groups, train_cfg)``)
     and the HF scheduler. ``wrap(model)``: e.g. peft's ``PeftModel.from_pretrained``; only the
     parameters that then require grad train. ``dropout``: the model's dropout as shardlm draws it
-    (``shardlm.parallel.dropout``, keyed by seed, step and the sample's position in the global batch);
+    (``shardlm.parallel.runtime.dropout``, keyed by seed, step and the sample's position in the global batch);
     otherwise torch's own (use it only with dropout 0). A model whose config turns the router's
     load-balancing loss on (``output_router_logits``) adds ``router_aux_loss_coef * outputs.aux_loss``,
     as transformers does; ``router_losses`` collects that term per step."""

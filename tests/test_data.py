@@ -67,13 +67,15 @@ def expected_padded(docs: list[list[int]], labels: list[list[int]], seq: int, pa
 
 
 def test_packing_txt_reproduces_token_stream(tmp_path, tok):
+    """``packing_strategy: wrapped``: the windows packing made before document packing existed."""
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(LINES * 3) + "\n")
     seq = 8
     docs = [ids(tok, line) + [tok.eos_token_id] for line in LINES * 3 if line.strip()]
     stream = [t for d in docs for t in d]
     n = (len(stream) - 1) // seq
-    ds = build_dataset(config(path, tmp_path, seq_len=seq), tok)
+    ds = build_dataset(config(path, tmp_path, seq_len=seq, packing_strategy="wrapped"), tok)
+    assert ds.position_ids is None
     assert ds.input_ids.shape == (n, seq)
     assert ds.input_ids.flatten().tolist() == stream[: n * seq]
     assert ds.labels.flatten().tolist() == stream[1 : n * seq + 1]
@@ -108,7 +110,15 @@ def test_prompt_response_trains_only_response(tmp_path, tok, packing):
     eos = tok.eos_token_id
     docs = [ids(tok, r["prompt"]) + ids(tok, r["response"]) + [eos] for r in PAIRS]
     labs = [[-100] * len(ids(tok, r["prompt"])) + ids(tok, r["response"]) + [eos] for r in PAIRS]
-    cfg = config(path, tmp_path, seq_len=seq, packing=packing, prompt_field="prompt", response_field="response")
+    cfg = config(
+        path,
+        tmp_path,
+        seq_len=seq,
+        packing=packing,
+        packing_strategy="wrapped",
+        prompt_field="prompt",
+        response_field="response",
+    )
     ds = build_dataset(cfg, tok)
     if packing:
         stream, lab_stream = [t for d in docs for t in d], [t for lab in labs for t in lab]

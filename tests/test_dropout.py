@@ -1,4 +1,4 @@
-"""Dropout is the same in every layout (``shardlm.parallel.dropout``): OPT and GPT-2 with their published
+"""Dropout is the same in every layout (``shardlm.parallel.runtime.dropout``): OPT and GPT-2 with their published
 dropout (0.1 everywhere) train at tp=2, fsdp=2 and tp=2 x fsdp=2 exactly like one process drawing
 the same masks (``plain_reference(dropout=True)``: a plain transformers loop under shardlm's
 dropout mode, keyed by the sample's position in the global batch), TP-replicated parameters stay
@@ -193,7 +193,8 @@ def test_layerdrop_is_refused_on_more_than_one_process(tmp_path):
 
     model = write_model_dir(str(tmp_path / "opt"), "opt", layerdrop=0.1)
     (tmp_path / "data.txt").write_text("hello world\n")
-    raw = {"model": model, "data": {"path": str(tmp_path / "data.txt")}}
+    # OPT's mask ignores position ids: document packing is refused for it (test_packing.py)
+    raw = {"model": model, "data": {"path": str(tmp_path / "data.txt"), "packing_strategy": "wrapped"}}
     with pytest.raises(ConfigError, match=r"model: layerdrop=0.1 skips layers by each rank's own random draw") as info:
         load_checked(raw={**raw, "parallel": {"fsdp": 2}})
     assert "\n" not in str(info.value)

@@ -422,10 +422,15 @@ def test_fused_mamba_kernels_on_gpu_are_refused_before_spawning(tmp_path, monkey
     split mixer is refused by name before any process starts (and in ``parallelize``); Gated DeltaNet's
     kernels take activations and the conv weight, which the mixer sees as local views: not refused.
     No GPU here: the kernels' availability and the device are patched."""
-    from helpers import train_config
+    import helpers
 
     from shardlm import ConfigError, preflight
     from shardlm.parallel.infer import channels
+
+    def train_config(*args, **kwargs):  # recurrent mixers refuse document packing (test_packing.py)
+        cfg = helpers.train_config(*args, **kwargs)
+        cfg.data.packing_strategy = "wrapped"
+        return cfg
 
     monkeypatch.setattr(channels, "weight_kernels_available", lambda: True)
     monkeypatch.setattr(preflight, "device_type", lambda: "cuda")

@@ -13,7 +13,8 @@ and the checkpoint ``train.resume`` names (its bytes against its manifest, its m
 ``check_data`` then checks ``data.seq_len`` against the model's positions, loads the tokenizer and
 builds the data sets here (the ranks load them from the cache): the tokenizer's ids against the
 vocabulary, a chat template where chat rows need one, data that yields no usable row and ids out
-of range answer the same at every layout.
+of range answer the same at every layout. Document packing the model cannot keep apart
+(``train/document_mask.py``) is refused last of the model's checks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from shardlm.parallel.runtime.lora import check_lora
 from shardlm.parallel.weights.fill import has_weights
 from shardlm.parallel.weights.published import check as check_weights
 from shardlm.train import router_loss
+from shardlm.train.document_mask import check_packing
 from shardlm.train.trainer import check_activation_checkpointing
 
 
@@ -48,10 +50,11 @@ def check_run(cfg: Config) -> str | None:
     p = cfg.parallel
     check_geometry(cfg.model, p.tp)
     traced, weights, router = p.tp > 1 or cfg.lora is not None, has_weights(cfg.model), router_loss.requested(cfg.model)
+    packed = cfg.data.packing and cfg.data.packing_strategy == "bfd"
     saves = cfg.train.save_steps > 0 and cfg.lora is None  # a full checkpoint: its size against the free space
     ckpt = cfg.train.gradient_checkpointing
     # one meta model for every check that needs it (LoRA adapts it last)
-    model = build_meta_model(cfg.model) if traced or weights or router or saves or ckpt or p.ep > 1 else None
+    model = build_meta_model(cfg.model) if traced or weights or router or saves or ckpt or packed or p.ep > 1 else None
     if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
         check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides
@@ -71,6 +74,8 @@ def check_run(cfg: Config) -> str | None:
             check_lora(cfg.lora, model, plan)
             if p.ep > 1:
                 check_ep_lora(model)
+    if packed:  # last of the model's checks: another refusal names its own key first
+        check_packing(cfg, model)
     if saves:
         check_disk_space(cfg, model)
     return precheck_resume(cfg)

@@ -130,6 +130,10 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
+    d = cfg.data
+    if d.packing_strategy not in d.PACKING_STRATEGIES:
+        names = " or ".join(d.PACKING_STRATEGIES)
+        raise ConfigError(f"data.packing_strategy must be {names}, got '{d.packing_strategy}'")
     if t.lr_scheduler_type not in SCHEDULERS:
         names = ", ".join(SCHEDULERS)
         raise ConfigError(f"train.lr_scheduler_type must be one of {names}, got '{t.lr_scheduler_type}'")

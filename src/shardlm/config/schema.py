@@ -24,13 +24,18 @@ class DataConfig:
     ``response_field``: only the response is trained) or a chat (``messages_field``: a list of
     ``{role, content}`` rendered with the tokenizer's chat template; only assistant turns are
     trained). ``cache_dir``: where tokenized data is kept (default: the Hugging Face datasets cache).
+    ``packing_strategy`` (with ``packing``; TRL's names): ``bfd``, whole documents best-fit into
+    windows, each attending only to itself; ``wrapped``, one stream of all rows cut into windows
+    (pretraining-style: tokens attend across documents). See docs/packing.md.
     """
 
     EXTENSIONS: ClassVar[tuple[str, ...]] = (".txt", ".jsonl", ".json", ".parquet")
+    PACKING_STRATEGIES: ClassVar[tuple[str, ...]] = ("bfd", "wrapped")
 
     path: str = ""
     seq_len: int = 128
     packing: bool = True
+    packing_strategy: str = "bfd"
     text_field: str = "text"
     prompt_field: str | None = None
     response_field: str | None = None

@@ -17,12 +17,15 @@ file below it, hidden ones skipped, in sorted order). What each row becomes:
   row, so an ELF file named .txt is skipped whole, row by row). Blank .jsonl lines are
   not rows. No usable row at all, or a field no row has, is a ``ConfigError``.
 
-Samples have ``seq_len`` inputs and next-token labels. With packing, all rows' tokens form one
-stream cut into windows of ``seq_len + 1`` (the remainder is dropped, and windows with nothing
-trained are dropped too); a row longer than a window is split across windows. Without packing
+Samples have ``seq_len`` inputs and next-token labels. With packing, ``data.packing_strategy``
+says how: ``bfd`` (the default) best-fits whole documents into windows with per-token
+``position_ids`` restarting at each document, so no token attends across documents
+(``data/packing.py``); ``wrapped``: all rows' tokens form one stream cut into windows of
+``seq_len + 1`` (the remainder is dropped, and windows with nothing trained are dropped too), a
+row longer than a window split across windows, every token attending to those before it. Without packing
 each row is one sample, truncated to ``seq_len + 1`` tokens and padded with the pad id (EOS if
 none), labels IGNORE_INDEX on padding. ``truncated_rows`` counts rows longer than
-``seq_len + 1`` tokens in both modes.
+``seq_len + 1`` tokens (``bfd``: longer than ``seq_len``, the rows cut into pieces).
 
 Tokenizing happens once: the samples are saved (``save_to_disk``) under ``data.cache_dir``
 (default: the Hugging Face datasets cache) in a folder named by a hash of the files' paths,
@@ -53,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import DataConfig
+from shardlm.data.packing import pack_documents
 from shardlm.data.rows import BAD_JSON, IGNORE_INDEX, MISSING, NO_LABEL, OK, REASONS, data_files, encode_file
 from shardlm.errors import ConfigError
 
@@ -64,9 +68,11 @@ CACHE_VERSION = "shardlm-data-2"  # bump when what a row becomes changes
 class Batch:
     input_ids: torch.Tensor  # [batch, seq_len]
     labels: torch.Tensor  # [batch, seq_len]; IGNORE_INDEX where nothing is predicted
+    position_ids: torch.Tensor | None = None  # [batch, seq_len] for document-packed windows, else None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.labels.to(device))
+        positions = None if self.position_ids is None else self.position_ids.to(device)
+        return Batch(self.input_ids.to(device), self.labels.to(device), positions)
 
 
 @dataclass
@@ -75,6 +81,7 @@ class TokenDataset:
     labels: torch.Tensor
     skipped_rows: int = 0
     truncated_rows: int = 0
+    position_ids: torch.Tensor | None = None  # restarting at each document (``bfd`` packing), else None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -176,11 +183,15 @@ def _build(cfg: DataConfig, tokenizer, files: list[str], fingerprint: str, key: 
     ids, lengths = _flat(rows, "input_ids")
     labels, _ = _flat(rows, "labels")
     lengths = lengths[status == OK]
-    if cfg.packing:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.packing and cfg.packing_strategy == "wrapped":
         ds = pack(ids, labels, lengths, cfg.seq_len)
     else:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ds = pad(ids, labels, lengths, cfg.seq_len, pad_id)
+        ds = (
+            pack_bfd(ids, labels, lengths, cfg.seq_len, pad_id)
+            if cfg.packing
+            else pad(ids, labels, lengths, cfg.seq_len, pad_id)
+        )
         counts[REASONS[NO_LABEL]] += ds.skipped_rows
     counts.pop(REASONS[OK], None)
     ds.skipped_rows = sum(counts.values())
@@ -244,6 +255,13 @@ def pack(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, seq_len: int)
     return TokenDataset(inputs[keep].clone(), targets[keep].clone(), truncated_rows=truncated)
 
 
+def pack_bfd(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int) -> TokenDataset:
+    """Whole documents best-fit into windows of ``seq_len``, positions restarting at each (``data/packing.py``);
+    rows with nothing trained are counted in ``skipped_rows``, rows cut into pieces in ``truncated_rows``."""
+    p = pack_documents(ids, labels, lengths, seq_len, pad_id)
+    return TokenDataset(p.input_ids, p.labels, p.untrained_rows, p.split_rows, position_ids=p.position_ids)
+
+
 def pad(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int) -> TokenDataset:
     """One row per sample, cut to ``seq_len + 1`` tokens; rows left with no trained label dropped
     (their number is returned in ``skipped_rows``)."""
@@ -265,9 +283,10 @@ def _save(ds: TokenDataset, where: str, counts: dict) -> None:
 
     tmp = f"{where}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    samples = datasets.Dataset.from_dict(
-        {"input_ids": ds.input_ids.to(torch.int32).numpy(), "labels": ds.labels.to(torch.int32).numpy()}
-    )
+    columns = {"input_ids": ds.input_ids, "labels": ds.labels}
+    if ds.position_ids is not None:
+        columns["position_ids"] = ds.position_ids
+    samples = datasets.Dataset.from_dict({k: v.to(torch.int32).numpy() for k, v in columns.items()})
     with _quiet():
         samples.save_to_disk(os.path.join(tmp, "samples"))
     meta = {
@@ -309,11 +328,17 @@ def _load(where: str) -> TokenDataset:
     shape = (meta["samples"], meta["seq_len"])
     ids, _ = _flat(samples, "input_ids")
     labels, _ = _flat(samples, "labels")
+    positions = (
+        torch.from_numpy(_flat(samples, "position_ids")[0]).view(shape)
+        if "position_ids" in samples.column_names
+        else None
+    )
     return TokenDataset(
         torch.from_numpy(ids).view(shape),
         torch.from_numpy(labels).view(shape),
         skipped_rows=meta["skipped_rows"],
         truncated_rows=meta["truncated_rows"],
+        position_ids=positions,
     )
 
 
@@ -349,4 +374,4 @@ def micro_batch(
     """This data-parallel rank's share of accumulation micro-step ``micro`` of global batch ``step``."""
     start = micro_batch_start(micro, dp_rank, dp_size, per_device)
     idx = torch.tensor(order.indices(step)[start : start + per_device])
-    return Batch(ds.input_ids[idx], ds.labels[idx])
+    return Batch(ds.input_ids[idx], ds.labels[idx], None if ds.position_ids is None else ds.position_ids[idx])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardlm.estimate.scans import ScanSizes, scan_elements, scan_sizes
-from shardlm.parallel.model.hf import config_value
+from shardlm.parallel.model.hf import config_value, is_depthwise_conv
 
 # transformers' torch fallback cuts the sequence in chunks of 64 (``torch_chunk_gated_delta_rule``)
 DELTA_CHUNK = 64
@@ -51,10 +51,6 @@ class MixerSizes:
     value_dim: int = 0
     key_heads: int = 0
     scan: ScanSizes | None = None  # a state-space mixer (``estimate/scans.py``)
-
-
-def is_depthwise_conv(module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv1d) and module.groups == module.in_channels == module.out_channels > 1
 
 
 def _value_head_dim(mixer: nn.Module) -> int:

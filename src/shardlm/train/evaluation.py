@@ -2,7 +2,8 @@
 
 The eval set is read in file order, each dp rank taking every dp_size-th micro-batch, under
 ``torch.no_grad`` and ``model.eval()``; the loss is the sum of token losses over the count of
-labelled tokens of the whole set, as one process computes it (``train/loss.py``).
+labelled tokens of the whole set, as one process computes it (``train/loss.py``). Document-packed
+samples go in with their ``position_ids``, as in training.
 """
 
 from __future__ import annotations
@@ -29,16 +30,21 @@ def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, 
     for b in range(min(count, max_batches) if max_batches else count):
         start = (b * dp_size + dp_rank) * per_device
         end = min(start + per_device, len(ds))
+        positions = ds.position_ids
         if start >= end:
-            yield Batch(ds.input_ids[:1], torch.full_like(ds.labels[:1], IGNORE_INDEX))
+            yield Batch(ds.input_ids[:1], torch.full_like(ds.labels[:1], IGNORE_INDEX), _rows(positions, 0, 1))
         else:
-            yield Batch(ds.input_ids[start:end], ds.labels[start:end])
+            yield Batch(ds.input_ids[start:end], ds.labels[start:end], _rows(positions, start, end))
+
+
+def _rows(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if positions is None else positions[start:end]
 
 
 @torch.no_grad()
 def eval_loss(
     module: nn.Module,
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logits_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
     ds: TokenDataset,
     mesh: Mesh,
     per_device: int,
@@ -53,7 +59,7 @@ def eval_loss(
     try:
         for batch in eval_batches(ds, mesh.dp_rank, p.dp_size, per_device, max_batches):
             batch = batch.to(mesh.device)
-            logits = logits_of(batch.input_ids)
+            logits = logits_of(batch.input_ids, batch.position_ids)
             with loss_context(isinstance(logits, DTensor)):
                 totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
             totals[1] += (batch.labels != IGNORE_INDEX).sum()

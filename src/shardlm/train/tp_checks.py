@@ -21,6 +21,8 @@ def check_tp_batches(batches: list[Batch], tp_group: dist.ProcessGroup, step: in
     parts = []
     for b in batches:
         parts += [b.input_ids.flatten(), b.labels.flatten()]
+        if b.position_ids is not None:
+            parts.append(b.position_ids.flatten())
     flat = torch.cat(parts).long()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
     mine = torch.stack([(flat * weights).sum(), flat.sum(), torch.tensor(flat.numel(), device=flat.device)])

@@ -181,15 +181,18 @@ class Trainer:
         if self.eval_dataset is not None:
             check_ids(self.eval_dataset.input_ids, vocab, "eval.path")
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``input_ids`` in the configured precision (autocast only where FSDP does not cast)."""
-        return self.outputs(input_ids).logits
+        return self.outputs(input_ids, position_ids).logits
 
-    def outputs(self, input_ids: torch.Tensor):
-        """The model's outputs for ``input_ids`` (logits, and router logits where the model gives them)."""
+    def outputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """The model's outputs for ``input_ids`` (logits, and router logits where the model gives them).
+        ``position_ids`` (document-packed windows, ``data/packing.py``): restarting at each document,
+        with no attention mask, they make transformers build the block-diagonal causal mask."""
         ctx = torch.autocast(self.mesh.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
         with ctx:
-            return self.module(input_ids=input_ids)
+            return self.module(input_ids=input_ids, **kwargs)
 
     def dropout_mode(self, micro: int) -> DeterministicDropout | None:
         """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
@@ -221,7 +224,7 @@ class Trainer:
         for micro, batch in enumerate(batches):
             mode = self.dropout_mode(micro)
             with mode or nullcontext():
-                outputs = self.outputs(batch.input_ids)
+                outputs = self.outputs(batch.input_ids, batch.position_ids)
             if mode is not None and self._has_dropout is None:
                 self._has_dropout = mode.used
             with loss_context(isinstance(outputs.logits, DTensor)):

@@ -112,6 +112,12 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+def is_depthwise_conv(module: nn.Module) -> bool:
+    """A short convolution along the sequence, one filter per channel (linear attention's and
+    Mamba's mixers): what carries state from one token to the next outside attention."""
+    return isinstance(module, nn.Conv1d) and module.groups == module.in_channels == module.out_channels > 1
+
+
 def is_linear(module: nn.Module) -> bool:
     """nn.Linear or transformers' Conv1D."""
     return isinstance(module, nn.Linear) or is_conv1d(module)
