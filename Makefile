@@ -31,8 +31,11 @@ test-fast: setup
 demo: setup
 	$(PY) examples/demo.py
 
+# side by side with transformers in the same ranks, then each side in ranks of its own against the
+# previous commit (benchmarks/against.py: a process-wide regression shows only there)
 bench: setup
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/against.py --layouts tp2,fsdp2
 
 # Models one step up (125M-349M Llama): shardlm estimate against measured peaks, save/load MB/s
 bench-scale: setup

@@ -5,7 +5,7 @@ allocator's settings, thread counts, a global flag) hits both sides alike and a 
 kind never shows there. It did happen: a fixed glibc mmap threshold made every step on CPU a third
 slower, in shardlm and in transformers beside it. Here every side gets fresh ranks:
 
-* ``new``: shardlm from this checkout;
+* ``new``: shardlm from this checkout (its ``src/`` copied at the start);
 * ``old``: shardlm at ``--against`` (default ``HEAD~1``), its ``src/`` exported with ``git archive``;
 * ``transformers``: transformers' own ``DistributedConfig`` in ranks that never import shardlm's
   process setup (``torch.distributed`` joined directly).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def _side_main(spec: str) -> None:
 
 def export_src(rev: str, into: str) -> str:
     """``src/`` of ``rev`` written under ``into`` (no worktree, nothing else touched)."""
+    os.makedirs(into, exist_ok=True)
     archive = os.path.join(into, "src.tar")
     subprocess.run(["git", "-C", REPO, "archive", "-o", archive, rev, "src"], check=True)
     with tarfile.open(archive) as tar:
@@ -142,7 +144,9 @@ def main() -> None:
     start = time.perf_counter()
     results: dict = {"against": rev.stdout.strip(), "model": dict(bench.MODEL), "steps": args.steps, "layouts": {}}
     with tempfile.TemporaryDirectory(prefix="shardlm-against-") as tmp:
-        srcs = {"new": os.path.join(REPO, "src"), "old": export_src(args.against, tmp), "transformers": ""}
+        # a copy of this checkout's src/: editing the tree while the bench runs changes nothing
+        new = shutil.copytree(os.path.join(REPO, "src"), os.path.join(tmp, "new", "src"))
+        srcs = {"new": new, "old": export_src(args.against, os.path.join(tmp, "old")), "transformers": ""}
         path = bench.write_model(os.path.join(tmp, "llama"))
         for name in names:
             layout = bench.LAYOUTS[name][1]

@@ -98,21 +98,38 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def trim_freed_memory() -> None:
-    """On CPU, hand the heap's free pages back to the OS (glibc's ``malloc_trim``): called once a
-    step, after the optimizer, when the step's activations and gradients are gone.
+# glibc's mallopt parameter numbers, and the threshold shardlm fixes on CPU (``tune_cpu_allocator``)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 8 * 2**20
 
-    Why once a step and not per tensor: glibc mmaps blocks of 128 KiB and up at first, but raises
-    that threshold (up to 32 MiB) each time such a block is freed, so later tensors come from the
-    heap, which keeps what they freed. Without a trim the resident memory of a rank grew step after
-    step above what is alive at once (349M Llama, tp2 x fsdp2: 2.6, 3.3, 3.4 GB peaks in steps
-    1-3, against 2.1 GB alive), a peak ``shardlm estimate`` cannot predict. Fixing the threshold at
-    128 KiB kept it flat but made every large tensor a fresh mapping that the kernel faults in and
-    zeroes on each allocation: a step became a third slower (tp=2 0.70x, fsdp=2 0.64x of glibc's
-    own threshold, ``benchmarks/against.py``). One trim a step returns the same pages while the
-    step itself allocates from the heap at full speed. On CUDA the caching allocator holds tensors
-    and on other C libraries there is no such call: nothing is done.
+
+def tune_cpu_allocator() -> None:
+    """On CPU, fix glibc's mmap threshold at 8 MiB (trim threshold 16 MiB), once per process.
+
+    Why: left to itself glibc mmaps blocks of 128 KiB and up at first, but raises that threshold
+    (up to 32 MiB) each time such a block is freed, so later tensors come from the heap, which
+    keeps what they freed. The resident memory of a rank then grew step after step above what is
+    alive (349M Llama, tp2 x fsdp2: 2125, 2853, 3165, 2964 MiB peaks in steps 1-4, even with a
+    trim after each step), a peak ``shardlm estimate`` cannot predict. Fixing the threshold low,
+    at 128 KiB, kept it flat (2.08 GB) but made every activation a fresh mapping that the kernel
+    faults in and zeroes on each allocation: a step a third slower than glibc's own threshold
+    (tp=2 1.31x, fsdp=2 1.40x, tp2 x fsdp2 1.58x the CPU time, ``benchmarks/against.py``; 160M
+    Llama at tp=2 40.2 s against 23.8 s a step). At 8 MiB only tensors that large are mapped,
+    whose fault-in is small against the matmul that fills them, and the peaks stay flat: 2051,
+    2271, 2270, 2251 MiB (160M at tp=2: 23.4 s a step, 1549 MiB -> 1503). A
+    ``MALLOC_MMAP_THRESHOLD_`` set in the environment wins; on CUDA the caching allocator holds
+    tensors, so nothing is changed.
     """
+    libc = _glibc()
+    if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)  # glibc's own ratio, fixed with it
+
+
+def trim_freed_memory() -> None:
+    """On CPU, hand the heap's free pages back to the OS (``malloc_trim``), once a step after the
+    optimizer, when the step's activations and gradients are gone: what the heap kept of them does
+    not add to the next step's peak (see ``tune_cpu_allocator``). No-op on CUDA and off glibc."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -120,7 +137,8 @@ def trim_freed_memory() -> None:
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """glibc on a CPU-only Linux process, else None (musl has no ``malloc_trim``)."""
+    """glibc on a CPU-only Linux process, else None (musl has neither ``mallopt``'s thresholds
+    nor ``malloc_trim``)."""
     if device_type() != "cpu" or not sys.platform.startswith("linux"):
         return None
     try:
@@ -142,6 +160,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     every group created later gets it too."""
     if dist.is_initialized():
         return
+    tune_cpu_allocator()
     backend = "nccl" if device_type() == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = timeout
