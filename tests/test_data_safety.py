@@ -129,6 +129,26 @@ def test_fresh_run_into_a_finished_run_is_refused(finished, capsys):
     assert snapshot(finished["run"]) == before
 
 
+def test_fresh_run_into_a_finished_run_is_refused_under_torchrun(finished, capsys, monkeypatch):
+    """Under torchrun every rank is its own launcher: rank 0 claims output_dir and every rank gets its
+    answer (a one-rank torchrun environment here, in this process)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    before = snapshot(finished["run"])
+    try:
+        assert main(["train", str(finished["config"]), "parallel.tp=1"]) == 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    line = one_line(capsys.readouterr().err)
+    assert "holds another run's checkpoints (step-1, step-2) and metrics.jsonl" in line, line
+    assert snapshot(finished["run"]) == before
+
+
 @pytest.fixture(scope="module")
 def reruns(finished) -> dict:
     """Two copies of the finished run trained again at one process, together: one with
@@ -160,7 +180,7 @@ def test_overwrite_output_dir_replaces_the_earlier_run(finished, reruns):
     assert code == 0, stderr[-3000:]
     out = reruns["root"] / "overwrite"
     assert (
-        f"train.overwrite_output_dir: removed the earlier run's checkpoints, metrics.jsonl, loss.png, logs from {out}"
+        f"train.overwrite_output_dir: removed the earlier run's checkpoints, logs, loss.png, metrics.jsonl from {out}"
         in stdout
     )
     records = metrics(out)
@@ -240,6 +260,23 @@ def test_damaged_checkpoint_refused_by_train_resume(finished, tmp_path, capsys, 
         assert line.startswith(f"error: checkpoint {step}: {name} does not match its manifest ({why})"), line
     assert not (run / "logs").exists()  # refused before any rank: a rank would have written logs/rankN.log
     assert snapshot(run) == before
+
+
+def test_resume_with_another_learning_rate_is_refused(finished, tmp_path, capsys):
+    """A resume restores the optimizer and its base learning rate: a configured learning rate that
+    differs would be ignored, so it is refused by name, before any rank."""
+    run = tmp_path / "run"
+    shutil.copytree(finished["run"], run)
+    shutil.rmtree(run / "logs")
+    saved = json.loads((run / "checkpoints" / "step-2" / "shardlm_checkpoint.json").read_text())["config"]["train"]
+    before = snapshot(run)
+    args = ["train", str(finished["config"]), f"train.output_dir={run}", "train.resume=true", "train.max_steps=3"]
+    assert main([*args, f"train.learning_rate={saved['learning_rate'] * 10}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(
+        f"error: train.learning_rate: {saved['learning_rate'] * 10} differs from the checkpoint's "
+    ), line
+    assert not (run / "logs").exists() and snapshot(run) == before
 
 
 @pytest.mark.parametrize("kind", KINDS)

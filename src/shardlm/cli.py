@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.manager import VERIFIED_ENV
     from shardlm.checkpoint.ownership import RUN_ID_ENV, OutputDirLock, claim, new_run_id
     from shardlm.config import load_config
-    from shardlm.distributed.launch import under_torchrun
+    from shardlm.distributed.launch import checked_on_rank0, under_torchrun
     from shardlm.preflight import check_data, check_run
 
     cfg = load_config(args.config, args.overrides)
@@ -74,13 +74,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
         check_data(cfg)  # tokenizer and data sets, built once here (under torchrun rank 0 builds them)
     verified = {VERIFIED_ENV: os.path.realpath(resume_from)} if resume_from else {}  # the ranks need not hash it again
+    t = cfg.train
+
+    def take_over() -> None:
+        claim(t.output_dir, resume_from, t.overwrite_output_dir)  # never start fresh over an earlier run
+        remove_leftovers(t.output_dir)  # dead .tmp saves (and their space, on a full disk)
+
     if under_torchrun():  # every rank is its own launcher: no lock (it would be one per rank); rank 0 names the run
+        checked_on_rank0(lambda: (check_data(cfg), take_over()), t.timeout_s)
         with _environment(verified):
             return _run_ranks(cfg, world)
-    t, run_id = cfg.train, new_run_id()
+    run_id = new_run_id()
     with OutputDirLock(t.output_dir, run_id), _environment({RUN_ID_ENV: run_id, **verified}):
-        claim(t.output_dir, t.resume, t.overwrite_output_dir)  # never start fresh over an earlier run
-        remove_leftovers(t.output_dir)  # dead .tmp saves (and their space, on a full disk)
+        take_over()
         return _run_ranks(cfg, world)
 
 

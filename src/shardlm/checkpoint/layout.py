@@ -19,6 +19,7 @@ import shutil
 import uuid
 
 from shardlm.checkpoint.manifest import write_manifest
+from shardlm.config.paths import TOKENIZER_FILES
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.meta import build_meta_model
 from shardlm.parallel.weights.fill import has_weights
@@ -32,18 +33,6 @@ FORMAT_VERSION = 2  # 2: the marker records manifest_sha256 (manifest.py); 1: no
 FORMATS = (1, 2)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 HF_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -143,12 +132,19 @@ def remove_leftovers(output_dir: str, keep: str | None = None) -> list[str]:
     """Remove the ``.tmp-``/``.old-`` directories of interrupted saves (all but ``keep``), saying so.
 
     Only the run that owns ``output_dir`` (``ownership.py``) calls this, so no live save is removed;
-    a dead save left on a full disk would otherwise make the next save fail again."""
+    a dead save left on a full disk would otherwise make the next save fail again. A leftover that
+    holds its marker while its ``step-N`` is missing is a finished save interrupted between the
+    renames of ``finalize``: it becomes ``step-N`` again instead of being removed."""
     root = checkpoints_dir(output_dir)
     removed = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name)
-        if (".tmp-" in name or ".old-" in name) and path != keep:
+        step = os.path.join(root, name.split(".", 1)[0])
+        if (".tmp-" in name or ".old-" in name) and path != keep and STEP_DIR.match(os.path.basename(step)):
+            if os.path.isfile(os.path.join(path, MARKER)) and not os.path.exists(step):
+                os.rename(path, step)
+                print(f"restored {step} from {name}, a finished save interrupted before its rename", flush=True)
+                continue
             log.info("removing %s, left by an interrupted save", path)
             print(f"removing {path}, left by an interrupted save", flush=True)
             shutil.rmtree(path, ignore_errors=True)

@@ -132,6 +132,17 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
+def _zip_writer_full(exc: BaseException, folder: str, needed: int) -> bool:
+    """torch.save's zip writer reports a full disk as "unexpected pos", not ENOSPC: that message on
+    a disk with less free space than the checkpoint needs (any other error is raised as it is)."""
+    if "unexpected pos" not in str(exc):
+        return False
+    try:
+        return shutil.disk_usage(folder).free < needed
+    except OSError:
+        return False
+
+
 def out_of_space(path: str, needed: int) -> OutOfSpace:
     """The one line for a save that filled the disk: where, about how much it needed, how much is free."""
     free = shutil.disk_usage(os.path.dirname(os.path.normpath(path))).free
@@ -168,8 +179,7 @@ def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
         if rank == 0:
             finalize(tmp, final, write_proof(tmp, _marker(state, cfg, step), cfg.model))
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        # torch.save's zip writer reports a full disk as "unexpected pos": ask the disk too
-        if not (_disk_full(exc) or shutil.disk_usage(os.path.dirname(final)).free < needed):
+        if not (_disk_full(exc) or _zip_writer_full(exc, os.path.dirname(final), needed)):
             raise
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -201,8 +211,31 @@ def _marker(state: TrainState, cfg: Config, step: int) -> dict:
 # ---------------------------------------------------------------- resuming
 
 
+# what a resume takes from the checkpoint whatever the config says: the optimizer's hyperparameters
+# (torch's ``Optimizer.load_state_dict`` restores its param groups) and the schedule's base learning
+# rate (``LRScheduler.load_state_dict`` restores ``base_lrs``); the schedule's shape is rebuilt
+RESTORED_KEYS = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "sgd_momentum")
+
+
 def check_compatible(step_dir: str, marker: dict, cfg, num_samples: int | None = None) -> None:
-    """Refuse a resume that would silently change the data order (global batch, seed, data)."""
+    """Refuse a resume that would silently change the data order (global batch, seed, data) or
+    silently ignore a configured optimizer value (``RESTORED_KEYS``)."""
+    saved_data = marker.get("config", {}).get("data", {})
+    if saved_data.get("packing") and cfg.data.packing:
+        strategy = saved_data.get("packing_strategy", "wrapped")  # what a checkpoint older than the key packed
+        if strategy != cfg.data.packing_strategy:
+            raise ConfigError(
+                f"data.packing_strategy: '{step_dir}' was trained on '{strategy}' windows but this run packs "
+                f"'{cfg.data.packing_strategy}'; the data would change: set data.packing_strategy: {strategy}"
+            )
+    saved = marker.get("config", {}).get("train", {})
+    for key in RESTORED_KEYS:
+        if key in saved and saved[key] != getattr(cfg.train, key):
+            raise ConfigError(
+                f"train.{key}: {getattr(cfg.train, key)} differs from the checkpoint's {saved[key]}, which a resume "
+                f"would keep ('{step_dir}' restores the optimizer and its learning rate); set it back, or start a "
+                "fresh run with train.overwrite_output_dir=true"
+            )
     if marker["global_batch_size"] != cfg.global_batch_size:
         raise ConfigError(
             f"train.resume: '{step_dir}' was trained with global batch {marker['global_batch_size']} but this run has "

@@ -102,6 +102,8 @@ def read_manifest(step_dir: str, marker: dict) -> dict | None:
     """The manifest of ``step_dir`` after checking it against the marker's hash; None for a format-1 checkpoint."""
     expected = marker.get("manifest_sha256")
     path = os.path.join(step_dir, MANIFEST)
+    if expected is None and marker.get("format", 1) >= 2:
+        raise _mismatch(step_dir, MANIFEST, "its format-2 marker does not record the manifest's sha256")
     if expected is None:
         return None
     if not os.path.isfile(path):

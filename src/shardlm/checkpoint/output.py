@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
-from shardlm.checkpoint.layout import HF_FILES, TOKENIZER_FILES
+from shardlm.checkpoint.layout import HF_FILES
+from shardlm.config.paths import TOKENIZER_FILES
 from shardlm.errors import OutOfSpace
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -7,12 +7,15 @@ directory while the owner lives is refused with one line naming it. A lock whose
 (same host) is reported and taken over; a lock from another host cannot be checked and is
 refused, with the fix (remove the file if that run is dead). Creating the lock is atomic: the
 file is written whole under a private name, then hard-linked to ``.shardlm.lock``, which fails
-if it exists; a stale lock is first renamed away, which only one of two racing runs can do.
+if it exists; a stale lock is first renamed away and read back, so that of two runs taking over
+the same dead owner's lock only one keeps it.
 
-A run that does not resume (``train.resume`` unset) into a directory holding another run's
-checkpoints or metrics is refused (``claim``), unless ``train.overwrite_output_dir: true`` (the
-name of Hugging Face's ``TrainingArguments``): then the earlier run's outputs are removed, saying
-which. Every run has an id (``SHARDLM_RUN_ID``, set by the CLI, inherited by the spawned ranks);
+A run that does not resume from a checkpoint of this directory (``train.resume`` unset, or
+naming another directory's checkpoint, or ``true`` with no checkpoint here) into a directory
+holding another run's checkpoints or metrics is refused (``claim``), unless
+``train.overwrite_output_dir: true`` (the name of Hugging Face's ``TrainingArguments``): then the
+files the earlier run wrote are removed, saying which, and nothing else (``earlier_files``).
+Every run has an id (``SHARDLM_RUN_ID``, set by the CLI, inherited by the spawned ranks);
 metrics.jsonl records and rank log lines carry it, and a resumed run appends to both.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -28,12 +32,13 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from shardlm.checkpoint.layout import checkpoints_dir
+from shardlm.checkpoint.layout import STEP_DIR, checkpoints_dir
 from shardlm.errors import ConfigError
 
 LOCK = ".shardlm.lock"
 RUN_ID_ENV = "SHARDLM_RUN_ID"
-OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "logs")  # what overwrite_output_dir removes
+RANK_LOG = re.compile(r"^rank\d+\.log$")  # train/metrics.py's per-rank logs
+TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")  # what TensorBoard's SummaryWriter writes
 
 
 def new_run_id() -> str:
@@ -139,8 +144,15 @@ class OutputDirLock:
             )
         stale = f"{self.path}.stale-{self.me.run_id}"
         try:
-            os.rename(self.path, stale)  # only one racing run wins this
+            os.rename(self.path, stale)
         except FileNotFoundError:
+            return
+        if read_owner(stale) != other:  # a racing run took the dead owner's lock first: give it back
+            try:
+                os.link(stale, self.path)
+            except FileExistsError:
+                pass
+            os.remove(stale)
             return
         os.remove(stale)
         print(f"warning: {where}: taking over the lock of {other.describe()}, whose process is gone", flush=True)
@@ -153,11 +165,27 @@ class OutputDirLock:
             self.held = False
 
 
+def earlier_files(output_dir: str) -> list[str]:
+    """The files and directories a shardlm run writes in ``output_dir``, as they are there now:
+    complete and interrupted ``checkpoints/step-N`` saves, ``metrics.jsonl``, ``loss.png``, rank logs,
+    TensorBoard event files. Nothing else in ``output_dir`` is a run's, so nothing else is removed."""
+    found = []
+    root = checkpoints_dir(output_dir)
+    if os.path.isdir(root) and not os.path.islink(root):
+        found += [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n.split(".", 1)[0])]
+    found += [p for p in (os.path.join(output_dir, n) for n in ("metrics.jsonl", "loss.png")) if os.path.isfile(p)]
+    for sub, pattern in (("logs", RANK_LOG), ("tensorboard", TB_EVENTS)):
+        folder = os.path.join(output_dir, sub)
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            found += [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if pattern.match(n)]
+    return found
+
+
 def earlier_outputs(output_dir: str) -> list[str]:
     """What an earlier run left in ``output_dir``: its checkpoints (any step directory) and metrics."""
     found = []
     root = checkpoints_dir(output_dir)
-    steps = sorted(n for n in os.listdir(root) if n.startswith("step-")) if os.path.isdir(root) else []
+    steps = sorted(n for n in os.listdir(root) if STEP_DIR.match(n.split(".", 1)[0])) if os.path.isdir(root) else []
     if steps:
         found.append(f"checkpoints ({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''})")
     metrics = os.path.join(output_dir, "metrics.jsonl")
@@ -166,10 +194,12 @@ def earlier_outputs(output_dir: str) -> list[str]:
     return found
 
 
-def claim(output_dir: str, resume: bool | str | None, overwrite: bool) -> None:
+def claim(output_dir: str, resume_from: str | None, overwrite: bool) -> None:
     """The lock holder, before spawning: refuse to start fresh over an earlier run's outputs, or
-    remove them under ``train.overwrite_output_dir``, saying so."""
-    if resume:
+    remove them under ``train.overwrite_output_dir``, saying so. ``resume_from``: the checkpoint
+    this run resumes (``preflight.check_run``); only one of this directory continues its run."""
+    mine = os.path.realpath(checkpoints_dir(output_dir)) + os.sep
+    if resume_from is not None and os.path.realpath(resume_from).startswith(mine):
         return
     found = earlier_outputs(output_dir)
     if not found:
@@ -179,14 +209,15 @@ def claim(output_dir: str, resume: bool | str | None, overwrite: bool) -> None:
             f"train.output_dir: '{output_dir}' holds another run's {' and '.join(found)}; set train.resume=true "
             "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir"
         )
-    removed = []
-    for name in OUTPUTS:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
+    removed = earlier_files(output_dir)
+    for path in removed:
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
         else:
-            continue
-        removed.append(name)
-    print(f"train.overwrite_output_dir: removed the earlier run's {', '.join(removed)} from {output_dir}", flush=True)
+            os.remove(path)
+    for sub in ("checkpoints", "logs", "tensorboard"):  # the run's folders, when nothing else is in them
+        folder = os.path.join(output_dir, sub)
+        if os.path.isdir(folder) and not os.path.islink(folder) and not os.listdir(folder):
+            os.rmdir(folder)
+    names = sorted({os.path.relpath(p, output_dir).split(os.sep)[0] for p in removed})
+    print(f"train.overwrite_output_dir: removed the earlier run's {', '.join(names)} from {output_dir}", flush=True)

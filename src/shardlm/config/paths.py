@@ -18,7 +18,23 @@ from shardlm.errors import ConfigError
 OTHER_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5", "flax_model.msgpack", "*.safetensors.index.json")
 
 # files one of which a directory needs for ``AutoTokenizer`` to load a tokenizer from it
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_VOCAB = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+# every file of a tokenizer (a checkpoint's ``hf/`` copies these, ``checkpoint/layout.py``)
+TOKENIZER_FILES = (
+    *TOKENIZER_VOCAB,
+    "special_tokens_map.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def looks_local(path: str) -> bool:
@@ -66,10 +82,10 @@ def check_tokenizer_path(model: str, tokenizer: str | None) -> None:
         if not looks_local(tokenizer):
             return
     where = tokenizer or model
-    if not any(os.path.isfile(os.path.join(where, f)) for f in TOKENIZER_FILES):
+    if not any(os.path.isfile(os.path.join(where, f)) for f in TOKENIZER_VOCAB):
         whose = "tokenizer" if tokenizer else "model"
         raise ConfigError(
-            f"{whose}: '{where}' has no tokenizer files ({', '.join(TOKENIZER_FILES)}); a config-only model "
+            f"{whose}: '{where}' has no tokenizer files ({', '.join(TOKENIZER_VOCAB)}); a config-only model "
             "directory trains from a random init but still needs a tokenizer: set 'tokenizer' to a tokenizer directory"
         )
 

@@ -32,10 +32,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardlm.distributed.mesh import init_distributed
 from shardlm.errors import ConfigError
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")  # the elastic agent stops the workers at once on these
@@ -103,6 +105,22 @@ def _messages(folder: str) -> dict[int, str]:
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def checked_on_rank0(check: Callable[[], None], timeout_s: float) -> None:
+    """Collective, under torchrun (every rank is its own launcher): rank 0 runs ``check`` (what the
+    CLI otherwise does once before spawning) and every rank raises the ``ConfigError`` it raised, so
+    the whole job stops with the same one line instead of rank 0 alone while the others wait."""
+    init_distributed(timeout_s)
+    problem = [""]
+    if dist.get_rank() == 0:
+        try:
+            check()
+        except ConfigError as exc:
+            problem[0] = str(exc)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(problem[0])
 
 
 def _forward_sigterm(signum: int, frame: Any) -> None:
