@@ -45,8 +45,8 @@ def patch_forward(at_steps: set[int], action) -> None:
     during the given (1-based) steps; its result replaces the logits."""
     outputs = Trainer.outputs
 
-    def patched(self, input_ids):
-        out = outputs(self, input_ids)
+    def patched(self, input_ids, position_ids=None):
+        out = outputs(self, input_ids, position_ids)
         if self.step + 1 in at_steps:
             out.logits = action(self, out.logits)
         return out
