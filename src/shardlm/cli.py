@@ -59,6 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.ownership import RUN_ID_ENV, OutputDirLock, claim, new_run_id
     from shardlm.config import load_config
     from shardlm.distributed.launch import checked_on_rank0, under_torchrun
+    from shardlm.distributed.mesh import init_distributed
     from shardlm.preflight import check_data, check_run
 
     cfg = load_config(args.config, args.overrides)
@@ -81,7 +82,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         remove_leftovers(t.output_dir)  # dead .tmp saves (and their space, on a full disk)
 
     if under_torchrun():  # every rank is its own launcher: no lock (it would be one per rank); rank 0 names the run
-        checked_on_rank0(lambda: (check_data(cfg), take_over()), t.timeout_s)
+        init_distributed(t.timeout_s)
+        check_data(cfg)  # collective: rank 0 builds the data sets (data/dataset.py), every rank the same answer
+        checked_on_rank0(take_over, t.timeout_s)
         with _environment(verified):
             return _run_ranks(cfg, world)
     run_id = new_run_id()

@@ -110,7 +110,8 @@ def under_torchrun() -> bool:
 def checked_on_rank0(check: Callable[[], None], timeout_s: float) -> None:
     """Collective, under torchrun (every rank is its own launcher): rank 0 runs ``check`` (what the
     CLI otherwise does once before spawning) and every rank raises the ``ConfigError`` it raised, so
-    the whole job stops with the same one line instead of rank 0 alone while the others wait."""
+    the whole job stops with the same one line instead of rank 0 alone while the others wait.
+    ``check`` must not be collective itself: the other ranks are waiting in the broadcast."""
     init_distributed(timeout_s)
     problem = [""]
     if dist.get_rank() == 0:
