@@ -34,6 +34,8 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.sequence import sequence_refusal
 from shardlm.parallel.runtime.dropout import check_layerdrop
 from shardlm.parallel.runtime.ep import check_ep, check_ep_lora
 from shardlm.parallel.runtime.lora import check_lora
@@ -69,6 +71,8 @@ def check_run(cfg: Config) -> str | None:
         plan = infer_plan(model, p.tp)
         if p.tp > 1 and device_type() == "cuda":
             check_fused_kernels(model, plan, p.tp)
+        if p.sequence_parallel:
+            check_sequence_parallel(cfg, model, plan)
         if cfg.lora is not None:
             check_modules_to_save(cfg.lora.modules_to_save, model)
             check_lora(cfg.lora, model, plan)
@@ -79,6 +83,15 @@ def check_run(cfg: Config) -> str | None:
     if saves:
         check_disk_space(cfg, model)
     return precheck_resume(cfg)
+
+
+def check_sequence_parallel(cfg: Config, model: nn.Module, plan: Plan) -> None:
+    """``parallel.sequence_parallel`` on a plan it can run (``plan.sequence.sequence_refusal``)."""
+    why = sequence_refusal(model, plan)
+    if why is not None:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true cannot run this model: {why}; set parallel.sequence_parallel=false"
+        )
 
 
 def check_modules_to_save(names: list | None, model: nn.Module) -> None:

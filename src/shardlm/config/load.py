@@ -130,6 +130,7 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
+    _validate_sequence_parallel(cfg)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -154,6 +155,29 @@ def _validate_ep(cfg: Config) -> None:
             f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp} or be a multiple of it dividing "
             f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
             f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
+        )
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    """Sequence parallelism splits the sequence over the TP ranks: it needs ``tp`` > 1 and
+    ``data.seq_len`` divisible by it (what the model decides: ``shardlm.preflight``)."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if not p.sequence_parallel:
+        return
+    if p.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, but parallel.tp=1; "
+            "set parallel.tp to 2 or more, or parallel.sequence_parallel=false"
+        )
+    if seq % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs data.seq_len={seq} divisible by parallel.tp={p.tp}: "
+            f"set data.seq_len to a multiple of {p.tp}"
+        )
+    if p.ep > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true is not combined with parallel.ep={p.ep} yet (experts move tokens "
+            "between data-parallel ranks); set parallel.ep=1 or parallel.sequence_parallel=false"
         )
 
 

@@ -65,12 +65,17 @@ class ParallelConfig:
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
     different data and exchange tokens with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
+
+    ``sequence_parallel``: with ``tp`` > 1, the residual stream inside the decoder blocks holds this
+    rank's slice of the sequence (norms, residual adds, dropout on ``seq_len / tp`` positions;
+    ``parallel/plan/sequence.py``, docs/long_sequences.md); it adds no processes.
     """
 
     tp: int = 1
     fsdp: int = 1
     dp_replicate: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:

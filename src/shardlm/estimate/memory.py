@@ -73,16 +73,22 @@ A sliced projection whose rows some ranks share (Mamba-2's ``in_proj`` with B an
 in each forward and autograd keeps the copy (``row_copies``; not a bias's, which is only added).
 Packed projections of unequal parts (Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
 
-With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
-while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
-really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
-and their gradient. ``bf16`` is shardlm's mixed precision (``train.bf16``): fp32 master weights,
-gradients and Adam states, activations in 2 bytes. ``compute_weights``: with FSDP, the gathered
-copies it computes with (root + two blocks with prefetch, in the compute dtype); without FSDP
-under bf16, autocast's bf16 copy of every local weight (cached for the forward, kept for the
-backward). ``reduce_scatter``: with FSDP, the unsharded fp32 gradients of one decoder block that
-FSDP2 fills before reducing them (the root's are filled at the end of backward, when the
-activations are gone).
+With sequence parallelism (``sequence_parallel``, ``parallel/plan/sequence.py``) each norm computes on
+the rank's slice of the sequence and its output is gathered whole for the column-parallel layers,
+which keep that gathered input: per norm ``T*(2h + 1)/t + T*h`` instead of ``T*(3h + 1)``; the rest
+of a layer is as without it (attention and the MLP run on the whole sequence, split by heads and
+columns); the final norm runs on the whole sequence (the stream is gathered after the last block).
+
+With gradient checkpointing only each layer's input ``T*h`` stays (``T*h/t`` under sequence
+parallelism), plus one layer's activations while it is recomputed. The final norm adds
+``T*(3h + 1)``. Checked against the tensors autograd really saves (``saved_tensors_hooks``) in
+``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32 and their gradient. ``bf16`` is shardlm's
+mixed precision (``train.bf16``): fp32 master weights, gradients and Adam states, activations in 2
+bytes. ``compute_weights``: with FSDP, the gathered copies it computes with (root + two blocks with
+prefetch, in the compute dtype); without FSDP under bf16, autocast's bf16 copy of every local weight
+(cached for the forward, kept for the backward). ``reduce_scatter``: with FSDP, the unsharded fp32
+gradients of one decoder block that FSDP2 fills before reducing them (the root's are filled at the
+end of backward, when the activations are gone).
 
 The peak is the larger of two phases: the step (the model state plus everything above, alive
 at once at the start of backward: an upper bound, since activations are freed while gradients
@@ -120,6 +126,7 @@ from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim
+from shardlm.parallel.plan.sequence import sequence_refusal
 from shardlm.parallel.plan.styles import Style, local_shape, lora_dims, sharded_dim
 from shardlm.parallel.runtime.ep import check_ep
 
@@ -270,21 +277,24 @@ def activation_elements(
     lora_r: int | None = None,
     moe: list[MoeSizes] = (),
     mixers: list[int] = (),
+    sequence_parallel: bool = False,
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
     the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
-    in as many layers."""
+    in as many layers; ``sequence_parallel``: the norms on sequence slices."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
-    norms = tokens * (6 * h + 2)
+    # two norms: input, normalized input, rstd; their output, the gathered input of the next linears
+    norms = 2 * (tokens * (2 * h + 1) // t + tokens * h) if sequence_parallel else tokens * (6 * h + 2)
+    inputs = g["L"] * tokens * h // (t if sequence_parallel else 1)  # kept by activation checkpointing
     attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
     if lora_r:
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
     mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
-    stack = g["L"] * tokens * h + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
+    stack = inputs + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
     return stack + tokens * (3 * h + 1)
 
 
@@ -369,6 +379,26 @@ def runtime_bytes() -> int:
         return 0
 
 
+def _ep_casts(model: nn.Module, styles: dict[str, str], plan: Plan, skip: set[str], tp: int, ep: int) -> int:
+    """EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward."""
+    return (
+        sum(
+            count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
+            for fqn in skip
+        )
+        // ep
+    )
+
+
+def _check_sequence_parallel(model: nn.Module, plan: Plan, tp: int, seq: int) -> None:
+    """``--sequence-parallel`` as ``parallel.sequence_parallel`` is checked (``config/load.py``, preflight)."""
+    if tp == 1 or seq % tp:
+        raise ConfigError(f"--sequence-parallel splits the sequence over --tp: needs --tp > 1 dividing --seq {seq}")
+    why = sequence_refusal(model, plan)
+    if why is not None:
+        raise ConfigError(f"--sequence-parallel cannot run this model: {why}")
+
+
 def _check_layout(
     tp: int, fsdp: int, dp_replicate: int, batch: int, seq: int, ep: int, lora_r: int | None, memory_gib: float | None
 ) -> None:
@@ -407,10 +437,11 @@ def estimate(
     gradient_checkpointing: bool = False,
     memory_gib: float | None = None,
     ep: int = 1,
+    sequence_parallel: bool = False,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
-    carved out of the data-parallel ranks)."""
+    carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``)."""
     check_model_dir(model_path)
     if seq is None:
         bound = max_positions(model_config(model_path))
@@ -422,20 +453,13 @@ def estimate(
     model = build_meta_model(model_path)
     check_ep(model, ep)
     plan = infer_plan(model, tp)
+    if sequence_parallel:
+        _check_sequence_parallel(model, plan, tp, seq)
     skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
     # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
     full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
-    # EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward
-    ep_casts = (
-        sum(
-            count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
-            for fqn in skip
-        )
-        // ep
-        if bf16
-        else 0
-    )
+    ep_casts = _ep_casts(model, styles, plan, skip, tp, ep) if bf16 else 0
     grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq
@@ -455,7 +479,9 @@ def estimate(
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes
         * (
-            activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers)
+            activation_elements(
+                model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers, sequence_parallel
+            )
             # with gradient checkpointing one layer's at a time: the largest
             + (max(copies, default=0) if gradient_checkpointing else sum(copies))
         ),
@@ -472,6 +498,7 @@ def estimate(
     rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
     layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
     layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
+    layout |= {"sequence_parallel": sequence_parallel}
     return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
 
 
@@ -492,6 +519,7 @@ def format_table(est: Estimate) -> str:
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
+            f"{', sequence parallel' if lay.get('sequence_parallel') else ''}"
         ),
         (
             f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank, "

@@ -29,10 +29,12 @@ from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.sequence import scattered_rows
 from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
 from shardlm.parallel.runtime.plan_styles import plan_styles
+from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
 
 
@@ -42,10 +44,13 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
     shared = _shared_parameters(model)
-    styles = lora.lora_styles(model, plan) if with_lora else plan_styles(plan)
+    sequence = mesh.parallel.sequence_parallel
+    scattered = scattered_rows(model, plan) if sequence else set()
+    styles = lora.lora_styles(model, plan, scattered) if with_lora else plan_styles(plan, scattered)
     if mesh.parallel.ep > 1:  # the experts are placed with EP (``apply_ep``)
         styles = {fqn: style for fqn, style in styles.items() if fqn not in plan.experts}
-    parallelize_module(model, mesh.tp, styles, src_data_rank=None)
+    tp_mesh = mesh.tp  # one object: the sequence hooks and the styles key their shared views by it
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
     # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)
@@ -57,6 +62,8 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if tied:
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
+    if sequence:
+        apply_sequence_parallel(model, plan, tp_mesh)
 
 
 def apply_fsdp(
@@ -166,7 +173,10 @@ def parallelize(
         else:
             lora.init_adapters(model, seed)
     model.train()
-    partial = tp_partial_grad_params(model, plan, with_lora=lora_config is not None and mesh.parallel.tp > 1)
+    tp_on = mesh.parallel.tp > 1
+    partial = tp_partial_grad_params(
+        model, plan, with_lora=lora_config is not None and tp_on, sequence_parallel=mesh.parallel.sequence_parallel
+    )
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
     dtype = mp_policy.param_dtype if fsdp_on else None
     return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, mesh.expert_dp_group if experts else None)

@@ -22,6 +22,11 @@ kept iff ``hash(seed, step, site, sample, index) >= p * 2**24`` (splitmix64), wh
   intermediate), along dim ``d`` (``Plan.dropout_sites``), the local index is shifted to this
   rank's slice, so each shard draws its own part of the one-process mask.
 
+* under sequence parallelism (``runtime/sequence.py``), a site the trace found replicated but run while
+  the residual stream is this rank's slice of the sequence (``in_sequence_region``) draws this rank's
+  positions of the one-process mask: its tensor is ``[batch, s / tp, ...]`` (or that flattened to
+  ``[batch * s / tp, hidden]``) and index ``e`` is shifted to this rank's slice of dim 1.
+
 Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
 reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
 step is part of the key), so a resumed run continues exactly. In evaluation (``training=False``)
@@ -95,7 +100,21 @@ class DropoutKey:
     sites: tuple = ()
 
 
-def traced_dim(key: DropoutKey, site: int) -> int | None:
+_region = {"sequence": False}  # whether the residual stream is now this rank's slice of the sequence
+SEQUENCE = "sequence"  # the dim of a site sharded over the sequence, whatever the tensor's rank
+
+
+def set_sequence_region(on: bool) -> None:
+    """Called by the sequence-parallel hooks (``runtime/sequence.py``) as the stream enters its slices
+    (a block's input, a row-parallel output) and leaves them (a gathered sub-block, a block's output)."""
+    _region["sequence"] = on
+
+
+def in_sequence_region() -> bool:
+    return _region["sequence"]
+
+
+def traced_dim(key: DropoutKey, site: int) -> int | str | None:
     """The sharded dim of counted call ``site`` (``Plan.dropout_sites``); None when replicated."""
     if key.tp == 1:
         return None
@@ -106,12 +125,23 @@ def traced_dim(key: DropoutKey, site: int) -> int | None:
         )
     if key.sites[site] == -1:
         raise RuntimeError(f"dropout call #{site + 1}: its input is sharded across TP along no single dim")
+    if key.sites[site] is None and in_sequence_region():
+        return SEQUENCE
     return key.sites[site]
 
 
-def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device, dim: int | None) -> torch.Tensor:
+def keep_mask(
+    shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device, dim: int | str | None
+) -> torch.Tensor:
     """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``, sharded
-    across TP along ``dim`` (None: replicated)."""
+    across TP along ``dim`` (None: replicated; ``SEQUENCE``: this rank's slice of every sample's
+    positions, the tensor seen as ``[batch, s / tp, last dim]``)."""
+    if dim == SEQUENCE:
+        batch, numel = key.positions.numel(), math.prod(shape)
+        if batch == 0 or numel % (batch * shape[-1]):
+            raise RuntimeError(f"dropout: a tensor of shape {list(shape)} is not [batch, sequence slice, ...]")
+        sliced = (batch, numel // (batch * shape[-1]), shape[-1])
+        return keep_mask(sliced, p, key, site, device, 1).view(shape)
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
@@ -134,7 +164,7 @@ def keep_mask(shape: tuple[int, ...], p: float, key: DropoutKey, site: int, devi
 
 
 def hashed_dropout(
-    x: torch.Tensor, p: float, key: DropoutKey, site: int, dim: int | None, inplace: bool = False
+    x: torch.Tensor, p: float, key: DropoutKey, site: int, dim: int | str | None, inplace: bool = False
 ) -> torch.Tensor:
     """``F.dropout(x, p, training=True)`` with the mask of ``keep_mask``."""
     if isinstance(x, DTensor):

@@ -48,14 +48,18 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from shardlm.distributed.shards import packed_placement, parameter
 from shardlm.parallel.model.hf import (
     is_conv1d,
 )
-from shardlm.parallel.runtime.regions import copy_to_region
+from shardlm.parallel.runtime.regions import (
+    copy_to_region,
+    gather_to_column_region,
+    reduce_scatter_to_sequence_region,
+)
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], src: int | None) -> None:
@@ -96,6 +100,8 @@ class Colwise(_Conv1DAware, ColwiseParallel):
     """
 
     _last: tuple = (None, None, None)  # (weakref to the plain input, mesh, its DTensor view)
+    # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence, its DTensor view)
+    _gathered: tuple = (None, None, None, None)
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -116,6 +122,21 @@ def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return view
 
 
+def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Under sequence parallelism, the whole sequence of ``chunk`` (this rank's slice) for a sub-block
+    of column-parallel readers (``runtime/sequence.py``): one all-gather per activation, shared by the
+    sub-blocks reading the same one (a parallel residual's one norm output). Its readers' shared view
+    (``replicated_view``) is the gathered DTensor itself, and what the sub-block adds to the plain
+    tensor's gradient is declared partial too, so one reduce-scatter sums them all over TP."""
+    ref, last_mesh, full, view = Colwise._gathered
+    if ref is None or ref() is not chunk or last_mesh is not mesh:
+        view = gather_to_column_region(chunk, mesh)
+        full = view.to_local(grad_placements=[Partial()])
+        Colwise._gathered = (weakref.ref(chunk), mesh, full, view)
+    Colwise._last = (weakref.ref(full), mesh, view)
+    return full
+
+
 class Rowwise(_Conv1DAware, RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
@@ -123,6 +144,16 @@ class Rowwise(_Conv1DAware, RowwiseParallel):
         # to_local() returns a view made inside an autograd Function; models that add into it
         # in place (Falcon's ``mlp_output += attention_output``) need a tensor of their own
         return out.clone() if use_local_output else out
+
+
+class SequenceRowwise(Rowwise):
+    """``rowwise`` under sequence parallelism: its partial output is reduce-scattered to this rank's
+    slice of the sequence (``regions.reduce_scatter_to_sequence_region``) instead of all-reduced (a
+    tensor of its own, as ``Rowwise``'s: Falcon adds into it in place)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return reduce_scatter_to_sequence_region(outputs, device_mesh).clone()
 
 
 class SummedRowwise(Rowwise):

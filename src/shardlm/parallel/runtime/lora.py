@@ -49,7 +49,7 @@ from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
 from shardlm.parallel.runtime.linear import column_input, local_linear, shard_params, sliced_linear
 from shardlm.parallel.runtime.plan_styles import make_style, plan_styles
-from shardlm.parallel.runtime.regions import reduce_from_region
+from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_to_sequence_region
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -180,12 +180,15 @@ class LoraParallel(ParallelStyle):
     ``rows``: the plan's ``sliced`` entry (k/v with fewer kv heads than tp, fused projections with
     a part every rank needs whole): base and ``lora_B`` stay replicated and each rank computes only
     its rows, as ``linear.SlicedColwise`` does; both adapter matrices then get their gradients summed
-    over TP.
+    over TP. ``scattered``: a row-parallel base under sequence parallelism, whose partial sum is
+    reduce-scattered to the sequence slices (``plan.sequence.scattered_rows``).
     """
 
-    def __init__(self, base_style: str, parts: list[int] | None = None, rows: list | None = None):
+    def __init__(
+        self, base_style: str, parts: list[int] | None = None, rows: list | None = None, scattered: bool = False
+    ):
         super().__init__()
-        self.base_style, self.parts, self.rows = base_style, parts, rows
+        self.base_style, self.parts, self.rows, self.scattered = base_style, parts, rows, scattered
 
     def _split(self, module: nn.Module, param: str | None = None, dim: int | None = None):
         """The TP placement of ``module.<param>`` under the base style (or of dim ``dim``): a packed
@@ -213,7 +216,7 @@ class LoraParallel(ParallelStyle):
         shard_params(lora_b, mesh, {"weight": self._split(lora_b, dim=b_dim)}, None)
         if a_dim is not None:  # the base reads a sharded input: partial sums, reduced with the adapter's
             base.forward = lambda x: local_linear(base, x, with_bias=False)
-            module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh))
+            module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh, self.scattered))
         else:  # the base reads a replicated input and writes its own output rows
             base.forward = lambda x: local_linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
@@ -222,17 +225,24 @@ class LoraParallel(ParallelStyle):
         return module
 
 
-def _reduce_add_bias(out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor:
-    """All-reduce the partial sum (base + adapter) of a row-parallel layer (backward: identity),
-    then add the replicated bias once."""
-    out = reduce_from_region(out, mesh)
+def _reduce_add_bias(
+    out: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh, scattered: bool = False
+) -> torch.Tensor:
+    """All-reduce the partial sum (base + adapter) of a row-parallel layer (backward: identity), or
+    reduce-scatter it to the sequence slices (``scattered``; backward: all-gather), then add the
+    replicated bias once."""
+    if scattered:
+        out = reduce_scatter_to_sequence_region(out, mesh)
+    else:
+        out = reduce_from_region(out, mesh)
     return out + bias.to_local() if bias is not None else out
 
 
-def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+def lora_styles(model: nn.Module, plan: Plan, scattered: set[str] | frozenset = frozenset()) -> dict:
     """The TP styles of a LoRA-injected model: ``LoraParallel`` for adapted projections; a
-    ``modules_to_save`` module's style moves to its frozen original and its trained copy."""
-    styles = plan_styles(plan)
+    ``modules_to_save`` module's style moves to its frozen original and its trained copy;
+    ``scattered``: ``plan_styles``'s."""
+    styles = plan_styles(plan, scattered)
     for fqn, style in plan.styles.items():
         module = model.get_submodule(fqn)
         if is_lora_layer(module) and fqn in plan.latent_readers:
@@ -255,7 +265,7 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
                     f"cannot adapt (only {', '.join(SPLIT_LINEAR)} layers); remove it from target_modules"
                 )
-            styles[fqn] = LoraParallel(style, plan.parts.get(fqn))
+            styles[fqn] = LoraParallel(style, plan.parts.get(fqn), scattered=fqn in scattered)
         elif _is_modules_to_save(module):
             if fqn in plan.sliced or style == Style.REPLICATE_GRAD_ALLREDUCE or _tied(model, module):
                 why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"
@@ -264,8 +274,9 @@ def lora_styles(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                     "as a separate copy; remove it from modules_to_save or use parallel.fsdp instead of tp"
                 )
             del styles[fqn]
-            styles[f"{fqn}.original_module"] = make_style(style, plan.parts.get(fqn))
-            styles[f"{fqn}.modules_to_save.{ADAPTER}"] = make_style(style, plan.parts.get(fqn))
+            kept = {"parts": plan.parts.get(fqn), "sequence_parallel": fqn in scattered}
+            styles[f"{fqn}.original_module"] = make_style(style, **kept)
+            styles[f"{fqn}.modules_to_save.{ADAPTER}"] = make_style(style, **kept)
     return styles
 
 

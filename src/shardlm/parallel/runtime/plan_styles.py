@@ -17,6 +17,7 @@ from shardlm.parallel.runtime.linear import (
     LatentColwise,
     PackedColwiseParallel,
     Rowwise,
+    SequenceRowwise,
     SlicedColwise,
     SummedRowwise,
 )
@@ -31,19 +32,23 @@ def make_style(
     views: dict | None = None,
     latent_input: bool = False,
     summed: bool = False,
+    sequence_parallel: bool = False,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
     output rows); ``experts``: the plan's ``experts`` entry of an experts or ``per_channel``
     module; ``views``: a ``per_channel`` module's ``channels.local_views``; ``latent_input``: a
     ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``); ``summed``: a
-    ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``)."""
+    ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``); ``sequence_parallel``: a
+    ``rowwise`` layer's output is reduce-scattered over the sequence (``runtime/sequence.py``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
         case Style.COLWISE:
             return LatentColwise() if latent_input else Colwise()
         case Style.ROWWISE:
+            if sequence_parallel:
+                return SequenceRowwise()
             return SummedRowwise() if summed else Rowwise()
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(parts)
@@ -68,8 +73,9 @@ def make_style(
             return PerChannel(experts or {}, views or {})
 
 
-def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
-    """The torch style of every module of ``plan``."""
+def plan_styles(plan: Plan, scattered: set[str] | frozenset = frozenset()) -> dict[str, ParallelStyle]:
+    """The torch style of every module of ``plan``; ``scattered``: the row-parallel layers whose output is
+    reduce-scattered over the sequence (``plan.sequence.scattered_rows``)."""
     return {
         fqn: make_style(
             s,
@@ -79,6 +85,7 @@ def plan_styles(plan: Plan) -> dict[str, ParallelStyle]:
             local_views(plan, fqn),
             fqn in plan.latent_readers,
             fqn in plan.summed,
+            fqn in scattered,
         )
         for fqn, s in plan.styles.items()
     }

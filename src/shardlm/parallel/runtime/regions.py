@@ -9,6 +9,21 @@
                         backward: identity (Megatron's ``reduce_from_tensor_model_parallel_region``,
                         its "g"). Called inside a backward it is the bare sum.
 
+Under sequence parallelism (``parallel.sequence_parallel``, ``sequence.py``) the residual stream is this
+rank's slice of the sequence (``sequence_dim``), and three more regions, Megatron's sequence-parallel mappings:
+
+``scatter_to_sequence_region``  forward: this rank's slice of a replicated activation (no communication);
+                                backward: the slices' gradients all-gathered (the stream enters the blocks).
+``gather_from_sequence_region`` forward: the slices all-gathered into the whole sequence; backward: this
+                                rank's slice of the (replicated) gradient (the stream leaves the blocks).
+``gather_to_column_region``     forward: the slices all-gathered, as the replicated DTensor that column-parallel
+                                layers read; backward: their partial gradients reduce-scattered back to the
+                                slices (Megatron's all-gather before a column-parallel linear).
+
+``reduce_scatter_to_sequence_region``  forward: a row-parallel layer's partial sums added over TP and
+                                scattered to the slices (a reduce-scatter); backward: the slices' gradients
+                                all-gathered (``linear.SequenceRowwise``).
+
 Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded embedding and
 LM head (``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own
 ``Shard`` placements. ``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
@@ -22,7 +37,14 @@ import functools
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def sequence_dim(x: torch.Tensor) -> int:
+    """The dim of ``x`` the sequence is split on: the one before the features, the sequence of
+    ``[batch, sequence, hidden]`` or the tokens of a flattened ``[batch * sequence, hidden]`` (OPT
+    flattens its MLP's input): either way a rank's slice is its positions of every sample, in order."""
+    return x.dim() - 2
 
 
 def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -35,6 +57,45 @@ def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The sum over TP of each rank's partial ``t`` (forward all-reduce; backward identity)."""
     return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def scatter_to_sequence_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's slice (dim 1) of the replicated ``x``; backward: the slices' gradients all-gathered."""
+    check_sequence_splits(x, mesh)
+    view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return view.redistribute(mesh, [Shard(sequence_dim(x))]).to_local()
+
+
+def gather_from_sequence_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole sequence of the slices ``x`` (an all-gather); backward: this rank's slice of the gradient,
+    which every rank holds whole."""
+    view = DTensor.from_local(x, mesh, [Shard(sequence_dim(x))], run_check=False)
+    return view.redistribute(mesh, [Replicate()]).to_local()
+
+
+def gather_to_column_region(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """The whole sequence of the slices ``x`` as a replicated DTensor, for column-parallel layers to read;
+    backward: their partial gradients summed over TP and scattered back to the slices (a reduce-scatter)."""
+    return DTensor.from_local(x, mesh, [Shard(sequence_dim(x))], run_check=False).redistribute(mesh, [Replicate()])
+
+
+def reduce_scatter_to_sequence_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's slice of the sum over TP of each rank's partial ``t`` (or of a ``Partial`` DTensor),
+    scattered on its ``sequence_dim``; backward: the slices' gradients all-gathered."""
+    check_sequence_splits(t, mesh)
+    view = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Partial()], run_check=False)
+    return view.redistribute(mesh, [Shard(sequence_dim(t))]).to_local()
+
+
+def check_sequence_splits(x: torch.Tensor, mesh: DeviceMesh) -> None:
+    """The sequence dim of ``x`` divides evenly over TP (preflight checks ``data.seq_len``; this is the
+    same rule for what actually arrives, an evaluation batch included)."""
+    tp = mesh.size()
+    if x.dim() < 2 or x.shape[sequence_dim(x)] % tp:
+        raise RuntimeError(
+            f"sequence parallelism: an activation of shape {list(x.shape)} does not split its sequence "
+            f"(dim {sequence_dim(x)}) into {tp} equal slices"
+        )
 
 
 class CopyToRegion(torch.autograd.Function):

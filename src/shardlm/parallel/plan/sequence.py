@@ -1,0 +1,127 @@
+"""Where sequence parallelism (``parallel.sequence_parallel``) changes a plan's activations, derived
+from the plan itself (no table of module names), and what it cannot run yet.
+
+Without it, the residual stream is replicated on every TP rank. With it, inside the decoder blocks
+the stream is this rank's slice of the sequence (dim 1): the norms, residual adds and dropout
+between a row-parallel output and the next column-parallel input compute on ``s / tp`` positions.
+The whole sequence is gathered where column-parallel layers read the stream: at the entry of their
+*sub-block* (the module holding them, which also reads the activation's shape to split heads:
+attention, an MLP), or at the layer itself where it sits directly in the block (OPT's ``fc1``). The
+sub-blocks of a parallel residual that read one norm's output share one gather (``Colwise``'s view).
+
+A mixture-of-experts block (the module holding an ``experts`` module, its router kept whole beside it)
+is gathered whole instead (``whole_entries``): it computes on the whole sequence as without SP, its
+input gradient, summed over TP inside it, is sliced on the way back, and its output is sliced again.
+
+The stream enters its slices at the first block (the embeddings, learned positions included, stay
+whole: the token embedding's all-reduce as without SP) and is gathered again after the last one,
+so the final norm and the LM head (vocabulary-parallel, ``loss_parallel``) see the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from shardlm.parallel.model.meta import decoder_blocks
+from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.styles import Style
+
+# the column-parallel readers of the residual stream, whose sub-block gathers the sequence
+_READERS = (Style.COLWISE, Style.PACKED_COLWISE)
+# what may run inside a gathered sub-block: split layers, and parameters acting on split heads (their
+# gradients partial already); a module kept whole there would add a whole gradient into the partial
+# sum that the gather's reduce-scatter makes
+_IN_SUB_BLOCK = (
+    Style.COLWISE,
+    Style.PACKED_COLWISE,
+    Style.ROWWISE,
+    Style.REPLICATE_GRAD_ALLREDUCE,
+    Style.SHARDED_NORM,
+)
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The FQNs of the decoder blocks, in order."""
+    blocks = {id(b) for b in decoder_blocks(model)}
+    return [name for name, m in model.named_modules() if id(m) in blocks]
+
+
+def whole_entries(plan: Plan) -> list[str]:
+    """The mixture-of-experts blocks: the parents of the ``experts`` modules, computed whole."""
+    return sorted({fqn.rpartition(".")[0] for fqn, style in plan.styles.items() if style == Style.EXPERTS})
+
+
+def _under(fqn: str, entries: list[str]) -> bool:
+    return any(fqn == e or fqn.startswith(e + ".") for e in entries)
+
+
+def sequence_entries(model: nn.Module, plan: Plan) -> list[str]:
+    """The modules whose input is gathered over the sequence for column-parallel readers: the parent
+    of each reader, or the reader itself where its parent is a decoder block; outermost first, each
+    once; none inside a mixture-of-experts block (``whole_entries``)."""
+    blocks, whole = set(block_names(model)), whole_entries(plan)
+    entries: list[str] = []
+    for fqn, style in plan.styles.items():
+        if (style not in _READERS and fqn not in plan.sliced) or _under(fqn, whole):
+            continue
+        parent = fqn.rpartition(".")[0]
+        entry = fqn if parent in blocks else parent
+        if not _under(entry, entries):
+            entries = [e for e in entries if not e.startswith(entry + ".")] + [entry]
+    return entries
+
+
+def scattered_rows(model: nn.Module, plan: Plan) -> set[str]:
+    """The row-parallel layers whose output is reduce-scattered to the sequence slices (those of a
+    mixture-of-experts block stay all-reduced: the block is sliced at its exit)."""
+    whole = whole_entries(plan)
+    return {f for f, s in plan.styles.items() if s == Style.ROWWISE and f not in plan.sliced and not _under(f, whole)}
+
+
+def sequence_refusal(model: nn.Module, plan: Plan) -> str | None:
+    """Why ``plan`` cannot run with sequence parallelism (None: it can): what it holds that the
+    sequence-sharded stream does not serve yet."""
+    if not plan.styles:
+        return "the model has no tensor-parallel plan"
+    if plan.replicated:
+        return f"{next(iter(plan.replicated))} stays replicated over TP ({next(iter(plan.replicated.values()))})"
+    if plan.latent_readers or plan.summed:
+        return "its mixers read low-rank latents or their own row-parallel output (MLA, Mamba-1)"
+    mixers = [f for f, s in plan.styles.items() if s == Style.PER_CHANNEL]
+    if mixers:
+        return f"{mixers[0]} acts per channel in a recurrent or convolutional mixer"
+    blocks = block_names(model)
+    if not blocks:
+        return "no repeated decoder blocks were found"
+    for entry in sequence_entries(model, plan) + whole_entries(plan):
+        if not any(entry.startswith(b + ".") for b in blocks):
+            return f"{entry} reads the residual stream outside the decoder blocks' sub-blocks"
+    for entry in sequence_entries(model, plan):
+        sub = model.get_submodule(entry)
+        for name, module in sub.named_modules():
+            fqn = f"{entry}.{name}" if name else entry
+            own = any(True for _ in module.parameters(recurse=False))
+            if own and plan.styles.get(fqn) not in _IN_SUB_BLOCK and fqn not in plan.sliced:
+                return f"{fqn} is kept whole inside {entry}, whose input is gathered over the sequence"
+    return None
+
+
+def sequence_norms(model: nn.Module, plan: Plan) -> list[str]:
+    """Parameters of modules kept whole inside the decoder blocks (norms, the gathered sub-blocks
+    aside): they compute on this rank's slice of the sequence, so their gradients are summed over TP."""
+    inside = sequence_entries(model, plan) + whole_entries(plan)
+    names = []
+    for block in block_names(model):
+        for name, _ in model.get_submodule(block).named_parameters():
+            fqn = f"{block}.{name}"
+            owners = _prefixes(fqn)  # the module owning it and its parents (a LoRA base layer's split layer)
+            if any(plan.styles.get(o) in _IN_SUB_BLOCK or o in plan.sliced or o in inside for o in owners):
+                continue
+            names.append(fqn)
+    return names
+
+
+def _prefixes(fqn: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b", "a"]``: the modules above a parameter."""
+    parts = fqn.split(".")[:-1]
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]

@@ -1,0 +1,209 @@
+"""Sequence parallelism (``parallel.sequence_parallel``): every family trains at tp=2 (and tp=4) exactly
+like one process, with the collectives of Megatron's sequence parallelism, counted.
+
+Reference: ``helpers.plain_reference`` (a plain transformers + torch loop, one process), 4 sequences of 16
+tokens, 5 steps, fp32, clipping active; tolerances of the issue: loss 1e-5, grad_norm 1e-4 relative.
+
+Collectives of one micro-batch of a 2-block model at tp=2 (``helpers.model_collectives``; without SP
+every count below is an all-reduce: forward 5, backward 5). With SP, forward: the embedding's
+all-reduce (the stream enters its slices at the first block, no communication), per block one
+all-gather at each sub-block's entry (q/k/v share it, gate/up share it; Phi's attention and MLP, which
+read one norm's output, share one) and one reduce-scatter at each row-parallel output, and one
+all-gather after the last block for the final norm and the LM head: 1 all-reduce + 5 all-gathers + 4
+reduce-scatters (Phi: 3 all-gathers). Backward: the mirror image (each all-gather's backward a
+reduce-scatter and the other way round) plus the LM head's input gradient all-reduced as without SP:
+1 all-reduce + 5 all-gathers + 4 reduce-scatters (Phi: 2 reduce-scatters). Then one all-reduce of the
+TP-partial gradients (the norms computing on sequence slices, flattened together). Bytes: an
+all-reduce moves what an all-gather and a reduce-scatter move together, so per block SP moves what TP
+moves; SP adds the one all-gather after the last block ((tp-1)/tp of one [b, s, h] activation). A
+mixture-of-experts block (Qwen3-MoE) is gathered whole: 1 all-gather in, its experts' all-reduce,
+sliced on the way out (forward per MoE block: 1 all-gather + 1 all-reduce; the gather is SP's cost).
+"""
+
+import pytest
+import torch
+from families import write_family_dir
+from helpers import (
+    assert_parity,
+    make_adapter,
+    model_collectives,
+    plain_reference,
+    run_ranks,
+    token_dataset,
+    train_config,
+    write_model_dir,
+)
+from peft import PeftModel
+
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.parallel.runtime.dropout import SEQUENCE, DropoutKey, keep_mask
+
+GLOBAL_BATCH = 4
+SP2 = {"tp": 2, "sequence_parallel": True}
+# Llama, Qwen3 (q/k norms per head), Gemma 3 (sliding and global layers, q/k norms, scaled tied
+# embeddings), GPT-2 (Conv1D, packed c_attn, learned positions, tied), GPT-NeoX and Falcon (parallel
+# residual), OPT (learned positions, its MLP on flattened tokens), Phi (one norm read by attention and
+# MLP), Qwen3-MoE (experts and router)
+FAMILIES = ["llama", "qwen3", "gpt2", "gpt_neox", "falcon", "opt", "phi"]
+TINY = ["gemma3_text", "qwen3_moe"]
+DROPOUT = {
+    "opt": ("opt", {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}),
+    "gpt2": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
+}
+
+
+def write_tiny(path: str, model_type: str) -> str:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from tiny import tiny_config
+
+    tiny_config(model_type).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp")
+    paths = {f: write_family_dir(str(root / f), f) for f in FAMILIES}
+    paths.update({t: write_tiny(str(root / t), t) for t in TINY})
+    for name, (family, overrides) in DROPOUT.items():
+        paths[f"{name}_dropout"] = write_model_dir(str(root / f"{name}_dropout"), family, **overrides)
+    paths["qwen3_kv4"] = write_family_dir(str(root / "qwen3_kv4"), "qwen3", num_key_value_heads=4)
+    return root, paths
+
+
+# ---------------------------------------------------------------- refused before spawning
+
+
+def test_sequence_parallel_needs_tp_and_a_divisible_seq_len(tmp_path):
+    model = write_model_dir(str(tmp_path / "llama"), "llama")
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {"model": model, "data": {"path": str(tmp_path / "data.txt"), "seq_len": 30}}
+    cases = [
+        ({"sequence_parallel": True}, "parallel.sequence_parallel=true splits the sequence over the tensor-parallel"),
+        ({"tp": 4, "sequence_parallel": True}, r"needs data.seq_len=30 divisible by parallel.tp=4"),
+        ({"tp": 2, "fsdp": 2, "ep": 2, "sequence_parallel": True}, r"parallel.sequence_parallel=true .*parallel.ep"),
+    ]
+    for parallel, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(raw={**raw, "parallel": parallel})
+        assert "\n" not in str(info.value) and str(info.value).startswith("parallel.sequence_parallel")
+    assert load_config(raw={**raw, "parallel": {"tp": 2, "sequence_parallel": True}}).parallel.sequence_parallel
+
+
+def test_plans_it_cannot_run_are_refused_by_name(tmp_path):
+    """What the sequence-sharded stream does not serve yet (a recurrent mixer's per-channel parameters)
+    is one line naming the key, from preflight; where the gathers go is derived from the plan."""
+    from families import write_tiny_dir
+    from helpers import load_checked
+
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.sequence import scattered_rows, sequence_entries, whole_entries
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    mamba = write_tiny_dir(str(tmp_path / "mamba"), "mamba")
+    raw = {"model": mamba, "data": {"path": str(tmp_path / "data.txt"), "packing_strategy": "wrapped"}}
+    with pytest.raises(ConfigError, match=r"^parallel.sequence_parallel=true cannot run this model: .*mixer") as info:
+        load_checked(raw={**raw, "parallel": SP2})
+    assert "\n" not in str(info.value) and "set parallel.sequence_parallel=false" in str(info.value)
+    where = {}
+    for family in ("llama", "opt", "phi"):
+        model = build_meta_model(write_family_dir(str(tmp_path / family), family))
+        plan = infer_plan(model, 2)
+        where[family] = (sequence_entries(model, plan), sorted(scattered_rows(model, plan)), whole_entries(plan))
+    assert where["llama"][0] == [f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn", "mlp")]
+    rows = ("self_attn.o_proj", "mlp.down_proj")
+    assert where["llama"][1] == sorted(f"model.layers.{i}.{m}" for i in (0, 1) for m in rows)
+    # OPT's fc1 sits in the block itself: it gathers its own input
+    assert where["opt"][0] == [f"model.decoder.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn", "fc1")]
+    assert where["phi"][2] == [] and len(where["phi"][0]) == 4
+
+
+# ---------------------------------------------------------------- dropout masks (no processes)
+
+
+def test_sequence_slices_draw_their_part_of_the_one_process_mask():
+    full = keep_mask((4, 8, 6), 0.3, DropoutKey(7, 3, torch.arange(4)), 2, "cpu", None)
+    for tp in (2, 4):
+        keys = [DropoutKey(7, 3, torch.arange(4), r, tp) for r in range(tp)]
+        parts = [keep_mask((4, 8 // tp, 6), 0.3, key, 2, "cpu", SEQUENCE) for key in keys]
+        assert torch.equal(torch.cat(parts, 1), full)
+        # OPT's MLP sees the slice flattened to [batch * s / tp, hidden]
+        flat = [keep_mask((4 * 8 // tp, 6), 0.3, key, 2, "cpu", SEQUENCE) for key in keys]
+        assert torch.equal(torch.cat([f.view(4, 8 // tp, 6) for f in flat], 1), full)
+
+
+# ---------------------------------------------------------------- parity (processes)
+
+
+def sp_run(path: str, layout: dict, adapter: str | None = None, **train_kw) -> list[tuple[float, float]]:
+    """One shardlm run at ``layout`` (global batch 4); (loss, grad_norm) per step."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.config import LoraConfig
+
+    init_distributed()
+    cfg = train_config(path, layout, 4, 1, 5, **train_kw)
+    cfg.lora = LoraConfig(adapter=adapter, dropout=0.1) if adapter else None
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh, seed=cfg.train.seed, lora_config=cfg.lora)
+    return [(h["loss"], h["grad_norm"]) for h in Trainer(model, cfg, token_dataset(), mesh).train()]
+
+
+def tp2_body(paths: dict[str, str], lora: tuple[str, str]) -> dict:
+    from shardlm import build_mesh, parallelize
+    from shardlm.config import ParallelConfig
+
+    runs = {name: sp_run(path, SP2) for name, path in paths.items()}
+    runs["lora"] = sp_run(lora[0], SP2, adapter=lora[1])
+    runs["opt_dropout_checkpointing"] = sp_run(paths["opt_dropout"], SP2, gradient_checkpointing=True)
+    mesh = build_mesh(ParallelConfig(**SP2))
+    counted = [n for n in paths if "dropout" not in n and n != "qwen3_kv4"]
+    counts = {name: model_collectives(parallelize(paths[name], mesh), mesh) for name in counted}
+    return {"runs": runs, "counts": counts}
+
+
+@pytest.mark.ranks
+def test_every_family_at_tp2_with_sp_matches_one_process(dirs):
+    """Every family, LoRA (GPT-2: c_attn, c_fc, both c_proj, with lora_dropout) and dropout on (OPT and
+    GPT-2, 0.1 everywhere; OPT also with activation checkpointing) at tp=2 with SP, against one process;
+    the collectives of the module docstring."""
+    root, paths = dirs
+    adapter = make_adapter(paths["gpt2"], str(root / "adapter"), ["c_attn", "c_proj", "c_fc"], dropout=0.1)
+    runs = {n: p for n, p in paths.items() if n != "qwen3_kv4"}
+    got = run_ranks(tp2_body, 2, runs, (paths["gpt2"], adapter))
+    for name, path in runs.items():
+        assert_parity(got["runs"][name], plain_reference(path, GLOBAL_BATCH, dropout="dropout" in name), label=name)
+    wrap = lambda model: PeftModel.from_pretrained(model, adapter, is_trainable=True)  # noqa: E731
+    lora_ref = plain_reference(paths["gpt2"], GLOBAL_BATCH, wrap=wrap, dropout=True)
+    assert_parity(got["runs"]["lora"], lora_ref, label="lora")
+    ref = plain_reference(paths["opt_dropout"], GLOBAL_BATCH, dropout=True)
+    assert_parity(got["runs"]["opt_dropout_checkpointing"], ref, label="opt dropout checkpointing")
+    dense = {"all_reduce": 1, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 4}
+    for name, (fwd, loss, bwd, grads) in got["counts"].items():
+        expected = {
+            "phi": ({**dense, "all_gather_into_tensor": 3}, {**dense, "reduce_scatter_tensor": 2}),
+            # 3 blocks
+            "gemma3_text": ({**dense, "all_gather_into_tensor": 7, "reduce_scatter_tensor": 6},) * 2,
+            # per block: attention 1 all-gather + 1 reduce-scatter, the MoE block 1 all-gather + 1 all-reduce
+            "qwen3_moe": ({"all_reduce": 3, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 2},) * 2,
+        }.get(name, (dense, dense))
+        assert (fwd, bwd) == expected, (name, fwd, bwd)
+        assert loss == {"all_reduce": 3}, (name, loss)
+        assert grads == {"allreduce_": 1}, (name, grads)  # the norms' partial gradients, in one all-reduce
+
+
+def tp4_body(paths: list[str]) -> list:
+    return [sp_run(path, {"tp": 4, "sequence_parallel": True}) for path in paths]
+
+
+@pytest.mark.ranks
+def test_tp4_with_sp_matches_one_process(dirs):
+    _, paths = dirs
+    names = ["qwen3_kv4", "gpt2"]
+    got = run_ranks(tp4_body, 4, [paths[n] for n in names])
+    for name, result in zip(names, got):
+        assert_parity(result, plain_reference(paths[name], GLOBAL_BATCH), label=f"tp4 {name}")
