@@ -141,12 +141,13 @@ def test_sequence_slices_draw_their_part_of_the_one_process_mask():
 
 
 def sp_run(path: str, layout: dict, adapter: str | None = None, **train_kw) -> list[tuple[float, float]]:
-    """One shardlm run at ``layout`` (global batch 4); (loss, grad_norm) per step."""
+    """One shardlm run at ``layout`` (global batch 4: 4 per device over its data-parallel ranks);
+    (loss, grad_norm) per step."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
     from shardlm.config import LoraConfig
 
     init_distributed()
-    cfg = train_config(path, layout, 4, 1, 5, **train_kw)
+    cfg = train_config(path, layout, 4 // layout.get("fsdp", 1), 1, 5, **train_kw)
     cfg.lora = LoraConfig(adapter=adapter, dropout=0.1) if adapter else None
     mesh = build_mesh(cfg.parallel)
     model = parallelize(path, mesh, seed=cfg.train.seed, lora_config=cfg.lora)
@@ -196,14 +197,17 @@ def test_every_family_at_tp2_with_sp_matches_one_process(dirs):
         assert grads == {"allreduce_": 1}, (name, grads)  # the norms' partial gradients, in one all-reduce
 
 
-def tp4_body(paths: list[str]) -> list:
-    return [sp_run(path, {"tp": 4, "sequence_parallel": True}) for path in paths]
+def tp4_body(jobs: list[tuple[str, dict]]) -> list:
+    return [sp_run(path, layout) for path, layout in jobs]
 
 
 @pytest.mark.ranks
-def test_tp4_with_sp_matches_one_process(dirs):
+def test_tp4_and_tp2_fsdp2_with_sp_match_one_process(dirs):
+    """tp=4 with SP (Qwen3 with 4 kv heads; GPT-2) and tp=2 x fsdp=2 with SP (Llama: FSDP2's hooks on the
+    blocks beside SP's), against one process."""
     _, paths = dirs
-    names = ["qwen3_kv4", "gpt2"]
-    got = run_ranks(tp4_body, 4, [paths[n] for n in names])
-    for name, result in zip(names, got):
-        assert_parity(result, plain_reference(paths[name], GLOBAL_BATCH), label=f"tp4 {name}")
+    tp4, tp2_fsdp2 = {"tp": 4, "sequence_parallel": True}, {"tp": 2, "fsdp": 2, "sequence_parallel": True}
+    jobs = [("qwen3_kv4", tp4), ("gpt2", tp4), ("llama", tp2_fsdp2)]
+    got = run_ranks(tp4_body, 4, [(paths[name], layout) for name, layout in jobs])
+    for (name, layout), result in zip(jobs, got):
+        assert_parity(result, plain_reference(paths[name], GLOBAL_BATCH), label=f"{layout} {name}")
