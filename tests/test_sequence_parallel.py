@@ -211,3 +211,52 @@ def test_tp4_and_tp2_fsdp2_with_sp_match_one_process(dirs):
     got = run_ranks(tp4_body, 4, [(paths[name], layout) for name, layout in jobs])
     for (name, layout), result in zip(jobs, got):
         assert_parity(result, plain_reference(paths[name], GLOBAL_BATCH), label=f"{layout} {name}")
+
+
+# ---------------------------------------------------------------- memory (processes)
+
+
+def saved_activation_bytes(paths: list[str], seq: int) -> list[int]:
+    """Rank body: bytes autograd saves during one forward on this rank (distinct storages, parameters
+    aside, DTensors by their local pieces), per model path (as ``benchmarks/sequence_memory.py``)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardlm import build_mesh, init_distributed, parallelize
+    from shardlm.config import ParallelConfig
+
+    init_distributed()
+    out = []
+    for path, sp in [(p, sp) for p in paths for sp in (False, True)]:
+        mesh = build_mesh(ParallelConfig(tp=2, sequence_parallel=sp))
+        model = parallelize(path, mesh).module.train()
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+        params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved, params=params, local=local):
+            storage = local(t).untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(0)))
+        out.append(sum(saved.values()))
+    return out
+
+
+@pytest.mark.ranks
+def test_estimate_matches_saved_activations_with_and_without_sp(tmp_path):
+    """``shardlm estimate``'s activations row against what autograd saves on rank 0 at tp=2 (a Llama of
+    width 64 at seq 512; benchmarks/README.md has 2048-8192): within 10% with and without
+    ``--sequence-parallel`` (1.5% and 1.7% under at 2048-8192), and SP saves less."""
+    from shardlm.estimate.memory import estimate
+
+    path = write_model_dir(
+        str(tmp_path / "llama"), "llama", hidden_size=64, intermediate_size=256, max_position_embeddings=512
+    )
+    without, with_sp = run_ranks(saved_activation_bytes, 2, [path], 512)
+    for got, sp in ((without, False), (with_sp, True)):
+        want = estimate(path, tp=2, batch=1, seq=512, sequence_parallel=sp).bytes["activations"]
+        assert abs(want - got) <= 0.10 * got, (sp, want, got)
+    assert with_sp < without

@@ -9,6 +9,13 @@ names and layouts: the plan's ``experts`` entry gives each its ``ExpertParam`` (
 ``per_channel`` module's (``parallel/infer/channels.py``). The plan
 (``autotp``), the DTensor styles (``tp``), LoRA's placements, the memory estimator and
 ``shardlm plan``'s table all read this, so they cannot disagree.
+
+Under sequence parallelism (``parallel.sequence_parallel``, ``plan/sequence.py``) the weights are placed
+the same; only the activations between the split layers change: what this table calls "replicated"
+inside a decoder block (a norm's input and output, a ``rowwise`` layer's output) is each rank's slice
+of the sequence, reduce-scattered by ``rowwise`` instead of all-reduced and all-gathered where a
+``colwise``/``packed_colwise`` sub-block reads it; the ``replicate*`` modules there hold whole
+parameters with partial gradients (summed over TP).
 """
 
 from __future__ import annotations
