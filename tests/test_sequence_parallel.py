@@ -260,3 +260,53 @@ def test_estimate_matches_saved_activations_with_and_without_sp(tmp_path):
         want = estimate(path, tp=2, batch=1, seq=512, sequence_parallel=sp).bytes["activations"]
         assert abs(want - got) <= 0.10 * got, (sp, want, got)
     assert with_sp < without
+
+
+# ---------------------------------------------------------------- packed documents (processes)
+
+
+def packed_sp_steps(paths: list[str], out: str) -> dict:
+    """Rank body: per model, the eval loss and one trainer step at tp=2 with SP on document-packed windows
+    (``test_packing.parity_data``: position ids restart at each document, the model's forward builds the
+    block-diagonal mask from them)."""
+    from test_packing import parity_data
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    packed, _ = parity_data()
+    result = {}
+    for path in paths:
+        cfg = train_config(path, SP2, len(packed), 1, 1, output_dir=out)
+        mesh = build_mesh(cfg.parallel)
+        trainer = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, packed, mesh, eval_dataset=packed)
+        evaluated = trainer.evaluate()["eval_loss"]
+        record = trainer.train_step()
+        result[path] = (record["loss"], record["grad_norm"], evaluated)
+    return result
+
+
+@pytest.mark.ranks
+def test_packed_documents_with_sp_equal_padded_rows_in_one_process(tmp_path):
+    """Attention under SP runs on the gathered sequence with the mask the model built from the whole
+    window's position ids: one step's loss (1e-5), grad_norm (1e-4 relative) and the eval loss on packed
+    windows equal one process's on the documents padded one per row (Llama; Gemma 3, sliding window)."""
+    from test_packing import GEMMA3, loss_and_grads, parity_data
+    from transformers import Gemma3TextConfig
+
+    from shardlm.parallel.weights.fill import reference_model
+
+    paths = [write_model_dir(str(tmp_path / "llama"), "llama")]
+    Gemma3TextConfig(**GEMMA3).save_pretrained(tmp_path / "gemma3")
+    paths.append(str(tmp_path / "gemma3"))
+    got = run_ranks(packed_sp_steps, 2, paths, str(tmp_path / "out"))
+    _, padded = parity_data()
+    for path in paths:
+        model = reference_model(path, 0)
+        model.config.use_cache = False
+        loss, grads = loss_and_grads(model, padded)
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
+        got_loss, got_norm, got_eval = got[path]
+        assert abs(got_loss - loss) <= 1e-5 * loss, (path, got_loss, loss)
+        assert abs(got_eval - loss) <= 1e-5 * loss, (path, got_eval, loss)
+        assert abs(got_norm - norm) <= 1e-4 * norm, (path, got_norm, norm)
