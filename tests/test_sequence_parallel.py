@@ -72,6 +72,7 @@ def dirs(tmp_path_factory):
     for name, (family, overrides) in DROPOUT.items():
         paths[f"{name}_dropout"] = write_model_dir(str(root / f"{name}_dropout"), family, **overrides)
     paths["qwen3_kv4"] = write_family_dir(str(root / "qwen3_kv4"), "qwen3", num_key_value_heads=4)
+    paths["falcon_kv4"] = write_family_dir(str(root / "falcon_kv4"), "falcon", num_kv_heads=4)
     return root, paths
 
 
@@ -162,7 +163,7 @@ def tp2_body(paths: dict[str, str], lora: tuple[str, str]) -> dict:
     runs["lora"] = sp_run(lora[0], SP2, adapter=lora[1])
     runs["opt_dropout_checkpointing"] = sp_run(paths["opt_dropout"], SP2, gradient_checkpointing=True)
     mesh = build_mesh(ParallelConfig(**SP2))
-    counted = [n for n in paths if "dropout" not in n and n != "qwen3_kv4"]
+    counted = [n for n in paths if "dropout" not in n]
     counts = {name: model_collectives(parallelize(paths[name], mesh), mesh) for name in counted}
     return {"runs": runs, "counts": counts}
 
@@ -174,7 +175,7 @@ def test_every_family_at_tp2_with_sp_matches_one_process(dirs):
     the collectives of the module docstring."""
     root, paths = dirs
     adapter = make_adapter(paths["gpt2"], str(root / "adapter"), ["c_attn", "c_proj", "c_fc"], dropout=0.1)
-    runs = {n: p for n, p in paths.items() if n != "qwen3_kv4"}
+    runs = {n: p for n, p in paths.items() if not n.endswith("_kv4")}
     got = run_ranks(tp2_body, 2, runs, (paths["gpt2"], adapter))
     for name, path in runs.items():
         assert_parity(got["runs"][name], plain_reference(path, GLOBAL_BATCH, dropout="dropout" in name), label=name)
@@ -203,11 +204,13 @@ def tp4_body(jobs: list[tuple[str, dict]]) -> list:
 
 @pytest.mark.ranks
 def test_tp4_and_tp2_fsdp2_with_sp_match_one_process(dirs):
-    """tp=4 with SP (Qwen3 with 4 kv heads; GPT-2) and tp=2 x fsdp=2 with SP (Llama: FSDP2's hooks on the
-    blocks beside SP's), against one process."""
+    """tp=4 with SP (Llama and Gemma 3 with fewer kv heads than tp: k/v sliced; Qwen3 and Falcon with 4 kv
+    heads; GPT-2, GPT-NeoX, OPT, Qwen3-MoE) and tp=2 x fsdp=2 with SP (Llama: FSDP2's hooks on the blocks
+    beside SP's), against one process."""
     _, paths = dirs
     tp4, tp2_fsdp2 = {"tp": 4, "sequence_parallel": True}, {"tp": 2, "fsdp": 2, "sequence_parallel": True}
-    jobs = [("qwen3_kv4", tp4), ("gpt2", tp4), ("llama", tp2_fsdp2)]
+    names = ["llama", "qwen3_kv4", "gemma3_text", "gpt2", "gpt_neox", "falcon_kv4", "opt", "qwen3_moe"]
+    jobs = [(name, tp4) for name in names] + [("llama", tp2_fsdp2)]
     got = run_ranks(tp4_body, 4, [(paths[name], layout) for name, layout in jobs])
     for (name, layout), result in zip(jobs, got):
         assert_parity(result, plain_reference(paths[name], GLOBAL_BATCH), label=f"{layout} {name}")

@@ -57,8 +57,8 @@ def _under(fqn: str, entries: list[str]) -> bool:
 
 def sequence_entries(model: nn.Module, plan: Plan) -> list[str]:
     """The modules whose input is gathered over the sequence for column-parallel readers: the parent
-    of each reader, or the reader itself where its parent is a decoder block; outermost first, each
-    once; none inside a mixture-of-experts block (``whole_entries``)."""
+    of each reader, or the reader itself where its parent is a decoder block; each once, none inside
+    another, none inside a mixture-of-experts block (``whole_entries``)."""
     blocks, whole = set(block_names(model)), whole_entries(plan)
     entries: list[str] = []
     for fqn, style in plan.styles.items():
@@ -97,13 +97,17 @@ def sequence_refusal(model: nn.Module, plan: Plan) -> str | None:
         if not any(entry.startswith(b + ".") for b in blocks):
             return f"{entry} reads the residual stream outside the decoder blocks' sub-blocks"
     for entry in sequence_entries(model, plan):
-        sub = model.get_submodule(entry)
-        for name, module in sub.named_modules():
+        for name, module in model.get_submodule(entry).named_modules():
             fqn = f"{entry}.{name}" if name else entry
             own = any(True for _ in module.parameters(recurse=False))
-            if own and plan.styles.get(fqn) not in _IN_SUB_BLOCK and fqn not in plan.sliced:
+            if own and not _split(plan, [fqn, *_prefixes(fqn)]):  # LoRA's adapters: under their split layer
                 return f"{fqn} is kept whole inside {entry}, whose input is gathered over the sequence"
     return None
+
+
+def _split(plan: Plan, modules: list[str]) -> bool:
+    """Whether one of ``modules`` is a split layer or acts on split heads (``_IN_SUB_BLOCK``)."""
+    return any(plan.styles.get(m) in _IN_SUB_BLOCK or m in plan.sliced for m in modules)
 
 
 def sequence_norms(model: nn.Module, plan: Plan) -> list[str]:
@@ -115,7 +119,7 @@ def sequence_norms(model: nn.Module, plan: Plan) -> list[str]:
         for name, _ in model.get_submodule(block).named_parameters():
             fqn = f"{block}.{name}"
             owners = _prefixes(fqn)  # the module owning it and its parents (a LoRA base layer's split layer)
-            if any(plan.styles.get(o) in _IN_SUB_BLOCK or o in plan.sliced or o in inside for o in owners):
+            if _split(plan, owners) or any(o in inside for o in owners):
                 continue
             names.append(fqn)
     return names

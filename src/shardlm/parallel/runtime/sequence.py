@@ -28,15 +28,26 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardlm.errors import ConfigError
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.sequence import block_names, scattered_rows, sequence_entries, whole_entries
+from shardlm.parallel.plan.sequence import (
+    block_names,
+    scattered_rows,
+    sequence_entries,
+    sequence_refusal,
+    whole_entries,
+)
 from shardlm.parallel.runtime.dropout import set_sequence_region
 from shardlm.parallel.runtime.linear import gathered_input
 from shardlm.parallel.runtime.regions import gather_from_sequence_region, scatter_to_sequence_region
 
 
 def apply_sequence_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
-    """Register the hooks of the module docstring on ``model`` (TP already applied on ``mesh``)."""
+    """Register the hooks of the module docstring on ``model`` (TP already applied on ``mesh``); a plan
+    they cannot serve is refused here too (preflight refuses it first for ``shardlm train``)."""
+    why = sequence_refusal(model, plan)
+    if why is not None:
+        raise ConfigError(f"parallel.sequence_parallel=true cannot run this model: {why}")
     blocks = block_names(model)
 
     def enter(module, args, kwargs):
