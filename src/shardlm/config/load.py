@@ -130,6 +130,7 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
+    _validate_offload(cfg)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -154,6 +155,27 @@ def _validate_ep(cfg: Config) -> None:
             f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp} or be a multiple of it dividing "
             f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
             f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
+        )
+
+
+def _validate_offload(cfg: Config) -> None:
+    """``parallel.fsdp_offload`` (``parallel/build.py: apply_fsdp``): FSDP2 offloads the shards it
+    owns, so there must be FSDP (a data-parallel mesh); the experts under EP are outside FSDP and
+    would stay on the device."""
+    p = cfg.parallel
+    if p.fsdp_offload not in p.OFFLOADS:
+        raise ConfigError(f"parallel.fsdp_offload must be one of {', '.join(p.OFFLOADS)}, got '{p.fsdp_offload}'")
+    if p.fsdp_offload == "none":
+        return
+    if p.dp_size == 1:
+        raise ConfigError(
+            "parallel.fsdp_offload=cpu offloads FSDP's shards, and this layout has no FSDP (fsdp=1, dp_replicate=1): "
+            "set parallel.fsdp > 1 or parallel.fsdp_offload=none"
+        )
+    if p.ep > 1:
+        raise ConfigError(
+            "parallel.fsdp_offload=cpu with parallel.ep > 1 is not supported: the experts are outside FSDP; "
+            "set parallel.ep=1 or parallel.fsdp_offload=none"
         )
 
 

@@ -65,12 +65,17 @@ class ParallelConfig:
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
     different data and exchange tokens with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
+    ``fsdp_offload``: ``cpu`` keeps each rank's FSDP shards of parameters, gradients and optimizer
+    state in host memory between uses (FSDP2's ``CPUOffloadPolicy``, ``parallel/build.py``).
     """
+
+    OFFLOADS: ClassVar[tuple[str, ...]] = ("none", "cpu")
 
     tp: int = 1
     fsdp: int = 1
     dp_replicate: int = 1
     ep: int = 1
+    fsdp_offload: str = "none"  # none | cpu (needs dp_replicate*fsdp > 1)
 
     @property
     def world_size(self) -> int:
