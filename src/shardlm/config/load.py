@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import os
+import shutil
 from dataclasses import fields
 from typing import Any
 
@@ -131,6 +132,7 @@ def validate(cfg: Config) -> None:
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
     _validate_offload(cfg)
+    _validate_compile(t)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -176,6 +178,16 @@ def _validate_offload(cfg: Config) -> None:
         raise ConfigError(
             "parallel.fsdp_offload=cpu with parallel.ep > 1 is not supported: the experts are outside FSDP; "
             "set parallel.ep=1 or parallel.fsdp_offload=none"
+        )
+
+
+def _validate_compile(t: TrainConfig) -> None:
+    """``train.compile`` (``train/compile.py``): inductor builds C++ kernels (all of them on CPU);
+    without a compiler every rank would fail in its first compiled step."""
+    if t.compile and shutil.which(os.environ.get("CXX", "g++")) is None:
+        raise ConfigError(
+            "train.compile=true needs a C++ compiler on CPU (g++, or the one $CXX names) for torch.compile's "
+            "inductor: install one or set train.compile=false"
         )
 
 

@@ -137,6 +137,7 @@ class TrainConfig:
     # around the forward. The loss is computed in fp32.
     bf16: bool = False
     gradient_checkpointing: bool = False  # recompute each decoder block's activations in the backward
+    compile: bool = False  # torch.compile each decoder block's forward (train/compile.py)
     seed: int = 0
     logging_steps: int = 1
     report_to: str = "none"  # none | tensorboard (event files under output_dir/tensorboard)
