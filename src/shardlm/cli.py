@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--lora-r", type=int, default=None, help="LoRA rank: only adapters on q/k/v/o_proj train")
     est.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
     est.add_argument("--sequence-parallel", action="store_true", help="parallel.sequence_parallel: norms on slices")
+    est.add_argument("--fsdp-offload", action="store_true", help="model state in host memory (fsdp_offload)")
     est.add_argument("--memory", type=float, default=None, help="memory per rank in GiB: say whether it fits")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
@@ -224,6 +225,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.memory,
         args.ep,
         args.sequence_parallel,
+        args.fsdp_offload,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

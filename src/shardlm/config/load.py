@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import os
+import shutil
 from dataclasses import fields
 from typing import Any
 
@@ -131,6 +132,8 @@ def validate(cfg: Config) -> None:
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
     _validate_sequence_parallel(cfg)
+    _validate_offload(cfg)
+    _validate_compile(t)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -178,6 +181,37 @@ def _validate_sequence_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel=true is not combined with parallel.ep={p.ep} yet (experts move tokens "
             "between data-parallel ranks); set parallel.ep=1 or parallel.sequence_parallel=false"
+        )
+
+
+def _validate_offload(cfg: Config) -> None:
+    """``parallel.fsdp_offload`` (``parallel/build.py: apply_fsdp``): FSDP2 offloads the shards it
+    owns, so there must be FSDP (a data-parallel mesh); the experts under EP are outside FSDP and
+    would stay on the device."""
+    p = cfg.parallel
+    if p.fsdp_offload not in p.OFFLOADS:
+        raise ConfigError(f"parallel.fsdp_offload must be one of {', '.join(p.OFFLOADS)}, got '{p.fsdp_offload}'")
+    if p.fsdp_offload == "none":
+        return
+    if p.dp_size == 1:
+        raise ConfigError(
+            "parallel.fsdp_offload=cpu offloads FSDP's shards, and this layout has no FSDP (fsdp=1, dp_replicate=1): "
+            "set parallel.fsdp > 1 or parallel.fsdp_offload=none"
+        )
+    if p.ep > 1:
+        raise ConfigError(
+            "parallel.fsdp_offload=cpu with parallel.ep > 1 is not supported: the experts are outside FSDP; "
+            "set parallel.ep=1 or parallel.fsdp_offload=none"
+        )
+
+
+def _validate_compile(t: TrainConfig) -> None:
+    """``train.compile`` (``train/compile.py``): inductor builds C++ kernels (all of them on CPU);
+    without a compiler every rank would fail in its first compiled step."""
+    if t.compile and shutil.which(os.environ.get("CXX", "g++")) is None:
+        raise ConfigError(
+            "train.compile=true needs a C++ compiler on CPU (g++, or the one $CXX names) for torch.compile's "
+            "inductor: install one or set train.compile=false"
         )
 
 

@@ -69,13 +69,19 @@ class ParallelConfig:
     ``sequence_parallel``: with ``tp`` > 1, the residual stream inside the decoder blocks holds this
     rank's slice of the sequence (norms, residual adds, dropout on ``seq_len / tp`` positions;
     ``parallel/plan/sequence.py``, docs/long_sequences.md); it adds no processes.
+
+    ``fsdp_offload``: ``cpu`` keeps each rank's FSDP shards of parameters, gradients and optimizer
+    state in host memory between uses (FSDP2's ``CPUOffloadPolicy``, ``parallel/build.py``).
     """
+
+    OFFLOADS: ClassVar[tuple[str, ...]] = ("none", "cpu")
 
     tp: int = 1
     fsdp: int = 1
     dp_replicate: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    fsdp_offload: str = "none"  # none | cpu (needs dp_replicate*fsdp > 1)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +143,7 @@ class TrainConfig:
     # around the forward. The loss is computed in fp32.
     bf16: bool = False
     gradient_checkpointing: bool = False  # recompute each decoder block's activations in the backward
+    compile: bool = False  # torch.compile each decoder block's forward (train/compile.py)
     seed: int = 0
     logging_steps: int = 1
     report_to: str = "none"  # none | tensorboard (event files under output_dir/tensorboard)

@@ -161,13 +161,15 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized():
         return
     tune_cpu_allocator()
-    backend = "nccl" if device_type() == "cuda" else "gloo"
+    # on CUDA, CPU tensors go through gloo: the shards ``parallel.fsdp_offload=cpu`` keeps on the host
+    # (gradient norm, TP-partial sums) are summed where they are, as torchtitan does for its offload
+    backend = "cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = timeout
     if isinstance(c10d.default_pg_nccl_timeout, timedelta):  # None in a build without NCCL
         c10d.default_pg_nccl_timeout = timeout
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
+        if device_type() == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
     else:

@@ -155,14 +155,24 @@ class Estimate:
         return self.bytes["parameters"] + self.bytes["gradients"] + self.bytes["optimizer"]
 
     @property
+    def offloaded(self) -> bool:
+        return bool(self.layout.get("fsdp_offload"))
+
+    @property
+    def host_bytes(self) -> int:
+        """Under ``fsdp_offload``: the model state and the optimizer's temporaries, in host memory."""
+        return self.state_bytes + self.bytes["optimizer_temporaries"] if self.offloaded else 0
+
+    @property
     def step_bytes(self) -> int:
-        """The forward/backward phase: model state plus everything a step allocates on top."""
-        return self.state_bytes + sum(self.bytes[k] for k in STEP_ROWS)
+        """The forward/backward phase: model state (on the device unless offloaded) plus everything a
+        step allocates on top."""
+        return (0 if self.offloaded else self.state_bytes) + sum(self.bytes[k] for k in STEP_ROWS)
 
     @property
     def optimizer_step_bytes(self) -> int:
-        """The optimizer phase: model state plus the optimizer's temporaries."""
-        return self.state_bytes + self.bytes["optimizer_temporaries"]
+        """The optimizer phase: model state plus the optimizer's temporaries (on the host when offloaded)."""
+        return 0 if self.offloaded else self.state_bytes + self.bytes["optimizer_temporaries"]
 
     @property
     def fits(self) -> bool | None:
@@ -170,6 +180,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         phases = {"step_bytes": self.step_bytes, "optimizer_step_bytes": self.optimizer_step_bytes}
+        phases["host_bytes"] = self.host_bytes
         return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
 
 
@@ -425,6 +436,14 @@ def _check_layout(
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
 
 
+def _check_offload(fsdp_offload: bool, dp_size: int, ep: int) -> None:
+    """``--fsdp-offload`` where ``parallel.fsdp_offload=cpu`` would be refused (``config/load.py``)."""
+    if fsdp_offload and dp_size == 1:
+        raise ConfigError("--fsdp-offload offloads FSDP's shards: it needs --fsdp or --dp-replicate > 1")
+    if fsdp_offload and ep > 1:
+        raise ConfigError("--fsdp-offload with --ep > 1 is not supported: the experts are outside FSDP")
+
+
 def estimate(
     model_path: str,
     tp: int = 1,
@@ -438,11 +457,14 @@ def estimate(
     memory_gib: float | None = None,
     ep: int = 1,
     sequence_parallel: bool = False,
+    fsdp_offload: bool = False,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
-    carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``)."""
+    carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``;
+    ``fsdp_offload``: the model state in host memory)."""
     check_model_dir(model_path)
+    _check_offload(fsdp_offload, fsdp * dp_replicate, ep)
     if seq is None:
         bound = max_positions(model_config(model_path))
         seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
@@ -494,12 +516,12 @@ def estimate(
         ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
-    state = rows["parameters"] + rows["gradients"] + rows["optimizer"]
-    rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
     layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
     layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
-    layout |= {"sequence_parallel": sequence_parallel}
-    return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
+    layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload}
+    est = Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
+    rows["total"] = max(est.step_bytes, est.optimizer_step_bytes)  # the device's peak (host_bytes apart)
+    return est
 
 
 def _human(n: float) -> str:
@@ -520,6 +542,7 @@ def format_table(est: Estimate) -> str:
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
             f"{', sequence parallel' if lay.get('sequence_parallel') else ''}"
+            f"{', FSDP CPU offload' if lay.get('fsdp_offload') else ''}"
         ),
         (
             f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank, "
@@ -533,6 +556,9 @@ def format_table(est: Estimate) -> str:
             lines.append(f"{'optimizer phase':<21}  {_human(est.optimizer_step_bytes):>12}")
             key = "total (peak)"
         lines.append(f"{key:<21}  {_human(value):>12}")
+    if est.offloaded:
+        note = "(fsdp_offload: parameters, gradients, optimizer state; not in the total)"
+        lines.append(f"{'+ host memory':<21}  {_human(est.host_bytes):>12}  {note}")
     if est.runtime_bytes:
         note = "(torch + transformers, measured here; not in the total)"
         lines.append(f"{'+ runtime':<21}  {_human(est.runtime_bytes):>12}  {note}")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -75,7 +75,12 @@ def apply_fsdp(
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
     already normalized by the global token count, see ``train/loss.py``.
     """
-    kwargs = {"mesh": mesh.dp, "mp_policy": mp_policy or MixedPrecisionPolicy(), "ignored_params": ignored}
+    kwargs = {
+        "mesh": mesh.dp,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "ignored_params": ignored,
+        "offload_policy": offload_policy(mesh),
+    }
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -83,6 +88,35 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def offload_policy(mesh: Mesh) -> OffloadPolicy:
+    """FSDP2's policy for ``parallel.fsdp_offload``: with ``cpu`` each rank's shards of parameters
+    and gradients live in host memory (the optimizer state with them, as it is made like its
+    parameter); FSDP2 copies a block's shards to the device for its all-gather and its gradient
+    shards back after the reduce-scatter, and the optimizer steps on the CPU. Pinned host memory
+    (asynchronous copies) needs CUDA. On a CPU-only machine the shards are already in host memory:
+    the policy changes nothing there but FSDP2's code path (docs/config.md)."""
+    if mesh.parallel.fsdp_offload != "cpu" or mesh.parallel.dp_size == 1:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
+
+
+def _materialize(model: nn.Module, mesh: Mesh) -> None:
+    """Allocate the meta model's local pieces: on the device, or on the host for the parameters
+    FSDP2 offloads (it checks they start there); buffers always on the device, moved after the fill."""
+    shared = _shared_parameters(model)
+    offloaded = isinstance(offload_policy(mesh), CPUOffloadPolicy)
+    model.to_empty(device="cpu" if offloaded else mesh.device)
+    _retie(shared)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer (rotary frequencies, ...) to ``device``, where the forward computes."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != device:
+                setattr(module, name, buf.to(device))
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -156,9 +190,7 @@ def parallelize(
     parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
     if mesh.parallel.dp_size > 1:
         apply_fsdp(model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
-    shared = _shared_parameters(model)
-    model.to_empty(device=mesh.device)
-    _retie(shared)
+    _materialize(model, mesh)
     keep_parts_in(dict(model.named_parameters()), parts)
     with torch.no_grad():
         restore_buffers(model, buffers)
@@ -172,6 +204,7 @@ def parallelize(
             lora.load_adapter(model, lora_config.adapter)
         else:
             lora.init_adapters(model, seed)
+    _buffers_to(model, mesh.device)
     model.train()
     tp_on = mesh.parallel.tp > 1
     partial = tp_partial_grad_params(

@@ -70,6 +70,7 @@ from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, c
 from shardlm.parallel.runtime.ep import sum_expert_grads
 from shardlm.parallel.runtime.grads import sum_tp_partial_grads
 from shardlm.train import faults
+from shardlm.train.compile import compile_blocks
 from shardlm.train.evaluation import eval_loss
 from shardlm.train.loss import loss_context, token_loss_sum
 from shardlm.train.metrics import (
@@ -150,6 +151,8 @@ class Trainer:
         self.module = self.model.module  # the nn.Module (``model`` is what ``parallelize`` returned)
         if t.gradient_checkpointing:
             enable_activation_checkpointing(self.module)
+        if t.compile:
+            compile_blocks(self.module)  # after checkpointing: the compiled forward includes it (train/compile.py)
         self.optimizer = build_optimizer(self.module, self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config)
         self.order = GlobalBatchOrder(len(self.dataset), self.config.global_batch_size, t.seed)

@@ -263,6 +263,11 @@ def check_layerdrop(model_path: str) -> None:
         )
 
 
+def dropout_active() -> bool:
+    """Whether a ``DeterministicDropout`` is in effect (``train/compile.py`` runs blocks eagerly then)."""
+    return bool(_active)
+
+
 def checkpoint_context_fn():
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the recompute of a block runs
     under a ``DeterministicDropout`` restarted at the site count the block's forward started from."""

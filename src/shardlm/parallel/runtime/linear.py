@@ -111,10 +111,15 @@ class Colwise(_Conv1DAware, ColwiseParallel):
         return replicated_view(x, device_mesh)
 
 
+@torch.compiler.disable
 def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """One replicated DTensor view per (activation, mesh), shared by every column-parallel reader
     of ``x`` (``Colwise``, LoRA layers): their partial input gradients add up on the view, and
-    its backward all-reduces them once."""
+    its backward all-reduces them once.
+
+    Kept out of ``train.compile``'s graphs (``train/compile.py``): the cached view is Python state
+    between calls that a graph cannot carry; traced, it becomes a graph output whose backward AOT
+    autograd gets wrong ("Expected a DTensor tangent but got a plain Tensor")."""
     ref, last_mesh, view = Colwise._last
     if ref is None or ref() is not x or last_mesh is not mesh:
         view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
