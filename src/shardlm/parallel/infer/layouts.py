@@ -268,17 +268,22 @@ def _reshaped(old: tuple[int, ...], new: tuple[int, ...], dim: int, parts: tuple
 
 
 def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
+    """Along the split dim: the parts of each; beside it: the one layout of the split tensors, and a
+    tensor without one concatenated at their size there (gpt-oss's per-head ``sinks`` appended to the
+    scores) takes it too (``follow.follows`` judges that tensor)."""
     tensors = _arg(args, kwargs, 0, "tensors", ())
-    if not isinstance(out, torch.Tensor) or not tensors or any(id(t) not in layouts for t in tensors):
+    if not isinstance(out, torch.Tensor) or not tensors:
         return
-    dims = {layouts[id(t)][0] for t in tensors}
+    split = [t for t in tensors if id(t) in layouts]
+    dims = {layouts[id(t)][0] for t in split}
     if len(dims) != 1:
         return
     (dim,) = dims
     if _neg(_arg(args, kwargs, 1, "dim", 0), out.dim()) == dim:
-        layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
-    elif len({layouts[id(t)] for t in tensors}) == 1:
-        layouts[id(out)] = layouts[id(tensors[0])]
+        if len(split) == len(tensors):
+            layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
+    elif len({layouts[id(t)] for t in split}) == 1 and all(t.shape[dim] == out.shape[dim] for t in tensors):
+        layouts[id(out)] = layouts[id(split[0])]
 
 
 def declare_layout_records(tracker) -> None:

@@ -1,0 +1,123 @@
+"""Attention split by heads where per-head tensors act on the scores: they follow the heads.
+
+gpt-oss appends its per-head ``sinks`` parameter to each head's scores before the softmax
+(``parallel/infer/follow.py``: a tensor concatenated beside split activations at their heads'
+size follows them, ``per_channel``, each rank holding its heads' sinks).
+
+Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
+plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
+the issue: loss 1e-5 and grad_norm 1e-4 relative. Per rank, the attention's parameter bytes are
+compared with 1/tp of the whole (what stays whole on every rank said by name).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_parity, make_adapter, plain_reference, run_ranks, shardlm_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+# model type -> (the attention module of block 0, its linears split by heads)
+SPLIT = {
+    "gpt_oss": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+}
+# per model type: the attention's parameter elements, whole, and held by each rank at tp=2
+ATTENTION_ELEMENTS = {
+    # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
+    "gpt_oss": (16644, 8354),
+}
+
+
+def _write(root: Path, model_type: str) -> str:
+    path = root / model_type
+    tiny_config(model_type).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attention")
+    return {t: _write(root, t) for t in SPLIT}
+
+
+def test_attention_is_split_with_what_acts_per_head(dirs):
+    """The plan splits the attention's linears and places the per-head tensors with the heads."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    for model_type, (attention, linears) in SPLIT.items():
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        assert not plan.replicated, (model_type, plan.replicated)
+        styles = [plan.styles[f"{attention}.{name}"] for name in linears]
+        assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
+    plan = infer_plan(build_meta_model(dirs["gpt_oss"]), 2)
+    attention = SPLIT["gpt_oss"][0]
+    assert plan.styles[attention] == "per_channel"  # the sinks, one per head: each rank its heads'
+    assert set(plan.channels[attention]) == {"sinks"}
+    assert plan.experts[attention]["sinks"].dim == 0
+
+
+def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """Rank body: per model path, the elements of the parameters under its block-0 attention
+    (``paths[path]``) in all and on this rank, at tp=2."""
+    from shardlm import build_mesh, init_distributed, parallelize
+    from shardlm.config import ParallelConfig
+
+    init_distributed()
+    mesh = build_mesh(ParallelConfig(tp=2))
+    out = {}
+    for path, under in paths.items():
+        params = [p for n, p in parallelize(path, mesh).module.named_parameters() if n.startswith(f"{under}.")]
+        out[path] = (sum(p.numel() for p in params), sum(p.to_local().numel() for p in params))
+    return out
+
+
+def tp2_body(paths: list[str], attention: dict[str, str]) -> tuple[dict, dict]:
+    return shardlm_losses(paths, {"tp": 2}, 4, 1), attention_elements(attention)
+
+
+@pytest.mark.ranks
+def test_tp2_matches_one_process_and_halves_the_attention(dirs):
+    paths = [dirs[t] for t in SPLIT]
+    attention = {dirs[t]: under for t, (under, _) in SPLIT.items()}
+    losses, elements = run_ranks(tp2_body, 2, paths, attention)
+    for model_type in SPLIT:
+        assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=model_type)
+        assert elements[dirs[model_type]] == ATTENTION_ELEMENTS[model_type], (model_type, elements[dirs[model_type]])
+
+
+@pytest.mark.ranks
+def test_tp2_fsdp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in SPLIT]
+    losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    for model_type in SPLIT:
+        assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=f"{model_type} tp2xfsdp2")
+
+
+@pytest.mark.ranks
+def test_gpt_oss_lora_at_tp2_matches_one_process_peft(dirs, tmp_path):
+    """LoRA on gpt-oss's split attention (the sinks frozen with the base) against one-process peft:
+    losses, grad norms, every adapter tensor's step-1 gradient, and the exported adapter."""
+    from safetensors.torch import load_file
+    from test_lora import assert_same_grads, lora_rank, peft_reference
+
+    from shardlm.checkpoint.export import consolidate
+
+    path = dirs["gpt_oss"]
+    adapter = make_adapter(path, str(tmp_path / "adapter"), ["q_proj", "k_proj", "v_proj", "o_proj"])
+    got = run_ranks(lora_rank, 2, [(path, adapter)], {"tp": 2}, 4)[path]
+    ref_steps, ref_adapter, ref_grads = peft_reference(path, adapter)
+    assert_parity(got["steps"], ref_steps, label="gpt_oss LoRA tp2")
+    assert_same_grads(got["grads"], ref_grads, "gpt_oss LoRA tp2")
+    assert got["tp_same"]
+    consolidate(str(Path(path) / "out"), str(tmp_path / "adapter-out"))
+    ours = load_file(str(tmp_path / "adapter-out" / "adapter_model.safetensors"))
+    assert ours.keys() == ref_adapter.keys()
+    for key, value in ref_adapter.items():
+        assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), key
