@@ -26,11 +26,18 @@ from tiny import tiny_config  # noqa: E402
 # model type -> (the attention module of block 0, its linears split by heads)
 SPLIT = {
     "gpt_oss": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "falcon": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
+    "gpt_bigcode": ("transformer.h.0.attn", ("c_attn", "c_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
     # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
     "gpt_oss": (16644, 8354),
+    # multi-query: the fused [q 64 | k 16 | v 16] x 64 stored whole on every rank (``Plan.sliced``: each
+    # computes its half of q and the one k/v head), the output projection [64, 64] halved
+    "falcon": (10240, 8192),
+    # the same with biases, c_proj's [64] whole (added after the all-reduce)
+    "gpt_bigcode": (10400, 8352),
 }
 
 

@@ -29,7 +29,13 @@ from shardlm.parallel.infer.follow import declare_follow_records
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
-from shardlm.parallel.infer.parts import SPLIT_OPS, declare_parts_records, record_later_split, record_slice
+from shardlm.parallel.infer.parts import (
+    SPLIT_OPS,
+    declare_parts_records,
+    record_head_view,
+    record_later_split,
+    record_slice,
+)
 from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
@@ -165,6 +171,7 @@ class ShardTracker(TorchFunctionMode):
             return out  # a linear's column-parallel output (``summed.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
+            record_head_view(self, args[0], out)
         elif isinstance(out, torch.Tensor) and len(inputs) > 1:
             for t in inputs:
                 if t.shape == out.shape and t is not out and all(u is t or self.owners(u) for u in inputs):
