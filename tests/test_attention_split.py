@@ -2,7 +2,11 @@
 
 gpt-oss appends its per-head ``sinks`` parameter to each head's scores before the softmax
 (``parallel/infer/follow.py``: a tensor concatenated beside split activations at their heads'
-size follows them, ``per_channel``, each rank holding its heads' sinks).
+size follows them, ``per_channel``, each rank holding its heads' sinks). Multi-query attention
+(Falcon before its new decoder architecture, GPT-BigCode): the queries split, the one k/v head
+computed by every rank (``Plan.sliced``). ALiBi (BLOOM, MPT): the bias the model builds from the
+config's head count and hands to each attention is sliced to the rank's heads at their global
+index (``Plan.head_inputs``, ``parallel/infer/head_inputs.py``, ``parallel/plan/head_inputs.py``).
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -28,6 +32,8 @@ SPLIT = {
     "gpt_oss": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     "falcon": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
     "gpt_bigcode": ("transformer.h.0.attn", ("c_attn", "c_proj")),
+    "bloom": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
+    "mpt": ("transformer.blocks.0.attn", ("Wqkv", "out_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -38,6 +44,9 @@ ATTENTION_ELEMENTS = {
     "falcon": (10240, 8192),
     # the same with biases, c_proj's [64] whole (added after the all-reduce)
     "gpt_bigcode": (10400, 8352),
+    # ALiBi: no parameter per head (the slopes are built in the forward); dense's bias [64] whole
+    "bloom": (16640, 8352),
+    "mpt": (16384, 8192),
 }
 
 
@@ -68,6 +77,16 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
     assert plan.styles[attention] == "per_channel"  # the sinks, one per head: each rank its heads'
     assert set(plan.channels[attention]) == {"sinks"}
     assert plan.experts[attention]["sinks"].dim == 0
+    # ALiBi built in the model from the config's head count, handed to each attention: its heads' rows
+    for model_type, name in (("bloom", "alibi"), ("mpt", "position_bias")):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        assert plan.head_inputs[SPLIT[model_type][0]] == {name: 0}, (model_type, plan.head_inputs)
+    # multi-query: q split, the one k/v head computed by every rank (rows of the fused projection)
+    for model_type in ("falcon", "gpt_bigcode"):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        attention, (fused, _) = SPLIT[model_type]
+        assert plan.parts[f"{attention}.{fused}"] == [64, 16, 16], model_type
+        assert plan.sliced[f"{attention}.{fused}"] == [[(0, 32), (64, 80), (80, 96)], [(32, 64), (64, 80), (80, 96)]]
 
 
 def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -128,3 +147,44 @@ def test_gpt_oss_lora_at_tp2_matches_one_process_peft(dirs, tmp_path):
     assert ours.keys() == ref_adapter.keys()
     for key, value in ref_adapter.items():
         assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), key
+
+
+# published defaults are dropout 0 for these types but for gpt-oss's and BLOOM's attention dropout (0.0
+# too): turned on here, alone, against one process drawing the same masks (``plain_reference(dropout=True)``)
+DROPOUT = {
+    "gpt_oss": {"attention_dropout": 0.1},
+    "bloom": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+}
+
+
+@pytest.mark.ranks
+def test_dropout_on_split_attention_matches_one_process(tmp_path):
+    """Attention dropout on the split scores (gpt-oss: after the sinks are dropped; BLOOM: with ALiBi,
+    the bias sliced per rank) at tp=2: the one-process masks, TP replicas bit-identical."""
+    from test_dropout import check_run, run_jobs
+
+    paths = {}
+    for model_type, overrides in DROPOUT.items():
+        config = tiny_config(model_type)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        config.save_pretrained(tmp_path / model_type)
+        paths[model_type] = str(tmp_path / model_type)
+    results = run_ranks(run_jobs, 2, [(path, "tp2") for path in paths.values()])
+    for (model_type, path), result in zip(paths.items(), results):
+        check_run(result, plain_reference(path, 4, dropout=True), f"tp2 {model_type} dropout")
+
+
+def test_each_rank_sees_its_own_heads_of_alibi():
+    """BLOOM's ALiBi bias, ``[batch * heads, 1, keys]``, sliced per rank (``own_heads``) is the bias of
+    that rank's heads at their global index, batch by batch (the slopes differ per head)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from shardlm.parallel.plan.head_inputs import own_heads
+
+    mask = torch.ones(3, 7)
+    whole = build_alibi_tensor(mask, 8, torch.float32).view(3, 8, 1, 7)
+    for rank in range(4):
+        got = own_heads(whole.flatten(0, 1), 0, 8, 4, rank).view(3, 2, 1, 7)
+        assert torch.equal(got, whole[:, 2 * rank : 2 * rank + 2]), rank
+    assert not torch.equal(whole[:, 0], whole[:, 2])  # the first heads' slopes would not do

@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
+from shardlm.parallel.infer.head_inputs import declare_head_input_records
+from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
@@ -97,6 +99,7 @@ class ShardTracker(TorchFunctionMode):
         declare_parts_records(self)
         declare_sizes_records(self)
         declare_layout_records(self)
+        declare_head_input_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``call_sites.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -179,6 +182,8 @@ class ShardTracker(TorchFunctionMode):
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             record_slice(self, args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        if not sources:
+            follow_head_input(self, inputs, out)  # MPT's position bias sliced inside its attention
         track(self, name, inputs, sources, out)
         if inputs and not sources and all(self.owners(t) for t in inputs):
             owners = frozenset().union(*(self.owners(t) for t in inputs))
