@@ -89,6 +89,26 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
         assert plan.sliced[f"{attention}.{fused}"] == [[(0, 32), (64, 80), (80, 96)], [(32, 64), (64, 80), (80, 96)]]
 
 
+def test_kept_whole_names_what_each_rank_stores_whole(dirs):
+    """The matrix's "kept whole" column (``plan/kept_whole.py``): the attention's fp32 bytes per rank
+    against the whole (the two blocks of ``ATTENTION_ELEMENTS``), and what is stored whole and why."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
+
+    for model_type in SPLIT:
+        meta = build_meta_model(dirs[model_type])
+        plan = infer_plan(meta, 2)
+        whole, local = ATTENTION_ELEMENTS[model_type]
+        assert attention_bytes(meta, plan, 2) == (2 * 4 * local, 2 * 4 * whole), model_type
+        mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
+        assert [w[: len(mqa[0])] for w in kept_whole(plan)] == (mqa if model_type in ("falcon", "gpt_bigcode") else [])
+    meta = build_meta_model(dirs["gpt_oss"])
+    plan = infer_plan(meta, 2)
+    plan.replicated = {"model.layers.0.self_attn.q_proj": "why", "model.layers.1.self_attn.q_proj": "why"}
+    assert kept_whole(plan) == ["model.layers.*.self_attn.q_proj: replicated (why)"]
+
+
 def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
     """Rank body: per model path, the elements of the parameters under its block-0 attention
     (``paths[path]``) in all and on this rank, at tp=2."""

@@ -282,7 +282,9 @@ def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
     if _neg(_arg(args, kwargs, 1, "dim", 0), out.dim()) == dim:
         if len(split) == len(tensors):
             layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
-    elif len({layouts[id(t)] for t in split}) == 1 and all(t.shape[dim] == out.shape[dim] for t in tensors):
+    elif len({layouts[id(t)] for t in split}) == 1 and all(
+        t.dim() == out.dim() and t.shape[dim] == out.shape[dim] for t in tensors
+    ):
         layouts[id(out)] = layouts[id(split[0])]
 
 
