@@ -2,7 +2,9 @@
 
 gpt-oss appends its per-head ``sinks`` parameter to each head's scores before the softmax
 (``parallel/infer/follow.py``: a tensor concatenated beside split activations at their heads'
-size follows them, ``per_channel``, each rank holding its heads' sinks). Multi-query attention
+size follows them, ``per_channel``, each rank holding its heads' sinks); Granite-SWA subtracts its
+``sinks`` from each head's ``logsumexp`` of the scores (``layouts.py`` follows the heads through a
+reduction of a later dim). Multi-query attention
 (Falcon before its new decoder architecture, GPT-BigCode): the queries split, the one k/v head
 computed by every rank (``Plan.sliced``). ALiBi (BLOOM, MPT): the bias the model builds from the
 config's head count and hands to each attention is sliced to the rank's heads at their global
@@ -34,6 +36,7 @@ SPLIT = {
     "gpt_bigcode": ("transformer.h.0.attn", ("c_attn", "c_proj")),
     "bloom": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
     "mpt": ("transformer.blocks.0.attn", ("Wqkv", "out_proj")),
+    "granite_swa": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -47,6 +50,8 @@ ATTENTION_ELEMENTS = {
     # ALiBi: no parameter per head (the slopes are built in the forward); dense's bias [64] whole
     "bloom": (16640, 8352),
     "mpt": (16384, 8192),
+    # q/k/v/o [64, 64], sinks [4] (sigmoid(logsumexp(scores) - sink) scales each head's output): halved
+    "granite_swa": (16388, 8194),
 }
 
 
@@ -72,11 +77,12 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
         assert not plan.replicated, (model_type, plan.replicated)
         styles = [plan.styles[f"{attention}.{name}"] for name in linears]
         assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
-    plan = infer_plan(build_meta_model(dirs["gpt_oss"]), 2)
-    attention = SPLIT["gpt_oss"][0]
-    assert plan.styles[attention] == "per_channel"  # the sinks, one per head: each rank its heads'
-    assert set(plan.channels[attention]) == {"sinks"}
-    assert plan.experts[attention]["sinks"].dim == 0
+    for model_type in ("gpt_oss", "granite_swa"):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        attention = SPLIT[model_type][0]
+        assert plan.styles[attention] == "per_channel"  # the sinks, one per head: each rank its heads'
+        assert set(plan.channels[attention]) == {"sinks"}
+        assert plan.experts[attention]["sinks"].dim == 0
     # ALiBi built in the model from the config's head count, handed to each attention: its heads' rows
     for model_type, name in (("bloom", "alibi"), ("mpt", "position_bias")):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
@@ -208,3 +214,27 @@ def test_each_rank_sees_its_own_heads_of_alibi():
         got = own_heads(whole.flatten(0, 1), 0, 8, 4, rank).view(3, 2, 1, 7)
         assert torch.equal(got, whole[:, 2 * rank : 2 * rank + 2]), rank
     assert not torch.equal(whole[:, 0], whole[:, 2])  # the first heads' slopes would not do
+
+
+def test_layouts_follow_heads_beside_a_cat_and_through_a_reduction_of_a_later_dim():
+    """gpt-oss's sinks appended to the scores along the keys, Granite-SWA's ``logsumexp`` over the keys:
+    the heads stay the split dim; a tensor of another rank beside them (an empty kv cache) drops it."""
+    from shardlm.parallel.infer.layouts import propagate
+
+    layouts = {}
+    scores = torch.empty(1, 4, 13, 13, device="meta")  # [b, heads, q, k], heads split
+    layouts[id(scores)] = (-3, (4,))
+    sinks = torch.empty(1, 4, 13, 1, device="meta")
+    both = torch.cat([scores, sinks], dim=-1)
+    propagate("cat", ([scores, sinks],), {"dim": -1}, both, layouts)
+    assert layouts[id(both)] == (-3, (4,))
+    lse = torch.logsumexp(scores, dim=-1)
+    propagate("logsumexp", (scores,), {"dim": -1}, lse, layouts)
+    assert layouts[id(lse)] == (-2, (4,))
+    over_heads = scores.sum(1)
+    propagate("sum", (scores, 1), {}, over_heads, layouts)
+    assert id(over_heads) not in layouts  # summed over the split heads: ``check_reduction``'s
+    empty = torch.empty(0, device="meta")
+    cache = torch.cat([empty, scores], dim=-2)
+    propagate("cat", ([empty, scores],), {"dim": -2}, cache, layouts)
+    assert id(cache) not in layouts

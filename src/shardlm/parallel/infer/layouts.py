@@ -56,6 +56,9 @@ _RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 _CATS = {"cat", "concat", "concatenate"}
 
 
+_REDUCED = {"sum", "mean", "logsumexp", "amax", "amin", "prod", "norm"}  # over ``dim``, not kept: one dim fewer
+
+
 _INDEX = {"__getitem__", "unsqueeze"}  # new dims of size 1 (``A[None, :, None, :]``), other dims sliced
 
 
@@ -128,6 +131,11 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
                 layouts[id(out)] = (found, parts)
                 _keep_origin(cuts, origin, out)
                 return
+        if name in _REDUCED and isinstance(out, torch.Tensor) and out.dim() == first.dim() - 1:
+            reduced = _arg(args, kwargs, 1, "dim")
+            if isinstance(reduced, int) and _neg(reduced, first.dim()) > dim:
+                layouts[id(out)] = (dim + 1, parts)  # a dim after the split one reduced away (Granite-SWA's lse)
+            return
         if name in _RESHAPES and isinstance(out, torch.Tensor):
             found = _reshaped(tuple(first.shape), tuple(out.shape), dim, parts)
             if found is not None:
