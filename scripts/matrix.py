@@ -36,6 +36,7 @@ STEPS = 3
 TOL = (1e-5, 1e-4)  # loss, grad_norm relative: the tolerances of tests/test_autotp.py
 FSDP_SUBSET = [
     "gpt2", "llama", "bloom", "codegen", "falcon", "gpt_bigcode", "lfm2", "qwen3", "gemma3_text", "opt",
+    "gpt_oss", "mpt",  # attention split with its per-head sinks, ALiBi (tests/test_attention_split.py)
     "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/infer/channels.py)
     "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/infer/summed.py)
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",  # Mamba-2 mixers (n_groups=1 < tp: B, C whole)
@@ -98,6 +99,7 @@ def survey(model_type: str, root: str) -> dict:
     from shardlm.errors import ConfigError
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
 
     row = {"type": model_type}
     path = os.path.join(root, model_type.replace("/", "_"), "model")
@@ -124,6 +126,9 @@ def survey(model_type: str, root: str) -> dict:
         row["replicated"] = sorted({w for w in plan.replicated.values()})[:2]
         row["n_replicated"] = len(plan.replicated)
         row["n_split"] = sum(s in ("colwise", "rowwise", "packed_colwise") for s in plan.styles.values())
+        meta = build_meta_model(path)
+        row["kept_whole"] = kept_whole(plan)
+        row["attention_bytes"] = attention_bytes(meta, plan, 2)  # (per rank, whole)
     except ConfigError as exc:
         row["plan"] = "refused"
         row["refusal"] = f"error: {exc}"
@@ -231,7 +236,10 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         "type's own config defaults with only the sizes shrunk and dropout off. **plan**: `shardlm plan --tp 2` "
         "made a plan (`k/n`: k linears kept replicated of n), or refused with one line. **tp=2**: 3 training steps "
         "against one process (max relative difference of loss and grad_norm; parity means <= 1e-5 and 1e-4). "
-        f"**tp2 x fsdp2**: the same on 4 ranks, for a subset. Took {seconds / 60:.1f} min on "
+        f"**tp2 x fsdp2**: the same on 4 ranks, for a subset. **kept whole**: the attention's parameter bytes "
+        "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split), and what the plan stores "
+        "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). "
+        f"Took {seconds / 60:.1f} min on "
         f"{os.cpu_count()} CPU cores.",
         "",
         f"Counts: {counts['built']} build at tiny sizes; of them {counts['parity']} train at tp=2 with parity, "
@@ -251,13 +259,13 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         lines += [
             f"## {group} ({len(members)})",
             "",
-            "| model type | plan | tp=2 | tp2 x fsdp2 | published weights |",
-            "|---|---|---|---|---|",
+            "| model type | plan | tp=2 | tp2 x fsdp2 | kept whole | published weights |",
+            "|---|---|---|---|---|---|",
         ]
         for r in sorted(members, key=lambda r: r["type"]):
             lines.append(
                 f"| {r['type']} | {_plan_cell(r)} | {_run_cell(r.get('tp2'))} | {_run_cell(r.get('tp2_fsdp2'))} "
-                f"| {weights.get(r['type'], '')} |"
+                f"| {_whole_cell(r)} | {weights.get(r['type'], '')} |"
             )
         lines.append("")
     (out_dir / "compatibility.md").write_text("\n".join(lines))
@@ -289,6 +297,16 @@ def _plan_cell(r: dict) -> str:
     if r["plan"] == "refused":
         return f"refused: `{r['refusal']}`".replace("|", "\\|")
     return f"**ERROR** `{r['error']}`".replace("|", "\\|")
+
+
+def _whole_cell(r: dict) -> str:
+    """The attention's parameter bytes per rank against the whole at tp=2 (next to 1/tp), and what the
+    plan stores whole on every rank and why (``plan/kept_whole.py``); empty for rows of an older run."""
+    if "attention_bytes" not in r:
+        return ""
+    local, whole = r["attention_bytes"]
+    share = f"attention {local / whole:.3f} per rank (1/tp = 0.500)" if whole else "no attention"
+    return "; ".join([share, *r["kept_whole"]]).replace("|", "\\|")
 
 
 def _run_cell(p: dict | None) -> str:

@@ -23,7 +23,7 @@ MODELS = {
     "gpt2_pad": ("gpt2", {"pad_token_id": 0}),  # `pad_token_id in input_ids` asked of meta
     "gemma4_text": ("gemma4_text", {}),  # per-layer head_dim (config.head_dim raises)
     "codegen": ("codegen", {}),  # qkv fused in mp_num groups: kept replicated
-    "bloom": ("bloom", {}),  # ALiBi slopes per head: attention kept replicated
+    "bloom": ("bloom", {}),  # ALiBi slopes per head: each rank its heads' (test_attention_split.py)
     "falcon_mq": ("falcon", {"multi_query": True, "new_decoder_architecture": False}),
     "gpt_bigcode": ("gpt_bigcode", {"multi_query": True}),
     "lfm2_conv": ("lfm2", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "num_hidden_layers": 2}),
@@ -39,9 +39,10 @@ EXPECT = {
     "gpt2_pad": (0, "packed transformer.h.0.attn.c_attn", None),
     "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.*.per_layer_input_gate"),
     "codegen": (0, "fused in groups whose size depends on the split", "transformer.h.*.attn.qkv_proj"),
-    "bloom": (0, "ALiBi", "transformer.h.*.self_attention.query_key_value"),
-    "falcon_mq": (0, "fails at one rank's shapes", "transformer.h.*.self_attention.query_key_value"),
-    "gpt_bigcode": (0, "fails at one rank's shapes", "transformer.h.*.attn.c_attn"),
+    # split by heads (tests/test_attention_split.py): ALiBi sliced per rank; multi-query: q split, k/v computed by all
+    "bloom": (0, "sliced to each rank's heads (at their global index): transformer.h.*.self_attention(alibi)", None),
+    "falcon_mq": (0, "packed transformer.h.0.self_attention.query_key_value: parts [64, 16, 16], rows shared", None),
+    "gpt_bigcode": (0, "packed transformer.h.0.attn.c_attn: parts [64, 16, 16], rows shared by ranks", None),
     # the short conv over the x third of in_proj follows its channels (parallel/infer/layouts.py): nothing kept whole
     "lfm2_conv": (0, "packed model.layers.0.conv.in_proj: parts [64, 64, 64], each split 2 ways", None),
     "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),

@@ -43,7 +43,7 @@ from tiny import tiny_config  # noqa: E402
 # expert, split like a dense MLP, and its 1-wide sigmoid gate, kept whole): gate_up concatenated
 CONCAT = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
 # gpt-oss: gate/up interleaved in a transposed [E, H, 2I], expert biases (the down bias added by one
-# rank, its gradient summed over TP); its attention, with per-head sinks, is kept whole
+# rank, its gradient summed over TP); its attention split by heads, each rank holding its heads' sinks
 TRAINED = [*CONCAT, "gpt_oss"]
 CONCATENATED = {"gate_up_proj": (1, 2, False), "down_proj": (2, 1, False)}  # [E, 2I, H], [E, H, I]
 
@@ -94,10 +94,12 @@ def test_the_plan_derives_each_experts_layout(dirs):
     assert plan.styles["model.layers.0.mlp.shared_expert.gate_proj"] == "colwise"
     assert plan.styles["model.layers.0.mlp.shared_expert.down_proj"] == "rowwise"
     assert "1 output(s), fewer than tp=2" in plan.replicated["model.layers.0.mlp.shared_expert_gate"]
-    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases); its attention (per-head sinks)
-    # is kept whole and computes on local views, as does its router
+    # gpt-oss's experts ([E, H, 2I] with gate/up interleaved, biases); its attention is split by heads,
+    # its per-head sinks with them (``per_channel``: tests/test_attention_split.py); its router computes
+    # on local views
     plan = infer_plan(_meta(dirs["gpt_oss"]), 2)
-    assert plan.styles["model.layers.0.self_attn"] == plan.styles["model.layers.0.mlp.router"] == "replicate_local"
+    assert plan.styles["model.layers.0.self_attn"] == "per_channel"
+    assert plan.styles["model.layers.0.mlp.router"] == "replicate_local"
     assert (
         plan.experts["model.layers.0.mlp.experts"]
         == find_experts(_meta(dirs["gpt_oss"]), 2)["model.layers.0.mlp.experts"]
@@ -255,9 +257,8 @@ def test_moe_at_tp2_matches_one_process_with_dense_communication(dirs, two_ranks
         # as a dense model: embedding 1 + (attention 1 + MoE 1) per block forward, the same backward
         # (the experts' input gradients, hidden states and routing weights, summed in one all-reduce);
         # OLMoE's q/k norms across the width add 2 per block each way (as OLMo-2's); Qwen2-MoE's
-        # shared expert is a second MLP beside the experts: 1 more per block each way; gpt-oss's
-        # attention is kept whole: 1 fewer per block each way
-        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7), "gpt_oss": (3, 3, 3)}.get(model_type, (5, 3, 5))
+        # shared expert is a second MLP beside the experts: 1 more per block each way
+        expected = {"olmoe": (9, 3, 9), "qwen2_moe": (7, 3, 7)}.get(model_type, (5, 3, 5))
         assert (fwd, loss, bwd) == expected, (model_type, fwd, loss, bwd)
         # one all-reduce per step of the TP-partial gradients: Qwen3's per-head q/k norms, gpt-oss's down bias
         assert grads == (model_type in ("qwen3_moe", "gpt_oss")), (model_type, grads)
@@ -586,9 +587,9 @@ def check_tp2_ep2(got: dict) -> None:
     for model_type, path in zip(TP2_EP2_TRAINED, got):
         counts = _check_ep_run(model_type, "tp=2 x fsdp=2 x ep=2", path, got[path], 4)
         fwd, _, bwd, grads = counts
-        # TP's all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block; gpt-oss's attention
-        # is kept whole), each way; the TP-partial gradients (Qwen3's q/k norms, gpt-oss's down bias) once
-        assert fwd["all_reduce"] == bwd["all_reduce"] == (5 if model_type == "qwen3_moe" else 3), (model_type, counts)
+        # TP's all-reduces as at tp=2 (embedding 1 + attention 1 + MoE 1 per block), each way; the
+        # TP-partial gradients (Qwen3's q/k norms, gpt-oss's down bias) once
+        assert fwd["all_reduce"] == bwd["all_reduce"] == 5, (model_type, counts)
         assert sum(grads.values()) == 1, (model_type, grads)
         assert fwd.get("all_to_all_single", 0) + fwd.get("alltoall_base_", 0) == 6, (model_type, fwd)
         assert bwd.get("all_to_all_single", 0) + bwd.get("alltoall_base_", 0) == 4, (model_type, bwd)

@@ -185,6 +185,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for why, fqns in by_reason.items():
         names = list(dict.fromkeys(any_block(f) for f in fqns))  # one name for every block
         print(f"kept replicated (exact, not split): {', '.join(names)}: {why}")
+    inputs = {f"{any_block(m)}({', '.join(map(str, found))})": None for m, found in plan.head_inputs.items()}
+    if inputs:  # BLOOM's ALiBi bias, built by the model from the config's head count
+        print(f"per-head inputs sliced to each rank's heads (at their global index): {', '.join(inputs)}")
     kv, _ = plan.kv_heads
     if kv and kv < args.tp and plan.attention:
         print(

@@ -27,6 +27,7 @@ from shardlm.distributed.shards import keep_parts_in, parts_placements
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
+from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import scattered_rows
@@ -52,6 +53,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     tp_mesh = mesh.tp  # one object: the sequence hooks and the styles key their shared views by it
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
+    slice_head_inputs(model, plan, mesh.parallel.tp, mesh.tp.get_local_rank())  # BLOOM's ALiBi: its heads'
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
     # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)
     for places in shared:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.follow import buffer_follows, follows
+from shardlm.parallel.infer.head_inputs import meets_split
 
 # ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
 # would reduce its own columns only (a parameter-free norm, a softmax gate)
@@ -45,6 +46,8 @@ def check(
                 (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
             )
         elif t.dim() and t.numel() > 1 and tracker.heads and id(t) not in tracker.from_split_shape | tracker.whole_ids:
+            if meets_split(tracker, t):
+                continue  # handed to this module per head (BLOOM's ALiBi): each rank its heads' rows
             for s in sharded:
                 # the heads dim of split activations is never the last (that is head_dim or keys)
                 for i in range(2, min(t.dim(), s.dim()) + 1):

@@ -17,6 +17,7 @@ from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim
@@ -35,6 +36,7 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
     with the global trace's)."""
     meta = build_meta(model, eager=False)
     localize_geometry(meta, plan, tp)
+    slice_head_inputs(meta, plan, tp, 0)
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)
         conv1d = is_conv1d(module)

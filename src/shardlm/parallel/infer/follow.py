@@ -19,6 +19,8 @@ import torch.nn as nn
 
 from shardlm.parallel.plan.rows import lead_dim
 
+_CATS = {"cat", "concat", "concatenate"}
+
 
 def follows(
     tracker, name: str, t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, out=None
@@ -42,6 +44,11 @@ def follows(
         if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
             return False
         met, dim, tdim, spread = [x], 1 - x.dim(), 0, False
+    elif name in _CATS:
+        dim = _beside(t, sharded, args, kwargs, tracker.layouts)
+        if dim is None:
+            return False
+        met, tdim, spread = sharded, dim, False
     else:
         # elementwise, broadcast: t's dims align with the trailing dims of every split input, its first on
         # their split dim, and the result has their shape (not a product or reduction over the channels)
@@ -95,6 +102,26 @@ def buffer_follows(tracker, t: torch.Tensor, sharded: list[torch.Tensor], out) -
         return False
     tracker.buffer_follows[fqn] = (sources, None)
     return True
+
+
+def _beside(t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, layouts: dict) -> int | None:
+    """The split dim of ``sharded`` where ``t`` is concatenated beside them along another dim, at their
+    size there (gpt-oss's per-head ``sinks``, [batch, heads, q, 1], appended to each head's scores
+    before the softmax): each head's column meets its own head's scores only. Else None."""
+    found = {layouts.get(id(s)) for s in sharded}
+    layout = found.pop() if len(found) == 1 else None
+    if layout is None:
+        return None
+    dim = layout[0]
+    cat = _arg_dim(args, kwargs, t.dim())
+    if cat is None or cat == dim % t.dim() or any(s.dim() != t.dim() or s.shape[dim] != t.shape[dim] for s in sharded):
+        return None
+    return dim
+
+
+def _arg_dim(args: tuple, kwargs: dict, ndim: int) -> int | None:
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    return dim % ndim if isinstance(dim, int) and ndim else None
 
 
 def _along(t: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> bool:

@@ -56,6 +56,9 @@ _RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 _CATS = {"cat", "concat", "concatenate"}
 
 
+_REDUCED = {"sum", "mean", "logsumexp", "amax", "amin", "prod", "norm"}  # over ``dim``, not kept: one dim fewer
+
+
 _INDEX = {"__getitem__", "unsqueeze"}  # new dims of size 1 (``A[None, :, None, :]``), other dims sliced
 
 
@@ -128,6 +131,11 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
                 layouts[id(out)] = (found, parts)
                 _keep_origin(cuts, origin, out)
                 return
+        if name in _REDUCED and isinstance(out, torch.Tensor) and out.dim() == first.dim() - 1:
+            reduced = _arg(args, kwargs, 1, "dim")
+            if isinstance(reduced, int) and _neg(reduced, first.dim()) > dim:
+                layouts[id(out)] = (dim + 1, parts)  # a dim after the split one reduced away (Granite-SWA's lse)
+            return
         if name in _RESHAPES and isinstance(out, torch.Tensor):
             found = _reshaped(tuple(first.shape), tuple(out.shape), dim, parts)
             if found is not None:
@@ -268,17 +276,24 @@ def _reshaped(old: tuple[int, ...], new: tuple[int, ...], dim: int, parts: tuple
 
 
 def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
+    """Along the split dim: the parts of each; beside it: the one layout of the split tensors, and a
+    tensor without one concatenated at their size there (gpt-oss's per-head ``sinks`` appended to the
+    scores) takes it too (``follow.follows`` judges that tensor)."""
     tensors = _arg(args, kwargs, 0, "tensors", ())
-    if not isinstance(out, torch.Tensor) or not tensors or any(id(t) not in layouts for t in tensors):
+    if not isinstance(out, torch.Tensor) or not tensors:
         return
-    dims = {layouts[id(t)][0] for t in tensors}
+    split = [t for t in tensors if id(t) in layouts]
+    dims = {layouts[id(t)][0] for t in split}
     if len(dims) != 1:
         return
     (dim,) = dims
     if _neg(_arg(args, kwargs, 1, "dim", 0), out.dim()) == dim:
-        layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
-    elif len({layouts[id(t)] for t in tensors}) == 1:
-        layouts[id(out)] = layouts[id(tensors[0])]
+        if len(split) == len(tensors):
+            layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
+    elif len({layouts[id(t)] for t in split}) == 1 and all(
+        t.dim() == out.dim() and t.shape[dim] == out.shape[dim] for t in tensors
+    ):
+        layouts[id(out)] = layouts[id(split[0])]
 
 
 def declare_layout_records(tracker) -> None:

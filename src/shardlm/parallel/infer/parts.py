@@ -19,13 +19,32 @@ SPLIT_OPS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 
 
 def record_slice(tracker, tensor: torch.Tensor, index) -> None:
-    """The int bounds of a slice ``tensor[..., a:b]`` of the last dim (``parts_from_consumer``)."""
+    """The int bounds of a slice ``tensor[..., a:b]`` of the last dim (``parts_from_consumer``), or of
+    ``heads[..., a:b, :]`` / ``heads[..., [i], :]`` of a view of it into heads (``record_head_view``:
+    Falcon's multi-query ``view(.., num_heads + 2, head_dim)`` cut into queries, key and value), in
+    its columns."""
     index = index if isinstance(index, tuple) else (index,)
     if index and index[0] is Ellipsis and len(index) == 2 and isinstance(index[1], slice):
         bounds = tracker.slices.setdefault(id(tensor), set())
         for b in (index[1].start, index[1].stop):
             if isinstance(b, int):
                 bounds.add(b)
+    elif id(tensor) in tracker.head_views and len(index) == 3 and index[0] is Ellipsis and index[2] == slice(None):
+        source, n, d = tracker.head_views[id(tensor)]
+        picked = index[1]
+        if isinstance(picked, list) and len(picked) == 1 and isinstance(picked[0], int):
+            picked = slice(picked[0] % n, picked[0] % n + 1)
+        if isinstance(picked, slice) and picked.step is None:
+            bounds = tracker.slices.setdefault(id(source), set())
+            for b in (picked.start, picked.stop):
+                if isinstance(b, int):
+                    bounds.add((b % n if b < 0 else b) * d)
+
+
+def record_head_view(tracker, t: torch.Tensor, out: torch.Tensor) -> None:
+    """``out``, the last dim of ``t`` viewed into [heads, head_dim] (``record_slice``)."""
+    if t.dim() and out.dim() == t.dim() + 1 and out.shape[:-2] == t.shape[:-1]:
+        tracker.head_views[id(out)] = (t, out.shape[-2], out.shape[-1])
 
 
 def record_later_split(tracker, name: str, source: str, args: tuple, kwargs: dict) -> None:
@@ -79,6 +98,7 @@ def declare_parts_records(tracker) -> None:
     """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
     tracker.first_consumer: dict[int, tuple[str, tuple]] = {}
     tracker.slices: dict[int, set[int]] = {}
+    tracker.head_views: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(view) -> (its input, heads, head dim)
     # column-parallel linear -> part sizes, where a tensor computed from its output alone is cut
     # along its width later on (Qwen3.5's qkv: transposed, convolved, transposed back, then split)
     tracker.later_parts: dict[str, list[int]] = {}

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from shardlm.parallel.infer.head_inputs import record_inputs
 from shardlm.parallel.infer.summed import track_output
 from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps
@@ -52,6 +53,7 @@ class TraceHooks:
     def install(self, meta: nn.Module) -> None:
         for name, module in meta.named_modules():
             self.handles.append(module.register_forward_pre_hook(self.pre(name)))
+            self.handles.append(module.register_forward_pre_hook(self.inputs(name), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self.post(name)))
 
     def remove(self) -> None:
@@ -106,6 +108,12 @@ class TraceHooks:
                         self.tracker.deferred.append((name, why, len(self.tracker.violations)))
                     else:
                         self.tracker.violations.append(why)
+
+        return hook
+
+    def inputs(self, name: str):
+        def hook(module, args, kwargs):
+            record_inputs(self.tracker, name, args, kwargs)  # per-head tensors it is handed (ALiBi)
 
         return hook
 

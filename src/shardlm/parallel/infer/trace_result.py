@@ -45,6 +45,8 @@ class Traced:
     direct: set[str]
     summed: set[str]
     summed_readers: dict[str, set[str]]
+    # module -> {its argument (position or name): the heads dim} handed per head (``head_inputs.py``)
+    head_inputs: dict[str, dict[int | str, int]]
 
 
 def collect(
@@ -111,4 +113,5 @@ def collect(
         direct,
         summed,
         {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
+        tracker.found_head_inputs,
     )

@@ -26,10 +26,18 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
+from shardlm.parallel.infer.head_inputs import declare_head_input_records
+from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
-from shardlm.parallel.infer.parts import SPLIT_OPS, declare_parts_records, record_later_split, record_slice
+from shardlm.parallel.infer.parts import (
+    SPLIT_OPS,
+    declare_parts_records,
+    record_head_view,
+    record_later_split,
+    record_slice,
+)
 from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
@@ -91,6 +99,7 @@ class ShardTracker(TorchFunctionMode):
         declare_parts_records(self)
         declare_sizes_records(self)
         declare_layout_records(self)
+        declare_head_input_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A dropout call site (``call_sites.is_dropout_call``): is its input sharded, its shape, its p."""
@@ -165,6 +174,7 @@ class ShardTracker(TorchFunctionMode):
             return out  # a linear's column-parallel output (``summed.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
+            record_head_view(self, args[0], out)
         elif isinstance(out, torch.Tensor) and len(inputs) > 1:
             for t in inputs:
                 if t.shape == out.shape and t is not out and all(u is t or self.owners(u) for u in inputs):
@@ -172,6 +182,8 @@ class ShardTracker(TorchFunctionMode):
         if name == "__getitem__" and args and isinstance(args[0], torch.Tensor):
             record_slice(self, args[0], args[1])
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
+        if not sources:
+            follow_head_input(self, inputs, out)  # MPT's position bias sliced inside its attention
         track(self, name, inputs, sources, out)
         if inputs and not sources and all(self.owners(t) for t in inputs):
             owners = frozenset().union(*(self.owners(t) for t in inputs))

@@ -52,12 +52,21 @@ def config_value(config, name: str):
 
 
 def config_size(config, key: str) -> int | None:
-    """The size ``key`` of ``CONFIG_NAMES`` under the first name this family uses (a positive int)."""
+    """The size ``key`` of ``CONFIG_NAMES`` under the first name this family uses (a positive int);
+    one kv head for multi-query attention (``multi_query``)."""
+    if key == "num_key_value_heads" and multi_query(config):
+        return 1
     for name in CONFIG_NAMES[key]:
         value = config_value(config, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def multi_query(config) -> bool:
+    """Multi-query attention (GPT-BigCode, Falcon before its new decoder architecture): one key/value
+    head whatever ``num_kv_heads`` says, packed after the query heads in the fused projection."""
+    return config_value(config, "multi_query") is True and not config_value(config, "new_decoder_architecture")
 
 
 def geometry(config) -> dict[str, int]:

@@ -50,3 +50,6 @@ class Plan:
     # the model's sizes, read once from its config (``model/geometry.py``): the row slicing, the local
     # head counts and the estimate read them here
     geometry: Geometry = field(default_factory=Geometry)
+    # split attention module -> {its argument (position or name): the heads dim} of a per-head tensor
+    # built outside it from the config's head count (BLOOM's ALiBi bias): each rank sees its heads' rows
+    head_inputs: dict[str, dict[int | str, int]] = field(default_factory=dict)

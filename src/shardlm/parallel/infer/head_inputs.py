@@ -1,0 +1,51 @@
+"""Per-head tensors a module is handed, built outside it from the config's head count: each rank's heads.
+
+BLOOM builds its ALiBi bias once per forward, in the model, from ``num_heads`` (``build_alibi_tensor``:
+``[batch * heads, 1, keys]``) and hands it to every attention module, which adds it to its scores;
+MPT its ``position_bias`` (``[heads, 1, keys]``), sliced inside the attention first. Split by heads, a
+rank's scores hold its own heads only, so it needs those heads' rows of the bias: not the first
+``heads / tp`` slopes, but its own, at their global head index. The trace records a tensor entering
+a module's forward (positional or keyword) with a dim of a head count (``record_inputs``), follows it
+through ops of its own (``follow``), and, where it meets the split scores inside that module's own
+code (``meets_split``), the module's input is planned ``Plan.head_inputs`` instead of a violation.
+``plan/head_inputs.py`` slices it per rank as the module is called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def record_inputs(tracker, name: str, args: tuple, kwargs: dict) -> None:
+    """Tensors handed to module ``name`` that are whole, carry no gradient and have a head count as a
+    dim other than the last: candidates (``head_inputs``: id -> (module, argument, that dim))."""
+    for key, t in [*enumerate(args), *kwargs.items()]:
+        if not isinstance(t, torch.Tensor) or tracker.is_sharded(t) or t.requires_grad or t.dim() < 2:
+            continue
+        dims = [d for d in range(t.dim() - 1) if t.shape[d] in tracker.heads]
+        if dims:
+            tracker.head_inputs[id(t)] = (name, key, dims[0])
+
+
+def follow(tracker, inputs: list[torch.Tensor], out) -> None:
+    """An op of one candidate alone (MPT's ``position_bias[:, q:, k:]``) keeping its rank: still it."""
+    found = [t for t in inputs if id(t) in tracker.head_inputs]
+    if len(found) == 1 and len(inputs) == 1 and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
+        tracker.head_inputs[id(out)] = tracker.head_inputs[id(found[0])]
+
+
+def meets_split(tracker, t: torch.Tensor) -> bool:
+    """Whether per-head ``t`` meeting split activations is a candidate handed to the running module:
+    recorded (``found_head_inputs``: module -> {argument: its heads dim}) rather than a violation."""
+    entry = tracker.head_inputs.get(id(t))
+    if entry is None or not tracker.running or entry[0] != tracker.running[-1]:
+        return False
+    module, key, dim = entry
+    tracker.found_head_inputs.setdefault(module, {})[key] = dim
+    return True
+
+
+def declare_head_input_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    tracker.head_inputs: dict[int, tuple[str, int | str, int]] = {}
+    tracker.found_head_inputs: dict[str, dict[int | str, int]] = {}

@@ -1,0 +1,34 @@
+"""Each rank's heads of the per-head tensors a split attention module is handed (``Plan.head_inputs``:
+BLOOM's ALiBi bias, MPT's position bias; ``infer/head_inputs.py`` finds them). Applied by the builder
+and by the dry run alike, so it belongs to the plan."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.plan.plan import Plan
+
+
+def own_heads(t: torch.Tensor, dim: int, heads: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank's heads of ``t`` along ``dim``, of ``heads`` (or ``batch * heads``, batch outer: BLOOM's
+    ``[batch * heads, 1, keys]``): the rows of its own heads, at their global index."""
+    per_rank = heads // tp
+    return t.unflatten(dim, (-1, heads)).narrow(dim + 1, rank * per_rank, per_rank).flatten(dim, dim + 1)
+
+
+def slice_head_inputs(model: nn.Module, plan: Plan, tp: int, rank: int) -> None:
+    """Hook every module of ``plan.head_inputs`` to see its rank's heads of those inputs."""
+    heads = plan.geometry.heads or 0
+    for fqn, found in plan.head_inputs.items():
+
+        def hook(module, args, kwargs, found=found):
+            args = list(args)
+            for key, dim in found.items():
+                if isinstance(key, int) and key < len(args) and isinstance(args[key], torch.Tensor):
+                    args[key] = own_heads(args[key], dim, heads, tp, rank)
+                elif isinstance(key, str) and isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = own_heads(kwargs[key], dim, heads, tp, rank)
+            return tuple(args), kwargs
+
+        model.get_submodule(fqn).register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,66 @@
+"""What a plan stores whole on every TP rank, and why, with the attention's parameter bytes per rank
+next to 1/tp: the "kept whole" column of the compatibility matrix (``scripts/matrix.py``).
+
+Norms, routers and the biases added after a row-parallel all-reduce are whole in every model and
+not listed; listed are what TP could have split and did not: sub-blocks kept replicated (with the
+reason the trace gave), projections stored whole of which each rank computes its rows (kv heads
+fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents), and
+per-channel parameters whose channels ranks share.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.describe import describe_plan
+from shardlm.parallel.plan.plan import Plan
+
+_ATTENTION = re.compile(r"Attention|Attn")  # transformers' attention classes: ``LlamaAttention``, ``GPT2Attention``
+
+
+def _any_block(fqn: str) -> str:
+    return re.sub(r"(?<=[A-Za-z_])\.\d+(?=\.|$)", ".*", fqn)
+
+
+def kept_whole(plan: Plan) -> list[str]:
+    """``module: why`` for each kind of thing stored whole on every rank (see the module docstring),
+    one entry for every block alike."""
+    found: dict[str, None] = {}
+    replicated: dict[str, dict[str, None]] = {}  # why -> the modules kept replicated for it
+    for fqn, why in plan.replicated.items():
+        replicated.setdefault(why, {})[_any_block(fqn)] = None
+    for why, fqns in replicated.items():
+        found[f"{', '.join(fqns)}: replicated ({why[:100]})"] = None
+    latents = set(plan.latent_readers.values())
+    kv, _ = plan.kv_heads
+    for fqn in plan.sliced:
+        if fqn in latents:
+            why = "a low-rank latent (MLA), read whole by every head"
+        elif any(plan.whole_parts.get(fqn, [])):
+            why = "parts every rank needs whole (groups fewer than tp)"
+        else:
+            why = f"{kv} kv head(s) for tp ranks: each computes its query rows and its kv head"
+        found[f"{_any_block(fqn)}: stored whole ({why})"] = None
+    for fqn, params in plan.channels.items():
+        for pname in params:
+            if param_rows(plan, fqn, pname) is not None:
+                found[f"{_any_block(fqn)}.{pname}: stored whole (its channels shared by ranks)"] = None
+    return list(found)
+
+
+def attention_bytes(model: nn.Module, plan: Plan, tp: int) -> tuple[int, int]:
+    """(fp32 bytes of the attention modules' parameters on one rank, in the whole model): the
+    outermost modules of an attention class (``_ATTENTION``), split or kept whole."""
+    tops: list[str] = []
+    for name, module in model.named_modules():
+        if _ATTENTION.search(type(module).__name__) and not any(name.startswith(f"{t}.") for t in tops):
+            tops.append(name)
+    rows = [
+        r
+        for r in describe_plan(model, plan, tp)
+        if any(r["module"] == t or r["module"].startswith(f"{t}.") for t in tops)
+    ]
+    return sum(r["bytes_per_rank"] for r in rows), sum(r["bytes_global"] for r in rows)

@@ -1,0 +1,240 @@
+"""Attention split by heads where per-head tensors act on the scores: they follow the heads.
+
+gpt-oss appends its per-head ``sinks`` parameter to each head's scores before the softmax
+(``parallel/infer/follow.py``: a tensor concatenated beside split activations at their heads'
+size follows them, ``per_channel``, each rank holding its heads' sinks); Granite-SWA subtracts its
+``sinks`` from each head's ``logsumexp`` of the scores (``layouts.py`` follows the heads through a
+reduction of a later dim). Multi-query attention
+(Falcon before its new decoder architecture, GPT-BigCode): the queries split, the one k/v head
+computed by every rank (``Plan.sliced``). ALiBi (BLOOM, MPT): the bias the model builds from the
+config's head count and hands to each attention is sliced to the rank's heads at their global
+index (``Plan.head_inputs``, ``parallel/infer/head_inputs.py``, ``parallel/plan/head_inputs.py``).
+
+Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
+plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
+the issue: loss 1e-5 and grad_norm 1e-4 relative. Per rank, the attention's parameter bytes are
+compared with 1/tp of the whole (what stays whole on every rank said by name).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_parity, make_adapter, plain_reference, run_ranks, shardlm_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+# model type -> (the attention module of block 0, its linears split by heads)
+SPLIT = {
+    "gpt_oss": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "falcon": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
+    "gpt_bigcode": ("transformer.h.0.attn", ("c_attn", "c_proj")),
+    "bloom": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
+    "mpt": ("transformer.blocks.0.attn", ("Wqkv", "out_proj")),
+    "granite_swa": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+}
+# per model type: the attention's parameter elements, whole, and held by each rank at tp=2
+ATTENTION_ELEMENTS = {
+    # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
+    "gpt_oss": (16644, 8354),
+    # multi-query: the fused [q 64 | k 16 | v 16] x 64 stored whole on every rank (``Plan.sliced``: each
+    # computes its half of q and the one k/v head), the output projection [64, 64] halved
+    "falcon": (10240, 8192),
+    # the same with biases, c_proj's [64] whole (added after the all-reduce)
+    "gpt_bigcode": (10400, 8352),
+    # ALiBi: no parameter per head (the slopes are built in the forward); dense's bias [64] whole
+    "bloom": (16640, 8352),
+    "mpt": (16384, 8192),
+    # q/k/v/o [64, 64], sinks [4] (sigmoid(logsumexp(scores) - sink) scales each head's output): halved
+    "granite_swa": (16388, 8194),
+}
+
+
+def _write(root: Path, model_type: str) -> str:
+    path = root / model_type
+    tiny_config(model_type).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attention")
+    return {t: _write(root, t) for t in SPLIT}
+
+
+def test_attention_is_split_with_what_acts_per_head(dirs):
+    """The plan splits the attention's linears and places the per-head tensors with the heads."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    for model_type, (attention, linears) in SPLIT.items():
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        assert not plan.replicated, (model_type, plan.replicated)
+        styles = [plan.styles[f"{attention}.{name}"] for name in linears]
+        assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
+    for model_type in ("gpt_oss", "granite_swa"):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        attention = SPLIT[model_type][0]
+        assert plan.styles[attention] == "per_channel"  # the sinks, one per head: each rank its heads'
+        assert set(plan.channels[attention]) == {"sinks"}
+        assert plan.experts[attention]["sinks"].dim == 0
+    # ALiBi built in the model from the config's head count, handed to each attention: its heads' rows
+    for model_type, name in (("bloom", "alibi"), ("mpt", "position_bias")):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        assert plan.head_inputs[SPLIT[model_type][0]] == {name: 0}, (model_type, plan.head_inputs)
+    # multi-query: q split, the one k/v head computed by every rank (rows of the fused projection)
+    for model_type in ("falcon", "gpt_bigcode"):
+        plan = infer_plan(build_meta_model(dirs[model_type]), 2)
+        attention, (fused, _) = SPLIT[model_type]
+        assert plan.parts[f"{attention}.{fused}"] == [64, 16, 16], model_type
+        assert plan.sliced[f"{attention}.{fused}"] == [[(0, 32), (64, 80), (80, 96)], [(32, 64), (64, 80), (80, 96)]]
+
+
+def test_kept_whole_names_what_each_rank_stores_whole(dirs):
+    """The matrix's "kept whole" column (``plan/kept_whole.py``): the attention's fp32 bytes per rank
+    against the whole (the two blocks of ``ATTENTION_ELEMENTS``), and what is stored whole and why."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
+
+    for model_type in SPLIT:
+        meta = build_meta_model(dirs[model_type])
+        plan = infer_plan(meta, 2)
+        whole, local = ATTENTION_ELEMENTS[model_type]
+        assert attention_bytes(meta, plan, 2) == (2 * 4 * local, 2 * 4 * whole), model_type
+        mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
+        assert [w[: len(mqa[0])] for w in kept_whole(plan)] == (mqa if model_type in ("falcon", "gpt_bigcode") else [])
+    meta = build_meta_model(dirs["gpt_oss"])
+    plan = infer_plan(meta, 2)
+    plan.replicated = {"model.layers.0.self_attn.q_proj": "why", "model.layers.1.self_attn.q_proj": "why"}
+    assert kept_whole(plan) == ["model.layers.*.self_attn.q_proj: replicated (why)"]
+
+
+def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """Rank body: per model path, the elements of the parameters under its block-0 attention
+    (``paths[path]``) in all and on this rank, at tp=2."""
+    from shardlm import build_mesh, init_distributed, parallelize
+    from shardlm.config import ParallelConfig
+
+    init_distributed()
+    mesh = build_mesh(ParallelConfig(tp=2))
+    out = {}
+    for path, under in paths.items():
+        params = [p for n, p in parallelize(path, mesh).module.named_parameters() if n.startswith(f"{under}.")]
+        out[path] = (sum(p.numel() for p in params), sum(p.to_local().numel() for p in params))
+    return out
+
+
+def tp2_body(paths: list[str], attention: dict[str, str]) -> tuple[dict, dict]:
+    return shardlm_losses(paths, {"tp": 2}, 4, 1), attention_elements(attention)
+
+
+@pytest.mark.ranks
+def test_tp2_matches_one_process_and_halves_the_attention(dirs):
+    paths = [dirs[t] for t in SPLIT]
+    attention = {dirs[t]: under for t, (under, _) in SPLIT.items()}
+    losses, elements = run_ranks(tp2_body, 2, paths, attention)
+    for model_type in SPLIT:
+        assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=model_type)
+        assert elements[dirs[model_type]] == ATTENTION_ELEMENTS[model_type], (model_type, elements[dirs[model_type]])
+
+
+@pytest.mark.ranks
+def test_tp2_fsdp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in SPLIT]
+    losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    for model_type in SPLIT:
+        assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=f"{model_type} tp2xfsdp2")
+
+
+@pytest.mark.ranks
+def test_gpt_oss_lora_at_tp2_matches_one_process_peft(dirs, tmp_path):
+    """LoRA on gpt-oss's split attention (the sinks frozen with the base) against one-process peft:
+    losses, grad norms, every adapter tensor's step-1 gradient, and the exported adapter."""
+    from safetensors.torch import load_file
+    from test_lora import assert_same_grads, lora_rank, peft_reference
+
+    from shardlm.checkpoint.export import consolidate
+
+    path = dirs["gpt_oss"]
+    adapter = make_adapter(path, str(tmp_path / "adapter"), ["q_proj", "k_proj", "v_proj", "o_proj"])
+    got = run_ranks(lora_rank, 2, [(path, adapter)], {"tp": 2}, 4)[path]
+    ref_steps, ref_adapter, ref_grads = peft_reference(path, adapter)
+    assert_parity(got["steps"], ref_steps, label="gpt_oss LoRA tp2")
+    assert_same_grads(got["grads"], ref_grads, "gpt_oss LoRA tp2")
+    assert got["tp_same"]
+    consolidate(str(Path(path) / "out"), str(tmp_path / "adapter-out"))
+    ours = load_file(str(tmp_path / "adapter-out" / "adapter_model.safetensors"))
+    assert ours.keys() == ref_adapter.keys()
+    for key, value in ref_adapter.items():
+        assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), key
+
+
+# published defaults are dropout 0 for these types but for gpt-oss's and BLOOM's attention dropout (0.0
+# too): turned on here, alone, against one process drawing the same masks (``plain_reference(dropout=True)``)
+DROPOUT = {
+    "gpt_oss": {"attention_dropout": 0.1},
+    "bloom": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+}
+
+
+@pytest.mark.ranks
+def test_dropout_on_split_attention_matches_one_process(tmp_path):
+    """Attention dropout on the split scores (gpt-oss: after the sinks are dropped; BLOOM: with ALiBi,
+    the bias sliced per rank) at tp=2: the one-process masks, TP replicas bit-identical."""
+    from test_dropout import check_run, run_jobs
+
+    paths = {}
+    for model_type, overrides in DROPOUT.items():
+        config = tiny_config(model_type)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        config.save_pretrained(tmp_path / model_type)
+        paths[model_type] = str(tmp_path / model_type)
+    results = run_ranks(run_jobs, 2, [(path, "tp2") for path in paths.values()])
+    for (model_type, path), result in zip(paths.items(), results):
+        check_run(result, plain_reference(path, 4, dropout=True), f"tp2 {model_type} dropout")
+
+
+def test_each_rank_sees_its_own_heads_of_alibi():
+    """BLOOM's ALiBi bias, ``[batch * heads, 1, keys]``, sliced per rank (``own_heads``) is the bias of
+    that rank's heads at their global index, batch by batch (the slopes differ per head)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from shardlm.parallel.plan.head_inputs import own_heads
+
+    mask = torch.ones(3, 7)
+    whole = build_alibi_tensor(mask, 8, torch.float32).view(3, 8, 1, 7)
+    for rank in range(4):
+        got = own_heads(whole.flatten(0, 1), 0, 8, 4, rank).view(3, 2, 1, 7)
+        assert torch.equal(got, whole[:, 2 * rank : 2 * rank + 2]), rank
+    assert not torch.equal(whole[:, 0], whole[:, 2])  # the first heads' slopes would not do
+
+
+def test_layouts_follow_heads_beside_a_cat_and_through_a_reduction_of_a_later_dim():
+    """gpt-oss's sinks appended to the scores along the keys, Granite-SWA's ``logsumexp`` over the keys:
+    the heads stay the split dim; a tensor of another rank beside them (an empty kv cache) drops it."""
+    from shardlm.parallel.infer.layouts import propagate
+
+    layouts = {}
+    scores = torch.empty(1, 4, 13, 13, device="meta")  # [b, heads, q, k], heads split
+    layouts[id(scores)] = (-3, (4,))
+    sinks = torch.empty(1, 4, 13, 1, device="meta")
+    both = torch.cat([scores, sinks], dim=-1)
+    propagate("cat", ([scores, sinks],), {"dim": -1}, both, layouts)
+    assert layouts[id(both)] == (-3, (4,))
+    lse = torch.logsumexp(scores, dim=-1)
+    propagate("logsumexp", (scores,), {"dim": -1}, lse, layouts)
+    assert layouts[id(lse)] == (-2, (4,))
+    over_heads = scores.sum(1)
+    propagate("sum", (scores, 1), {}, over_heads, layouts)
+    assert id(over_heads) not in layouts  # summed over the split heads: ``check_reduction``'s
+    empty = torch.empty(0, device="meta")
+    cache = torch.cat([empty, scores], dim=-2)
+    propagate("cat", ([empty, scores],), {"dim": -2}, cache, layouts)
+    assert id(cache) not in layouts
