@@ -116,7 +116,9 @@ def survey(model_type: str, root: str) -> dict:
         model(input_ids=ids, labels=ids).loss.backward()
     except (Exception, _Timeout) as exc:  # noqa: BLE001 - recorded: the type does not build at tiny sizes
         signal.alarm(0)
-        row.update(build=f"{type(exc).__name__}: {' '.join(str(exc).split())[:100]}", group="(does not build)")
+        why = " ".join(str(exc).split())  # a NotBuildable reason (scripts/tiny.py) whole, else its start
+        row.update(build=f"{type(exc).__name__}: {why if type(exc).__name__ == 'NotBuildable' else why[:100]}")
+        row["group"] = "(does not build)"
         return row
     row["build"] = "ok"
     try:

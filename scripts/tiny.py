@@ -4,6 +4,18 @@ Only sizes are shrunk (widths, depths, head counts, vocabulary, experts); everyt
 model type's config says by default stays as published: token ids (brought inside the small
 vocabulary), sliding windows, rope variants, per-layer attribute lists (cut to the layers
 kept, one layer of every kind). Dropout is switched off, because parity needs it.
+
+Sizes a config validates against each other stay consistent, one rule per constraint (each
+named after the type that showed it): the config's own ``attribute_map`` names its routing sizes
+(``_aliases``); top-k within the experts, expert groups dividing them (``_routing``); widths that are
+a multiple of the hidden size stay so (``_widths``); head sizes that are width / heads, or the sum
+of MLA's nope and rope dims, stay so (``_head_dims``); layer counts that sum to the depth still do
+(``_depth``); a partial rotary factor leaves an even number of rotary dims (``_rotary``); lists of
+layer indices follow the layers kept, and the cache-sharing layers keep a producer of each kind
+(``_cut_layers``); widths one sub-config reads off another stay equal (``_cross_widths``).
+What no rule can mend (a default that misses a value its own model reads) is in ``OVERRIDES`` /
+``AFTER``, each with why; types that cannot run on text rows at all are in ``NOT_BUILDABLE``
+with the transformers-side or package reason (``tiny_config`` raises ``NotBuildable``).
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ WIDTH = {  # hidden widths
     "backbone_hidden_size": 64,
     "embed_dim": 64,
     "emb_dim": 64,  # XLM
+    "embedding_dim": 64,  # xLSTM
 }
 FFN = {
     "intermediate_size": 128,
@@ -83,6 +96,9 @@ HEAD_DIM = {
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
     "rotary_dim": 8,
+    "d_head": 16,  # XLNet
+    "mamba_headdim": 16,  # Zamba2
+    "indexer_head_dim": 16,
 }
 OTHER = {
     "vocab_size": VOCAB,
@@ -108,6 +124,8 @@ OTHER = {
     "chunk_size": 16,
     "n_groups": 1,
     "mamba_n_groups": 1,
+    "decoder_vocab_size": VOCAB,  # Marian
+    "encoder_hash_byte_group_vocab": VOCAB,  # BLT's hashed byte n-grams
     "image_size": 32,
     "patch_size": 8,
 }
@@ -116,6 +134,95 @@ SIZES = {**WIDTH, **FFN, **DEPTH, **HEADS, **HEAD_DIM, **OTHER}
 # index, scaled with the depth so that a model with both kinds keeps both (at least one MoE layer)
 FIRST_DENSE = ("first_k_dense_replace", "num_dense_layers")
 # 'max_position_embeddings' etc. must stay >= the sequences trained on; a sliding window above it is left alone
+# routing sizes a default config may leave None although the model reads them (DeepSeek-V2's top-k,
+# dots1's expert counts): the published checkpoints set them, so the tiny model does too
+ROUTING_IF_NONE = {"num_experts_per_tok": 2, "n_routed_experts": 4, "n_shared_experts": 1}
+ROUTING = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")
+# head sizes a model derives from a width when they equal width / heads (XLNet validates it)
+DERIVED_HEAD_DIMS = ("head_dim", "d_head", "attention_head_dim", "kv_channels")
+WIDTHS_OF_HEADS = ("attention_hidden_size", "hidden_size", "d_model")
+
+# Defaults that no size rule can mend: the config class's default misses a value its own model
+# reads (each published checkpoint's config.json carries it). Applied to the default dict before
+# shrinking.
+OVERRIDES = {
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig no longer declares
+    # (transformers moved it to the top-level rope_parameters); DBRX's config.json has it there
+    # (and clamps q/k/v with clip_qkv, None by default: DBRX's config.json has 8)
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # the rotary embedding looks up rope_parameters[layer_type]; the default dict is empty
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # every layer reads layer_types[i] ("conv" or attention); the default is None. LFM2-8B-A1B's:
+    # attention at layers 2, 6, 10, 14, 18, 21 of 24, short convolutions elsewhere
+    "lfm2_moe": {
+        "num_hidden_layers": 24,
+        "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+    },
+    # every indexed_attention layer builds the QSA indexer from these, all None by default
+    # (validate_architecture: one key head, budget a multiple of the compression ratio)
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    # the X-MOD adapters are chosen per language; without a default one the forward raises
+    "xmod": {"default_language": "en_XX"},
+}
+OVERRIDES["qwen4_exp"] = {"text_config": OVERRIDES["qwen4_exp_text"]}
+# Sizes the rules above get wrong for one type, set after shrinking.
+AFTER = {
+    # MiMo-V2-Flash's sliding-window layers have twice the kv heads: the rule's 4 (all the query heads,
+    # as the published 4 kv heads are not fewer than 4) would be 8 kv heads for 4 query heads; the
+    # published 64 query / 4 kv heads are grouped, so 2
+    "mimo_v2_flash": {"num_key_value_heads": 2},
+    # Dory's dict counts blocks (an attention block then an mlp block per layer: every count doubled,
+    # validate_architecture checks the halves): three layers, one each of input, recurrent, output
+    "dory": {
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "mlp", "sliding_attention", "mlp", "full_attention", "mlp"],
+        "n_input_layers": 2,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 2,
+    },
+    # Dots 3's sliding layers override qk_nope_head_dim per layer (192 + rope 64 = the global head_dim
+    # 256, which validate_architecture checks); shrunk, nope 16 + rope 8
+    "dots3_note_text": {"head_dim": 24},
+    # head_dim None by default, and the attention reads config.head_dim (getattr's fallback to
+    # hidden / heads never applies: the attribute exists); published checkpoints set it
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    "ministral": {"head_dim": 16},
+    # the per-layer input embeddings (262144 x 256 per layer: 400M parameters at 6 layers) on the
+    # small vocabulary
+    "gemma3n_text": {"vocab_size_per_layer_input": VOCAB},
+}
+AFTER["dots3_note"] = {"text_config": AFTER["dots3_note_text"]}
+# Kinds of layer kept twice: Zamba ties one shared transformer block across its hybrid layers (a tie
+# needs two of them)
+KEEP_TWICE = {"zamba": "hybrid"}
+
+# Types no tiny config can make trainable on text rows in one process, and the transformers-side
+# or package reason (the matrix records it as the row's build result).
+NOT_BUILDABLE = {
+    "gemma3n": "Gemma3nForConditionalGeneration's vision tower is a TimmWrapperModel: it needs the timm package "
+    "(and torchvision), not in shardlm's dependencies; its text model is gemma3n_text",
+    "gemma4_assistant": "a speculative-decoding drafter: its forward takes the target model's inputs_embeds and "
+    "shared_kv_states (every layer reuses the target's KV cache), so it cannot run on token ids alone",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: its forward takes the target model's inputs_embeds "
+    "and shared_kv_states (every layer reuses the target's KV cache), so it cannot run on token ids alone",
+    "git": "GitForCausalLM's loss drops the first (image_size/patch_size)^2+1 logits for the image tokens whether or "
+    "not pixel_values are given (modeling_git.py), so a text row has no loss",
+    "musicgen": "an audio-codebook decoder: input_ids are (batch x num_codebooks, seq) and labels (batch, seq, "
+    "num_codebooks), one head per codebook; not a text causal LM",
+    "musicgen_melody": "an audio-codebook decoder: input_ids are (batch x num_codebooks, seq) and labels (batch, "
+    "seq, num_codebooks), one head per codebook; not a text causal LM",
+}
+
+
+class NotBuildable(Exception):
+    """A type that cannot be trained on text rows, for the reason in ``NOT_BUILDABLE``."""
 
 
 def _per_layer_keys(d: dict, layers: int) -> list[str]:
@@ -129,48 +236,93 @@ def _small(k: str, v, ref=None):
     return SIZES[k] if v > SIZES[k] else v
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kept_layers(d: dict, layers: int, keys: list[str], per_layer: dict | None) -> list[int]:
+    """One layer of each kind (first occurrences) of every per-layer list, at most 4; a model whose
+    last ``num_kv_shared_layers`` reuse earlier layers' caches (Gemma 3n) keeps one of each kind
+    on both sides of that line, so that every kind reusing a cache still has one producing it."""
+    shared = d.get("num_kv_shared_layers")
+    first_shared = layers - shared if _int(shared) and 0 < shared < layers else layers
+    keep = {0, 1}
+    twice = KEEP_TWICE.get(d.get("model_type"))
+    for k in keys:
+        seen, count = {}, {}
+        for i, v in enumerate(d[k]):
+            count[repr(v)] = count.get(repr(v), 0) + 1
+            seen.setdefault((repr(v), i >= first_shared, v == twice and count[repr(v)] > 1), i)
+        keep |= set(seen.values())
+    if per_layer:
+        seen = {}
+        for i, v in sorted((int(i), v) for i, v in per_layer.items()):
+            seen.setdefault(repr(v), i)
+        keep |= set(seen.values())
+    return sorted(keep)[: 4 if first_shared == layers else 6]
+
+
+def _cut_layers(d: dict) -> list[int] | None:
+    """Per-layer lists and per_layer_config cut to the layers kept (the same layers everywhere)."""
+    layers = next((d[k] for k in DEPTH if _int(d.get(k))), None)
+    keys = _per_layer_keys(d, layers) if _int(layers) else []
+    per_layer = d.get("per_layer_config") if isinstance(d.get("per_layer_config"), dict) else None
+    if not (keys or per_layer):
+        return None
+    keep = _kept_layers(d, layers, keys, per_layer)
+    for k in keys:
+        d[k] = [d[k][i] for i in keep]
+    for k, v in list(d.items()):  # lists of layer indices (Zamba2's hybrid_layer_ids): renumbered
+        if k.endswith(("_layer_ids", "_layer_idxs")) and isinstance(v, list) and all(_int(i) for i in v):
+            d[k] = [keep.index(i) for i in v if i in keep]
+    if _int(d.get("num_kv_shared_layers")) and 0 < d["num_kv_shared_layers"] < layers:
+        d["num_kv_shared_layers"] = sum(i >= layers - d["num_kv_shared_layers"] for i in keep)
+    if per_layer:
+        width = len(next(iter(per_layer)))
+        d["per_layer_config"] = {
+            str(new).zfill(width): _shrink_layer_entry(per_layer[str(old).zfill(width)], d)
+            for new, old in enumerate(keep)
+            if str(old).zfill(width) in per_layer
+        }
+    return keep
+
+
+def _shrink_layer_entry(entry: dict, d: dict) -> dict:
+    """One per_layer_config entry: sizes shrunk as the global ones, kv heads as in ``_kv_heads``."""
+    out = {k: _small(k, v, d.get(k)) if k in SIZES and _int(v) else v for k, v in entry.items()}
+    heads = next((out[k] for k in HEADS if _int(out.get(k))), None)
+    for k in KV_HEADS:
+        if _int(entry.get(k)) and heads:
+            orig_heads = next(entry[j] for j in HEADS if _int(entry.get(j)))
+            out[k] = heads if entry[k] >= orig_heads else min(2, heads)
+    return out
+
+
+def _aliases(model_type: str | None) -> dict[str, str]:
+    """``{key as stored: standard name}`` from the config class's own ``attribute_map`` (Ernie-4.5-MoE
+    stores top-k as ``moe_k``, Bailing the expert groups as ``num_expert_group``): routing sizes only,
+    which must agree with each other."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type] if model_type and model_type in CONFIG_MAPPING else None
+    amap = getattr(cls, "attribute_map", None) or {}
+    return {real: std for std, real in amap.items() if std in ROUTING and real not in SIZES}
+
+
 def shrink(d: dict) -> dict:
     """A shrunk copy of a config dict (and of its sub-config dicts)."""
     d = dict(d)
-    layers = next((d[k] for k in DEPTH if isinstance(d.get(k), int)), None)
-    # per-layer lists and per_layer_config: keep one layer of each kind (first occurrences),
-    # the same layers everywhere
-    keys = _per_layer_keys(d, layers) if isinstance(layers, int) else []
-    per_layer = d.get("per_layer_config") if isinstance(d.get("per_layer_config"), dict) else None
-    keep = None
-    if keys or per_layer:
-        keep = {0, 1}
-        for k in keys:
-            seen = {}
-            for i, v in enumerate(d[k]):
-                seen.setdefault(repr(v), i)
-            keep |= set(seen.values())
-        if per_layer:
-            seen = {}
-            for i, v in sorted((int(i), v) for i, v in per_layer.items()):
-                seen.setdefault(repr(v), i)
-            keep |= set(seen.values())
-        keep = sorted(keep)[:4]
-        for k in keys:
-            d[k] = [d[k][i] for i in keep]
-        if per_layer:
-            width = len(next(iter(per_layer)))
-            d["per_layer_config"] = {
-                str(new).zfill(width): {
-                    kk: _small(kk, vv, d.get(kk)) if kk in SIZES and isinstance(vv, int) else vv
-                    for kk, vv in per_layer[str(old).zfill(width)].items()
-                }
-                for new, old in enumerate(keep)
-                if str(old).zfill(width) in per_layer
-            }
+    keep = _cut_layers(d)
+    aliases = _aliases(d.get("model_type"))
     original = dict(d)
     for k, v in list(d.items()):
+        size = SIZES.get(aliases.get(k, k))
         if k == "per_layer_config":
             continue
         if isinstance(v, dict) and ("model_type" in v or k.endswith(("_config", "config"))):
             d[k] = shrink(v)
-        elif k in SIZES and isinstance(v, int) and not isinstance(v, bool) and v > SIZES[k]:
-            d[k] = SIZES[k]
+        elif size is not None and _int(v) and v > size:
+            d[k] = size
         elif isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             d[k] = 0.0
         elif k in ("init_std", "initializer_range") and isinstance(v, float) and v >= 1.0:
@@ -178,57 +330,226 @@ def shrink(d: dict) -> dict:
             # loss 24; its fp32 one-process run is 3e-4 off the fp64 one at step 1, 1.5% at step 3),
             # so a 1e-4 parity check could not be decided on it. 0.02, as most types default to.
             d[k] = 0.02
-    # head sizes equal in the published config stay equal (DeepSeek's head_dim is its rope dim)
-    dims = [k for k in HEAD_DIM if isinstance(original.get(k), int)]
+    _widths(d, original)
+    _head_dims(d, original)
+    _depth(d, original, keep)
+    _routing(d, original)
+    _kv_heads(d, original)
+    _rotary(d, original)
+    _ssm_heads(d)
+    if "is_decoder" in d and not d.get("is_encoder_decoder"):
+        d["is_decoder"] = True  # encoders used as causal LMs (BERT-likes, Reformer) need it
+    _reformer_axial(d, original)
+    _token_ids(d)
+    return d
+
+
+def _widths(d: dict, original: dict) -> None:
+    """Widths that are a multiple of the hidden size in the published config stay that multiple
+    (Zamba's attention runs on [hidden, embeddings] concatenated: twice the hidden size)."""
+    hidden, was = d.get("hidden_size"), original.get("hidden_size")
+    if not (_int(hidden) and _int(was) and was > 0):
+        return
+    for k in WIDTH:
+        v = original.get(k)
+        if k != "hidden_size" and _int(v) and v != was and v % was == 0 and 2 <= v // was <= 4:
+            d[k] = hidden * (v // was)
+
+
+def _head_dims(d: dict, original: dict) -> None:
+    """Head sizes equal in the published config stay equal (DeepSeek's head_dim is its rope dim);
+    a head size that is width / heads there stays so (XLNet validates ``d_head == d_model // n_head``)."""
+    dims = [k for k in HEAD_DIM if _int(original.get(k))]
     for k in dims:
         same = [j for j in dims if original[j] == original[k]]
         d[k] = min(d[j] for j in same)
-    if all(isinstance(d.get(k), int) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
-        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    heads_key = next((k for k in HEADS if _int(original.get(k))), None)
+    if heads_key:
+        for k in DERIVED_HEAD_DIMS:
+            for w in WIDTHS_OF_HEADS:
+                v, width = original.get(k), original.get(w)
+                if _int(v) and _int(width) and v * original[heads_key] == width and v > SIZES[k]:
+                    d[k] = d[w] // d[heads_key]
+                    break
+    if all(_int(d.get(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim")):
+        qk = original["qk_nope_head_dim"] + original["qk_rope_head_dim"]
+        for k in ("qk_head_dim", "swa_head_dim"):  # MLA's query/key head, Dots 3's SWA heads of that size
+            if k == "qk_head_dim" and _int(d.get(k)) or original.get(k) == qk:
+                d[k] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+
+
+def _depth(d: dict, original: dict, keep: list[int] | None) -> None:
+    """The depth is the number of layers kept (under every name it has); the leading dense layers of a
+    MoE stay fewer than it;
+    layer counts that sum to the depth (Dory's input + recurrent + output layers) still do."""
     if keep is not None:
         for k in DEPTH:
-            if isinstance(d.get(k), int):
+            if _int(d.get(k)):
                 d[k] = len(keep)
-    depth = next((d[k] for k in DEPTH if isinstance(d.get(k), int)), None)
+    depth = next((d[k] for k in DEPTH if _int(d.get(k))), None)
+    layers = next((original[j] for j in DEPTH if _int(original.get(j))), None)
+    if _int(original.get("num_blocks")) and original["num_blocks"] == layers:
+        d["num_blocks"] = depth  # xLSTM's second name for its depth
     for k in FIRST_DENSE:
-        first, layers = original.get(k), next((original[j] for j in DEPTH if isinstance(original.get(j), int)), None)
-        if isinstance(first, int) and isinstance(layers, int) and 0 < first < layers and first >= depth:
+        first = original.get(k)
+        if _int(first) and _int(layers) and 0 < first < layers and first >= depth:
             d[k] = max(1, depth - 1)
-    heads = next((d[k] for k in HEADS if isinstance(d.get(k), int)), None)
+    parts = [k for k, v in original.items() if _int(v) and k.startswith("n_") and k.endswith("_layers") and v > 0]
+    if _int(layers) and len(parts) > 1 and sum(original[k] for k in parts) == layers and len(parts) <= depth:
+        for i, k in enumerate(parts):
+            d[k] = 1 + (depth - len(parts) if i == 0 else 0)
+
+
+def _stored(d: dict, std: str) -> str | None:
+    """The key ``d`` stores the standard size ``std`` under (itself or its attribute_map alias)."""
+    if std in d:
+        return std
+    return next((k for k, v in _aliases(d.get("model_type")).items() if v == std and k in d), None)
+
+
+def _routing(d: dict, original: dict) -> None:
+    """Routing sizes the default leaves None get the tiny ones when the model has experts; top-k
+    stays within the experts, the expert groups divide them (two experts a group at least) and
+    the groups picked stay within the groups."""
+    counts = [_stored(d, k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")]
+    counts = [k for k in counts if k]
+    if not counts:
+        return
+    none = all(d[k] is None for k in counts)
+    if none or any(_int(d[k]) and d[k] > 0 for k in counts):
+        for std, v in ROUTING_IF_NONE.items():
+            k = _stored(d, std)
+            if k and d[k] is None and (std != "n_shared_experts" or none):
+                d[k] = v
+    experts = next((d[k] for k in counts if _int(d[k]) and d[k] > 0), None)
+    topk, groups, picked = (_stored(d, k) for k in ("num_experts_per_tok", "n_group", "topk_group"))
+    if experts is None:
+        return
+    if topk and _int(d[topk]) and d[topk] > experts:
+        d[topk] = min(2, experts)
+    if groups and _int(d[groups]) and d[groups] > 1 and (experts % d[groups] or experts // d[groups] < 2):
+        d[groups] = 1
+    if picked and groups and _int(d[picked]) and _int(d[groups]) and d[picked] > d[groups]:
+        d[picked] = d[groups]
+
+
+def _kv_heads(d: dict, original: dict) -> None:
+    """As many kv heads as heads if there were (a None default means that too: Nemotron), else 2."""
+    heads = next((d[k] for k in HEADS if _int(d.get(k))), None)
     for k in KV_HEADS:
-        if isinstance(d.get(k), int) and heads:
+        if heads and _int(d.get(k)):
             d[k] = heads if d[k] >= heads else min(2, heads)
-    # SSMs (Mamba-2 style): heads * head_dim must equal expand * hidden
+        elif heads and k == "num_key_value_heads" and k in d and d[k] is None:
+            d[k] = heads
+
+
+def _rotary_factor(d: dict) -> float | None:
+    rope = d.get("rope_parameters")
+    found = [d.get("partial_rotary_factor")]
+    if isinstance(rope, dict):
+        found.append(rope.get("partial_rotary_factor"))
+        found += [r.get("partial_rotary_factor") for r in rope.values() if isinstance(r, dict)]
+    found = [f for f in found if isinstance(f, float) and 0 < f < 1]
+    return min(found) if found else None
+
+
+def _rotary(d: dict, original: dict) -> None:
+    """A partial rotary factor leaves an even number of rotary dims, as the published head size does
+    (MiMo-V2-Flash: 0.334 of 192 is 64; of 16 it would be 5): the head grows to the next size that does."""
+    factor, head = _rotary_factor(d), d.get("head_dim")
+    if factor is None or not _int(head) or (int(head * factor) % 2 == 0 and int(head * factor) > 0):
+        return
+    new = next(h for h in range(head + 8, 8 * head, 8) if int(h * factor) % 2 == 0 and int(h * factor) > 0)
+    for k in HEAD_DIM:
+        if d.get(k) == head and original.get(k) == original.get("head_dim"):
+            d[k] = new
+
+
+def _ssm_heads(d: dict) -> None:
+    """SSMs (Mamba-2 style): heads * head_dim must equal expand * hidden."""
     hidden, expand = d.get("hidden_size"), d.get("expand") or d.get("mamba_expand")
-    for hk, dk in (("num_heads", "head_dim"), ("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
-        if isinstance(expand, int) and isinstance(hidden, int) and isinstance(d.get(hk), int) and d.get(dk):
+    pairs = (
+        ("num_heads", "head_dim"),
+        ("mamba_n_heads", "mamba_d_head"),
+        ("mamba_num_heads", "mamba_head_dim"),
+        ("n_mamba_heads", "mamba_headdim"),
+    )
+    for hk, dk in pairs:
+        if _int(expand) and _int(hidden) and _int(d.get(hk)) and d.get(dk):
             d[hk] = expand * hidden // d[dk]
-    if "is_decoder" in d and not d.get("is_encoder_decoder"):
-        d["is_decoder"] = True  # encoders used as causal LMs (BERT-likes, Reformer) need it
-    # token ids outside the small vocabulary: moved to its top, one slot each
+
+
+def _reformer_axial(d: dict, original: dict) -> None:
+    """Axial position embeddings: their widths sum to the hidden size and, in training, their shape
+    multiplies to the sequence length (16 here), which the attention chunks divide."""
+    dims, shape = original.get("axial_pos_embds_dim"), d.get("axial_pos_shape")
+    if not (isinstance(dims, list) and isinstance(shape, list) and _int(d.get("hidden_size"))):
+        return
+    scale = d["hidden_size"] / sum(dims)
+    d["axial_pos_embds_dim"] = [int(v * scale) for v in dims[:-1]]
+    d["axial_pos_embds_dim"].append(d["hidden_size"] - sum(d["axial_pos_embds_dim"]))
+    d["axial_pos_shape"] = [4, 4]
+    for k in ("local_attn_chunk_length", "lsh_attn_chunk_length"):
+        if _int(d.get(k)):
+            d[k] = 8
+
+
+def _token_ids(d: dict) -> None:
+    """Token ids outside the small vocabulary: moved to its top, one slot each."""
     vocab = d.get("vocab_size")
-    if isinstance(vocab, int):
-        top = vocab - 1
-        for k, v in d.items():
-            if k.endswith(("_token_id", "_token_index", "_token_ids")):
-                if isinstance(v, int) and not isinstance(v, bool) and v >= vocab:
-                    d[k], top = top, top - 1
-                elif isinstance(v, list):
-                    fixed = []
-                    for x in v:
-                        if isinstance(x, int) and x >= vocab:
-                            x, top = top, top - 1
-                        fixed.append(x)
-                    d[k] = fixed
-    return d
+    if not _int(vocab):
+        return
+    top = vocab - 1
+    for k, v in d.items():
+        if k.endswith(("_token_id", "_token_index", "_token_ids")):
+            if _int(v) and v >= vocab:
+                d[k], top = top, top - 1
+            elif isinstance(v, list):
+                fixed = []
+                for x in v:
+                    if _int(x) and x >= vocab:
+                        x, top = top, top - 1
+                    fixed.append(x)
+                d[k] = fixed
+
+
+def _cross_widths(original: dict, d: dict) -> None:
+    """Widths one sub-config reads off another stay equal to it: a sub-config's ``hidden_size_<name>``
+    is the width of the ``<name>_config`` next to it (BLT's local encoder and decoder read the global
+    transformer's), and an adapter's in/out width that was its own tower's or the text model's
+    hidden size still is (Dots 3's vision and audio adapters)."""
+    text, text_was = d.get("text_config") or {}, original.get("text_config") or {}
+    for name, sub in d.items():
+        if not (isinstance(sub, dict) and name.endswith("config")):
+            continue
+        was = original.get(name) or {}
+        for k in [k for k in sub if isinstance(k, str) and _int(sub[k])]:
+            other = d.get(k.removeprefix("hidden_size_") + "_config") if k.startswith("hidden_size_") else None
+            if isinstance(other, dict) and _int(other.get("hidden_size")):
+                sub[k] = other["hidden_size"]
+            elif "adapter" in k and was.get(k) == was.get("hidden_size"):
+                sub[k] = sub["hidden_size"]
+            elif "adapter" in k and was.get(k) == text_was.get("hidden_size") and _int(text.get("hidden_size")):
+                sub[k] = text["hidden_size"]
+
+
+def _merge(d: dict, over: dict) -> dict:
+    out = dict(d)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def tiny_config(model_type: str):
     """The config of ``model_type`` from its own defaults, sizes shrunk (see the module docstring)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if model_type in NOT_BUILDABLE:
+        raise NotBuildable(NOT_BUILDABLE[model_type])
     cls = CONFIG_MAPPING[model_type]
-    d = shrink(cls().to_dict())
+    original = _merge(cls().to_dict(), OVERRIDES.get(model_type, {}))
+    d = _merge(shrink(original), AFTER.get(model_type, {}))
+    _cross_widths(original, d)
     d.pop("transformers_version", None)
     config = cls.from_dict(d)
     config.use_cache = False

@@ -125,6 +125,9 @@ TINY = {
     "nemotron_h": ("nemotron_h", {"n_groups": 2}),
     "bamba": ("bamba", {}),
     "falcon_h1": ("falcon_h1", {}),
+    # Gemma 3 as published for 4B and up: Gemma3ForConditionalGeneration (a SigLIP vision tower, its
+    # projector, the Gemma 3 text model in ``model.language_model``), trained on text rows
+    "gemma3": ("gemma3", {}),
 }
 
 

@@ -157,6 +157,10 @@ class TrainConfig:
     max_bad_steps: int = 3
     # seconds any collective may wait for the other ranks before failing (every process group)
     timeout_s: float = 600.0
+    # a multimodal checkpoint (Gemma 3's ForConditionalGeneration) trains on text rows: its language
+    # model splits as any decoder; its vision/audio tower and projector stay whole and, unless this is
+    # true, frozen (text rows give them no gradient either way)
+    train_vision_tower: bool = False
 
 
 @dataclass

@@ -26,6 +26,7 @@ from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import keep_parts_in, parts_placements
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
+from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
@@ -166,6 +167,7 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     lora_config: LoraConfig | None = None,
     frozen_dtype: torch.dtype | None = None,
+    train_towers: bool = False,
 ) -> ParallelModel:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
@@ -174,8 +176,13 @@ def parallelize(
     autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
     adapters on the plan's projections (``parallel/runtime/lora.py``); only they (and ``modules_to_save``) train.
     ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
+    ``train_towers``: a multimodal checkpoint's vision/audio tower and projector train too
+    (``train.train_vision_tower``); by default they are frozen (``hf.tower_parameters``).
     """
     model = build_meta_model(model_path)
+    if not train_towers:
+        for name in tower_parameters(model):
+            model.get_parameter(name).requires_grad_(False)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
     peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None

@@ -377,6 +377,7 @@ def run(cfg: Config) -> list[dict]:
         mp_policy=mixed_precision_policy(cfg.train),
         lora_config=cfg.lora,
         frozen_dtype=frozen_dtype,
+        train_towers=cfg.train.train_vision_tower,
     )
     if cfg.lora is not None:
         print0(describe_trainable(model.module))

@@ -151,7 +151,9 @@ class ShardTracker(TorchFunctionMode):
             if (
                 isinstance(t, nn.Parameter)
                 and id(t) in self.param_owner
-                and id(t) not in self.tied | self.returned
+                # a tied embedding is used by two modules; a row read of it elsewhere is still foreign
+                # (Gemma 4's multimodal forward reads embed_tokens.weight[pad_token_id])
+                and (id(t) not in self.tied | self.returned or (name == "__getitem__" and id(t) in self.tied))
                 and self.running
                 # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
                 and not (name == "__get__" and not isinstance(out, torch.Tensor))

@@ -42,13 +42,36 @@ MODULE_KV_COUNT_ATTRS = MODULE_KV_ATTRS + ("num_key_value_groups",)
 WEIGHT_KERNELS = ("mamba_inner_fn", "split_conv1d_scan_combined")
 
 
+def language_config(config):
+    """The config of the language model: a multimodal checkpoint's text config (Gemma 3's
+    ``Gemma3ForConditionalGeneration`` holds its sizes in ``text_config``; transformers'
+    ``get_text_config`` says which), else the config itself. Every size shardlm splits by is the
+    language model's: the vision or audio tower is kept whole."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def config_value(config, name: str):
-    """``config.name``, or None where the config has no single value (Gemma 4's per-layer
-    ``head_dim`` raises rather than answer)."""
+    """``name`` of the language model's config (``language_config``), or None where the config has
+    no single value (Gemma 4's per-layer ``head_dim`` raises rather than answer)."""
     try:
-        return getattr(config, name, None)
+        return getattr(language_config(config), name, None)
     except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
         return None
+
+
+def tower_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters outside the language model: a multimodal checkpoint's vision or audio
+    tower and its projector (Gemma 3's ``model.vision_tower``, ``model.multi_modal_projector``);
+    empty for a text model. The language model is what transformers' ``get_decoder`` returns, with
+    the input and output embeddings. The plan keeps the towers whole (no text row reaches them)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        return []
+    keep = {id(p) for p in decoder.parameters()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        keep |= {id(p) for p in module.parameters()} if module is not None else set()
+    return [name for name, p in model.named_parameters() if id(p) not in keep]
 
 
 def config_size(config, key: str) -> int | None:

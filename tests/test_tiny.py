@@ -1,0 +1,61 @@
+"""``scripts/tiny.py``: each type's own config defaults shrunk consistently (issue 27). Configs only,
+no ranks: the constraints each config validates (or its model assumes) hold after shrinking, one
+rule each, and the types that cannot run on text rows say why. ``make matrix`` builds and trains
+them all (docs/compatibility.md)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import NOT_BUILDABLE, NotBuildable, tiny_config  # noqa: E402
+
+
+def test_routing_sizes_agree():
+    ernie = tiny_config("ernie4_5_moe")  # top-k stored as moe_k (its attribute_map)
+    assert ernie.num_experts_per_tok <= ernie.num_experts
+    bailing = tiny_config("bailing_hybrid")  # expert groups stored as num_expert_group
+    assert bailing.num_experts % bailing.n_group == 0 and bailing.topk_group <= bailing.n_group
+    deepseek = tiny_config("deepseek_v2")  # top-k None by default
+    assert isinstance(deepseek.num_experts_per_tok, int) and deepseek.num_experts_per_tok <= deepseek.n_routed_experts
+    dots1 = tiny_config("dots1")  # every expert count None by default
+    assert (dots1.n_routed_experts, dots1.num_experts_per_tok, dots1.n_shared_experts) == (4, 2, 1)
+
+
+def test_derived_sizes_stay_derived():
+    xlnet = tiny_config("xlnet")
+    assert xlnet.d_head * xlnet.n_head == xlnet.d_model
+    zamba2 = tiny_config("zamba2")
+    assert zamba2.attention_hidden_size == 2 * zamba2.hidden_size
+    assert zamba2.hybrid_layer_ids and max(zamba2.hybrid_layer_ids) < zamba2.num_hidden_layers
+    mimo = tiny_config("mimo_v2_flash")  # 0.334 of the head dim: an even number of rotary dims
+    factor = mimo.rope_parameters["full_attention"]["partial_rotary_factor"]
+    assert int(mimo.head_dim * factor) % 2 == 0 and int(mimo.head_dim * factor) > 0
+    dory = tiny_config("dory")
+    assert dory.n_input_layers + dory.n_recurrent_layers + dory.n_output_layers == dory.num_hidden_layers
+    gemma3n = tiny_config("gemma3n_text")  # the cache-sharing layers keep a producer of their kind
+    assert gemma3n.kv_sharing_modes and gemma3n.vocab_size_per_layer_input == gemma3n.vocab_size
+
+
+@pytest.mark.parametrize("model_type", ["xlstm", "marian", "nemotron"])
+def test_builds_and_trains_a_step(model_type):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_not_buildable_says_why():
+    for model_type, reason in NOT_BUILDABLE.items():
+        with pytest.raises(NotBuildable, match="^" + re.escape(reason[:30])):
+            tiny_config(model_type)
