@@ -1,0 +1,110 @@
+"""Pipeline parallelism (``parallel.pp``): stages cut from the model's own modules reproduce one process.
+
+The reference is the plain transformers + torch loop of ``helpers.plain_reference`` (fp32, 5 steps,
+global batch 4, clipping binding, padded and wholly-ignored samples): the loss to 1e-5 and the
+gradient norm to 1e-4, relative, at every step. The refusals are checked before spawning, one line each.
+"""
+
+import pytest
+from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
+
+from shardlm import ConfigError
+from shardlm.parallel.infer.stages import stage_layout
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.plan.stages import balance
+from shardlm.parallel.runtime.pipeline import keep_stage
+
+GLOBAL_BATCH = 4
+LLAMA = {"num_hidden_layers": 4}  # untied embeddings (Llama's default): two blocks a stage at pp=2
+# name -> (layout, per-device batch, accumulation): the global batch is always 4
+LAYOUTS = {
+    "pp2_1f1b": ({"pp": 2}, 2, 2),  # 2 micro-batches (pp) of 2 rows: the accumulation's batches joined
+    "pp2_gpipe": ({"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4}, 4, 1),
+    "pp2_fsdp2": ({"pp": 2, "fsdp": 2}, 1, 2),
+}
+
+
+def test_balance_weighs_embedding_and_head():
+    """Blocks of 10 each, an embedding of 25 on the first stage and a head of 5 on the last: the
+    smallest largest stage is 45 (embedding + 2 blocks | 4 blocks + head); equal blocks without
+    extras cut evenly."""
+    split = balance([10] * 6, 25, 5, 2)
+    assert split.blocks == (range(0, 2), range(2, 6)) and split.params == (45, 45)
+    assert balance([10] * 4, 0, 0, 4).blocks == tuple(range(i, i + 1) for i in range(4))
+
+
+def test_stage_keeps_whole_model_names(tmp_path):
+    """Each stage holds its blocks, the embedding on the first, the final norm and head on the
+    last, every parameter under its name in the whole model, and together they hold every one once."""
+    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    whole = dict(build_meta_model(path).named_parameters())
+    names = []
+    for stage in range(2):
+        model = build_meta_model(path)
+        keep_stage(model, stage_layout(model, 2), stage)
+        names.append(set(dict(model.named_parameters())))
+    assert all(name in whole for part in names for name in part)
+    assert names[0] & names[1] == set() and names[0] | names[1] == set(whole)
+    assert "model.embed_tokens.weight" in names[0] and "model.layers.1.mlp.up_proj.weight" in names[0]
+    assert (
+        "lm_head.weight" in names[1]
+        and "model.norm.weight" in names[1]
+        and "model.layers.2.mlp.up_proj.weight" in names[1]
+    )
+
+
+def test_refusals_before_spawning(tmp_path):
+    """One line each, naming the key: a schedule needing virtual stages, fewer micro-batches than
+    1F1B's stages, micro-batches not dividing the batch, combinations not supported yet, more stages
+    than blocks, tied embeddings, a forward that changes the embeddings before the first block (GPT-2)."""
+    (tmp_path / "d.txt").write_text("a b c\n")
+    llama = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    tied = write_model_dir(str(tmp_path / "tied"), "llama", tie_word_embeddings=True)
+    gpt2 = write_model_dir(str(tmp_path / "gpt2"), "gpt2", tie_word_embeddings=False)
+    train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    cases = [
+        (llama, {"pp": 2, "pp_schedule": "Interleaved1F1B"}, {}, "parallel.pp_schedule 'Interleaved1F1B'"),
+        (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
+        (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
+        (llama, {"pp": 2, "pp_microbatches": 3}, {}, "parallel.pp_microbatches=3 must divide"),
+        (llama, {"pp": 2, "tp": 2}, {}, "parallel.tp with parallel.pp=2 is not supported yet"),
+        (llama, {"pp": 2}, {"save_steps": 1}, "train.save_steps with parallel.pp=2 is not supported yet"),
+        (llama, {"pp": 8, "pp_microbatches": 8}, {"per_device_train_batch_size": 8}, "model has 4 decoder blocks"),
+        (tied, {"pp": 2}, {}, "ties its input and output embeddings"),
+        (gpt2, {"pp": 2}, {}, "changes the embeddings before its first decoder block"),
+    ]
+    for model, parallel, extra, match in cases:
+        raw = {"model": model, "data": {"path": str(tmp_path / "d.txt")}, "parallel": parallel}
+        raw["train"] = {"output_dir": str(tmp_path / "out"), **train, **extra}
+        with pytest.raises(ConfigError, match=match) as info:
+            load_checked(raw=raw)
+        assert "\n" not in str(info.value), info.value
+    assert load_checked(raw={**raw, "model": llama, "parallel": {"pp": 2}}).parallel.world_size == 2
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = write_model_dir(str(tmp_path_factory.mktemp("pp") / "llama"), "llama", **LLAMA)
+    return path, plain_reference(path, GLOBAL_BATCH)
+
+
+def layouts_losses(path: str, names: list[str]) -> dict:
+    """Rank body: the layouts of ``names`` one after another in one world."""
+    return {name: shardlm_losses([path], *LAYOUTS[name])[path] for name in names}
+
+
+@pytest.mark.ranks
+def test_pp2_matches_one_process(llama):
+    """pp=2 under 1F1B (2 micro-batches) and GPipe (4): loss and grad_norm of every step."""
+    path, ref = llama
+    got = run_ranks(layouts_losses, 2, path, ["pp2_1f1b", "pp2_gpipe"])
+    for name, losses in got.items():
+        assert_parity(losses, ref, label=name)
+
+
+@pytest.mark.ranks
+def test_pp2_fsdp2_matches_one_process(llama):
+    """pp=2 x fsdp=2 (4 ranks): FSDP2 inside each stage, the norm summed over both."""
+    path, ref = llama
+    got = run_ranks(layouts_losses, 4, path, ["pp2_fsdp2"])
+    assert_parity(got["pp2_fsdp2"], ref, label="pp2_fsdp2")
