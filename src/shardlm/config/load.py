@@ -190,8 +190,6 @@ def _validate_pp(cfg: Config) -> None:
         "parallel.ep": p.ep > 1,
         "lora": cfg.lora is not None,
         "train.gradient_checkpointing": t.gradient_checkpointing,
-        "train.save_steps": t.save_steps > 0,
-        "train.resume": bool(t.resume),
         "eval.path": bool(cfg.eval.path),
     }
     for key, on in unsupported.items():
