@@ -23,6 +23,7 @@ LAYOUTS = {
     "pp2_gpipe": ({"pp": 2, "pp_schedule": "GPipe", "pp_microbatches": 4}, 4, 1),
     "pp2_fsdp2": ({"pp": 2, "fsdp": 2}, 1, 2),
     "fsdp2": ({"fsdp": 2}, 1, 2),
+    "pp4": ({"pp": 4}, 4, 1),
 }
 
 
@@ -84,32 +85,63 @@ def test_refusals_before_spawning(tmp_path):
     assert load_checked(raw={**raw, "model": llama, "parallel": {"pp": 2}}).parallel.world_size == 2
 
 
+def write_gemma3(path: str) -> str:
+    """Gemma 3 text, untied, 4 blocks of which the second is full attention and the rest slide over 4
+    tokens (its embedding scales inside the embedding module, so a later stage starts from what it receives)."""
+    from transformers import Gemma3TextConfig
+
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = Gemma3TextConfig(
+        **sizes, num_hidden_layers=4, head_dim=8, sliding_window=4, layer_types=kinds, tie_word_embeddings=False
+    )
+    config.max_position_embeddings = 64
+    config.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = write_model_dir(str(tmp_path_factory.mktemp("pp") / "llama"), "llama", **LLAMA)
-    return path, plain_reference(path, GLOBAL_BATCH)
+def models(tmp_path_factory):
+    """Llama; Qwen3 whose last two blocks slide over 4 tokens (stage 1's ``layer_types`` must be its own
+    blocks'); Gemma 3: each with its one-process reference."""
+    root = tmp_path_factory.mktemp("pp")
+    sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    paths = {
+        "llama": write_model_dir(str(root / "llama"), "llama", **LLAMA),
+        "qwen3_sliding": write_model_dir(str(root / "qwen3"), "qwen3", num_hidden_layers=4, **sliding),
+        "gemma3": write_gemma3(str(root / "gemma3")),
+    }
+    return {name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}
 
 
-def layouts_losses(path: str, names: list[str]) -> dict:
-    """Rank body: the layouts of ``names`` one after another in one world."""
-    return {name: shardlm_losses([path], *LAYOUTS[name])[path] for name in names}
+@pytest.fixture(scope="module")
+def llama(models):
+    return models["llama"]
+
+
+def jobs_losses(jobs: list[tuple[str, str]]) -> list:
+    """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
+    return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
 
 
 @pytest.mark.ranks
-def test_pp2_matches_one_process(llama):
-    """pp=2 under 1F1B (2 micro-batches) and GPipe (4): loss and grad_norm of every step."""
-    path, ref = llama
-    got = run_ranks(layouts_losses, 2, path, ["pp2_1f1b", "pp2_gpipe"])
-    for name, losses in got.items():
-        assert_parity(losses, ref, label=name)
+def test_pp2_matches_one_process(models):
+    """pp=2: Llama under 1F1B (2 micro-batches) and GPipe (4); Qwen3 with sliding blocks on the second
+    stage and Gemma 3 under 1F1B: loss and grad_norm of every step."""
+    runs = [("llama", "pp2_1f1b"), ("llama", "pp2_gpipe"), ("qwen3_sliding", "pp2_1f1b"), ("gemma3", "pp2_1f1b")]
+    got = run_ranks(jobs_losses, 2, [(models[name][0], layout) for name, layout in runs])
+    for (name, layout), losses in zip(runs, got):
+        assert_parity(losses, models[name][1], label=f"{name} {layout}")
 
 
 @pytest.mark.ranks
-def test_pp2_fsdp2_matches_one_process(llama):
-    """pp=2 x fsdp=2 (4 ranks): FSDP2 inside each stage, the norm summed over both."""
+def test_four_ranks_match_one_process(llama):
+    """pp=2 x fsdp=2 (FSDP2 inside each stage, the norm summed over both) and pp=4 (one block a stage,
+    4 micro-batches under 1F1B), 4 ranks each."""
     path, ref = llama
-    got = run_ranks(layouts_losses, 4, path, ["pp2_fsdp2"])
-    assert_parity(got["pp2_fsdp2"], ref, label="pp2_fsdp2")
+    runs = ["pp2_fsdp2", "pp4"]
+    for layout, losses in zip(runs, run_ranks(jobs_losses, 4, [(path, layout) for layout in runs])):
+        assert_parity(losses, ref, label=layout)
 
 
 def train_and_save(path: str, layout: str, output_dir: str, resume: str | bool = False) -> list[float]:
