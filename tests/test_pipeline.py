@@ -72,7 +72,7 @@ def test_refusals_before_spawning(tmp_path):
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
         (llama, {"pp": 2, "pp_microbatches": 3}, {}, "parallel.pp_microbatches=3 must divide"),
         (llama, {"pp": 2, "tp": 2}, {}, "parallel.tp with parallel.pp=2 is not supported yet"),
-        (llama, {"pp": 2}, {"gradient_checkpointing": True}, "train.gradient_checkpointing with parallel.pp=2 is not"),
+        (llama, {"pp": 2, "ep": 2, "fsdp": 2}, {}, "parallel.ep with parallel.pp=2 is not supported yet"),
         (llama, {"pp": 8, "pp_microbatches": 8}, {"per_device_train_batch_size": 8}, "model has 4 decoder blocks"),
         (tied, {"pp": 2}, {}, "ties its input and output embeddings"),
         (gpt2, {"pp": 2}, {}, "changes the embeddings before its first decoder block"),
@@ -190,6 +190,26 @@ def test_checkpoint_resumes_across_pp_and_fsdp(llama, tmp_path):
     assert weights[0].keys() == weights[1].keys() and "lm_head.weight" in weights[0]
     for key, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def checkpointed_losses(path: str, layout: str) -> list:
+    """Rank body: ``layout`` with ``train.gradient_checkpointing`` (each block recomputed in the backward)."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 5, gradient_checkpointing=True)
+    mesh = build_mesh(cfg.parallel)
+    return [(h["loss"], h["grad_norm"]) for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+@pytest.mark.ranks
+def test_activation_checkpointing_on_stages(llama):
+    """pp=2 with every block of each stage recomputed in the backward: the one-process reference's numbers."""
+    path, ref = llama
+    assert_parity(run_ranks(checkpointed_losses, 2, path, "pp2_1f1b"), ref, label="pp2 checkpointed")
 
 
 def packed_losses(path: str, layout: str) -> list:
