@@ -192,15 +192,15 @@ def test_checkpoint_resumes_across_pp_and_fsdp(llama, tmp_path):
         torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def checkpointed_losses(path: str, layout: str) -> list:
-    """Rank body: ``layout`` with ``train.gradient_checkpointing`` (each block recomputed in the backward)."""
+def run_losses(path: str, layout: str, train: dict) -> list:
+    """Rank body: ``layout`` with the ``train`` settings given; (loss, grad_norm) per step."""
     from helpers import token_dataset, train_config
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
     shape, per_device, accum = LAYOUTS[layout]
-    cfg = train_config(path, shape, per_device, accum, 5, gradient_checkpointing=True)
+    cfg = train_config(path, shape, per_device, accum, 5, **train)
     mesh = build_mesh(cfg.parallel)
     return [(h["loss"], h["grad_norm"]) for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
 
@@ -209,7 +209,18 @@ def checkpointed_losses(path: str, layout: str) -> list:
 def test_activation_checkpointing_on_stages(llama):
     """pp=2 with every block of each stage recomputed in the backward: the one-process reference's numbers."""
     path, ref = llama
-    assert_parity(run_ranks(checkpointed_losses, 2, path, "pp2_1f1b"), ref, label="pp2 checkpointed")
+    got = run_ranks(run_losses, 2, path, "pp2_1f1b", {"gradient_checkpointing": True})
+    assert_parity(got, ref, label="pp2 checkpointed")
+
+
+@pytest.mark.ranks
+def test_bf16_autocast_on_stages(llama):
+    """train.bf16 without FSDP: each stage's forward runs under autocast as the trainer's own does (else
+    the stages would train in fp32 silently); pp=2 against one process, both in bf16."""
+    path, _ = llama
+    one = run_ranks(run_losses, 1, path, "one", {"bf16": True})
+    got = run_ranks(run_losses, 2, path, "pp2_1f1b", {"bf16": True})
+    assert_parity(got, one, label="pp2 bf16")
 
 
 def packed_losses(path: str, layout: str) -> list:

@@ -26,9 +26,11 @@ from shardlm.train.loss import loss_context, token_loss_sum
 
 
 class PipelineStep:
-    """Runs this rank's stage of every step's schedule (``forward_backward``)."""
+    """Runs this rank's stage of every step's schedule (``forward_backward``); ``autocast``: the
+    trainer's choice of bf16 autocast (``train.bf16`` where FSDP does not cast)."""
 
-    def __init__(self, module: PipelineStageModule, mesh: Mesh, parallel: ParallelConfig) -> None:
+    def __init__(self, module: PipelineStageModule, mesh: Mesh, parallel: ParallelConfig, autocast: bool) -> None:
+        module.autocast = mesh.device.type if autocast else None
         self.group = mesh.pp.get_group()
         self.stage = PipelineStage(module, mesh.pp.get_local_rank(), parallel.pp, mesh.device, group=self.group)
         schedule = get_schedule_class(parallel.pp_schedule)

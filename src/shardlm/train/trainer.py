@@ -172,7 +172,7 @@ class Trainer:
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
         # parallel.pp: the schedule runs this rank's stage over the step's micro-batches (train/pipeline_step.py)
         stage = self.model.stage
-        self.pipeline = PipelineStep(stage, self.mesh, self.mesh.parallel) if stage is not None else None
+        self.pipeline = PipelineStep(stage, self.mesh, self.mesh.parallel, self.autocast) if stage is not None else None
 
     def _check_ids(self) -> None:
         """Every sample's ids inside the model's vocabulary (``data/fit.py``): once over the whole data

@@ -16,6 +16,7 @@ forwards of Qwen3 or Gemma 3) is cut to the stage's.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -69,17 +70,21 @@ class PipelineStageModule(nn.Module):
     """What ``PipelineStage`` runs for stage ``stage`` of ``stages``: ``input_ids`` (first stage) or the
     previous stage's hidden states in, the hidden states (or, on the last stage, the logits) out.
     ``position_ids`` reach every stage from the schedule's keyword arguments (each data-parallel
-    rank's stages read the same batch), so only the hidden states travel between stages."""
+    rank's stages read the same batch), so only the hidden states travel between stages.
+    ``autocast``: the device type to run the forward under bf16 autocast (``train.bf16`` where FSDP
+    does not cast, as the trainer's own forward does), or None."""
 
     def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
         super().__init__()
         self.model = model
         self.first, self.last = stage == 0, stage == stages - 1
+        self.autocast: str | None = None
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids" if self.first else "inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
-        if self.last:
-            return self.model(**inputs).logits
-        return self.model.base_model(**inputs).last_hidden_state
+        with torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext():
+            if self.last:
+                return self.model(**inputs).logits
+            return self.model.base_model(**inputs).last_hidden_state
