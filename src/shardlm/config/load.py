@@ -189,7 +189,6 @@ def _validate_pp(cfg: Config) -> None:
         "parallel.tp": p.tp > 1,
         "parallel.ep": p.ep > 1,
         "lora": cfg.lora is not None,
-        "eval.path": bool(cfg.eval.path),
     }
     for key, on in unsupported.items():
         if on:

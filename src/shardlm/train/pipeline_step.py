@@ -8,7 +8,7 @@ backpropagates is its token-loss sum divided by the labelled-token count of the 
 (``train/loss.py``), exactly what the micro-steps without stages backpropagate; the schedule's own
 averaging over micro-batches is off (``scale_grads=False``). The last stage's loss sum is broadcast
 to the other stages, so every rank logs the same loss; the gradient norm is summed over the stages
-by ``distributed/clip.py``.
+by ``distributed/clip.py``. Evaluation sends each batch through the stages in turn (``logits_of``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
 from shardlm.parallel.runtime.pipeline import PipelineStageModule
 from shardlm.train.loss import loss_context, token_loss_sum
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what hidden states between stages can be
 
 
 class PipelineStep:
@@ -60,3 +62,26 @@ class PipelineStep:
         total = torch.stack(losses).detach().sum() * denom if losses else torch.zeros((), device=ids.device)
         dist.broadcast(total, src=self.last, group=self.group)
         return total
+
+    @torch.no_grad()
+    def logits_of(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Collective over the stages, for evaluation (batches of any size, so no schedule): the batch
+        through every stage in turn; the logits on the last stage, None on the others."""
+        module, index = self.stage.submod, self.stage.stage_index
+        x = input_ids if module.first else self._recv(dist.get_global_rank(self.group, index - 1))
+        out = module(x, position_ids)
+        if module.last:
+            return out
+        header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
+        dist.send(header, dist.get_global_rank(self.group, index + 1), group=self.group)
+        dist.send(out.contiguous(), dist.get_global_rank(self.group, index + 1), group=self.group)
+        return None
+
+    def _recv(self, src: int) -> torch.Tensor:
+        """The previous stage's hidden states, ``[batch, seq, hidden]``, shape and dtype sent ahead."""
+        header = torch.empty(4, dtype=torch.long, device=self.stage.device)
+        dist.recv(header, src, group=self.group)
+        *shape, dtype = header.tolist()
+        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=self.stage.device)
+        dist.recv(hidden, src, group=self.group)
+        return hidden

@@ -278,8 +278,11 @@ class Trainer:
         if self.eval_dataset is None:
             raise ConfigError("eval.path is not set: there is no eval data set to evaluate on")
         per_device = self.config.train.per_device_train_batch_size
+        module, logits_of = self.module, self.forward
+        if self.pipeline is not None:  # the batches through the stages in turn (train/pipeline_step.py)
+            module, logits_of = self.model.stage, self.pipeline.logits_of
         loss, tokens = eval_loss(
-            self.module, self.forward, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
+            module, logits_of, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
         )
         ppl = math.exp(loss) if loss < 700 else float("inf")
         return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}
