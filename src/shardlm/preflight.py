@@ -67,6 +67,9 @@ def check_run(cfg: Config) -> str | None:
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
+        if p.pp > 1:  # the router logits of every stage would have to meet on the last one
+            why = "the router's load-balancing loss (output_router_logits) with parallel.pp is not supported yet"
+            raise ConfigError(f"{why}; set output_router_logits false in the model's config.json or parallel.pp: 1")
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)

@@ -56,9 +56,20 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
             f"on the first and the last stage; {_NOT_YET}"
         )
     names = {id(m): fqn for fqn, m in model.named_modules()}
-    meta = build_meta(model)
-    calls, first_input, dropouts = _probe(meta)
     blocks = decoder_blocks(model)
+    if not blocks:
+        raise ConfigError(f"parallel.pp: {name} has no list of repeated decoder blocks to cut into stages; {_NOT_YET}")
+    meta = build_meta(model)
+    try:
+        calls, first_input, dropouts = _probe(meta)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's forward says about inputs_embeds
+        detail = " ".join(str(exc).split())[:200]
+        why = f"its forward cannot start from inputs_embeds ({type(exc).__name__}: {detail})"
+        raise ConfigError(
+            f"parallel.pp: a later stage of {name} starts from hidden states, but {why}; {_NOT_YET}"
+        ) from None
+    if "block" not in calls:
+        raise ConfigError(f"parallel.pp: {name}'s forward from inputs_embeds never reached its last block; {_NOT_YET}")
     if first_input is not True:
         raise ConfigError(
             f"parallel.pp: {name}'s forward changes the embeddings before its first decoder block (a learned "
