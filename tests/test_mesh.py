@@ -50,8 +50,15 @@ def _mesh_checks() -> dict:
 
     init_distributed()
     out = {"layouts": {layout: _describe(layout) for layout in LAYOUTS}, "errors": {}}
+    import torch.distributed as dist
+
     from shardlm.config import ParallelConfig
     from shardlm.distributed.mesh import build_mesh
+
+    pp = build_mesh(ParallelConfig(pp=2, fsdp=2))  # stages outermost: rank r's stage is r // 2
+    mine = (pp.pp.get_local_rank(), sorted(dist.get_process_group_ranks(pp.pp.get_group())), pp.dp_rank)
+    out["pp"] = [None] * 4
+    dist.all_gather_object(out["pp"], (*mine, sorted(dist.get_process_group_ranks(pp.dp_group))))
 
     for dp_replicate, fsdp, tp in WRONG:
         try:
@@ -74,8 +81,8 @@ def test_mesh_layout(meshes, layout):
     ranks = meshes["layouts"][layout]["ranks"]
     assert len(ranks) == 4
     for rank, r in enumerate(ranks):
-        assert r["names"] == ("dp_replicate", "fsdp", "tp")
-        assert r["shape"] == layout
+        assert r["names"] == ("pp", "dp_replicate", "fsdp", "tp")
+        assert r["shape"] == (1, *layout)
         assert r["tp_size"] == tp
         assert r["dp_mesh_size"] == dp_size
         assert r["dp_mesh_ndim"] == (2 if dp_replicate > 1 else 1)
@@ -89,6 +96,14 @@ def test_mesh_layout(meshes, layout):
     assert sorted(set(dp_ranks)) == list(range(dp_size))
     for rank in range(4):  # TP ranks share the dp rank (and so the batch); dp ranks run in rank order
         assert dp_ranks[rank] == rank // tp
+
+
+def test_pp_is_the_outermost_dim(meshes):
+    """pp=2 x fsdp=2: ranks 0, 1 are stage 0 (their fsdp group), ranks 2, 3 stage 1; each stage
+    group pairs the ranks at one fsdp position."""
+    for rank, (stage, stage_ranks, dp_rank, dp_ranks) in enumerate(meshes["pp"]):
+        assert stage == rank // 2 and stage_ranks == [rank % 2, rank % 2 + 2]
+        assert dp_rank == rank % 2 and dp_ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
 
 
 @pytest.mark.parametrize("layout", WRONG, ids=lambda t: "x".join(map(str, t)))

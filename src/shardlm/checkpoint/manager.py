@@ -201,7 +201,7 @@ def _marker(state: TrainState, cfg: Config, step: int) -> dict:
         "seed": cfg.train.seed,
         "num_samples": state.num_samples,
         "world_size": dist.get_world_size(),
-        "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep")},
+        "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep", "pp")},
         "lora": state.lora_marker(),
         "scheduler": state.scheduler.state_dict(),
         "config": cfg.to_dict(),

@@ -134,6 +134,7 @@ def validate(cfg: Config) -> None:
     _validate_sequence_parallel(cfg)
     _validate_offload(cfg)
     _validate_compile(t)
+    _validate_pp(cfg)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -213,6 +214,46 @@ def _validate_compile(t: TrainConfig) -> None:
             "train.compile=true needs a C++ compiler on CPU (g++, or the one $CXX names) for torch.compile's "
             "inductor: install one or set train.compile=false"
         )
+
+
+# schedules of torch.distributed.pipelining that run one stage per rank (the others need virtual stages)
+PP_SCHEDULES = ("1F1B", "GPipe")
+
+
+def _validate_pp(cfg: Config) -> None:
+    """Pipeline parallelism (``parallel.pp``, docs/pipeline.md): a schedule this version runs, micro-batches
+    that cut each data-parallel rank's batch evenly and fill the pipeline, and the combinations not
+    supported yet refused by name (what the model decides, its block count, is ``shardlm.preflight``'s)."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return
+    if p.pp_schedule.lower() not in (name.lower() for name in PP_SCHEDULES):
+        raise ConfigError(
+            f"parallel.pp_schedule '{p.pp_schedule}': this version runs {' and '.join(PP_SCHEDULES)} (one stage per "
+            "rank); the interleaved, looped and zero-bubble schedules need virtual stages, not supported yet"
+        )
+    rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if rows % p.pp_chunks:
+        raise ConfigError(
+            f"parallel.pp_microbatches={p.pp_chunks} must divide each data-parallel rank's batch of a step, "
+            f"per_device_train_batch_size*gradient_accumulation_steps = {rows}; set one of them so it divides"
+        )
+    if p.pp_chunks < p.pp and p.pp_schedule.lower() == "1f1b":
+        raise ConfigError(
+            f"parallel.pp_microbatches={p.pp_chunks} is fewer than the {p.pp} stages ({p.pp_schedule} needs at "
+            f"least one micro-batch per stage); set parallel.pp_microbatches to {p.pp} or more"
+        )
+    unsupported = {
+        "parallel.tp": p.tp > 1,
+        "parallel.ep": p.ep > 1,
+        "lora": cfg.lora is not None,
+        "parallel.fsdp_offload": p.fsdp_offload != "none",
+        "train.compile": t.compile,
+    }
+    for key, on in unsupported.items():
+        if on:
+            why = f"{key} with parallel.pp={p.pp} is not supported yet (docs/pipeline.md)"
+            raise ConfigError(f"{why}; turn it off or set parallel.pp: 1")
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

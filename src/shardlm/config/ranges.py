@@ -57,6 +57,8 @@ RULES: dict[str, Rule] = {
     "parallel.fsdp": AT_LEAST_1,
     "parallel.dp_replicate": AT_LEAST_1,
     "parallel.ep": AT_LEAST_1,
+    "parallel.pp": AT_LEAST_1,
+    "parallel.pp_microbatches": AT_LEAST_1,
     "train.max_steps": AT_LEAST_1,
     "train.per_device_train_batch_size": AT_LEAST_1,
     "train.gradient_accumulation_steps": AT_LEAST_1,
@@ -81,7 +83,7 @@ RULES: dict[str, Rule] = {
     "lora.dropout": FRACTION,
 }
 
-NULLABLE = {"train.save_total_limit", "eval.max_batches", "lora.r", "lora.alpha"}
+NULLABLE = {"parallel.pp_microbatches", "train.save_total_limit", "eval.max_batches", "lora.r", "lora.alpha"}
 
 
 def check_value(key: str, value: float | None, name: str | None = None) -> None:
@@ -104,11 +106,13 @@ def check_ranges(cfg) -> None:
         if node is not None:  # an absent optional section (``lora``) has nothing to check
             check_value(key, getattr(node, leaf))
     p = cfg.parallel
-    check_world(p.tp, p.fsdp, p.dp_replicate)
+    check_world(p.tp, p.fsdp, p.dp_replicate, "parallel pp*dp_replicate*fsdp*tp", pp=p.pp)
 
 
-def check_world(tp: int, fsdp: int, dp_replicate: int, names: str = "parallel dp_replicate*fsdp*tp") -> None:
+def check_world(
+    tp: int, fsdp: int, dp_replicate: int, names: str = "parallel dp_replicate*fsdp*tp", pp: int = 1
+) -> None:
     """A world of more than ``MAX_WORLD`` ranks is a typo, not a layout."""
-    world = tp * fsdp * dp_replicate
+    world = pp * tp * fsdp * dp_replicate
     if world > MAX_WORLD:
         raise ConfigError(f"{names} = {world} ranks; at most {MAX_WORLD} are supported: check the numbers")

@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first).
+    """How the world is split: ``pp x dp_replicate x fsdp x tp`` processes (outermost first).
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
@@ -82,10 +82,20 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False
     fsdp_offload: str = "none"  # none | cpu (needs dp_replicate*fsdp > 1)
+    # pipeline parallelism (docs/pipeline.md): ``pp`` stages of decoder blocks, run by the named schedule of
+    # torch.distributed.pipelining over ``pp_microbatches`` micro-batches per data-parallel rank and step
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None  # None: ``pp``
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.fsdp * self.dp_replicate
+        return self.pp * self.tp * self.fsdp * self.dp_replicate
+
+    @property
+    def pp_chunks(self) -> int:
+        """Micro-batches the schedule cuts each data-parallel rank's batch of a step into."""
+        return self.pp_microbatches or self.pp
 
     @property
     def dp_size(self) -> int:

@@ -6,8 +6,9 @@ some gradients DTensors and some plain, or DTensors on different meshes, it rais
 other trainers hit this). Here each rank sums the squares of the gradient pieces it holds,
 dividing a piece by the number of ranks that hold an identical copy of it (replicated mesh
 dims, ranks outside the tensor's mesh, plain tensors everywhere), and one all-reduce over the
-world adds it up. Uneven shards need no special case. Call it after gradients are reduced
-across data-parallel ranks and before the optimizer step.
+world adds it up. Uneven shards need no special case. Pipeline stages (``stages`` > 1) hold different
+parameters: copies are counted within this rank's stage, and the world's sum adds the stages up.
+Call it after gradients are reduced across data-parallel ranks and before the optimizer step.
 """
 
 from __future__ import annotations
@@ -34,24 +35,25 @@ def _copies(grad: torch.Tensor, world_size: int) -> int:
 
 
 @torch.no_grad()
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of ``grads`` (fp32 scalar, identical on every rank)."""
+def total_norm(grads: list[torch.Tensor], stages: int = 1) -> torch.Tensor:
+    """Global L2 norm of ``grads`` (fp32 scalar, identical on every rank); ``stages``: ``parallel.pp``."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     device = grads[0].device if grads else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        acc += local.float().pow(2).sum() / _copies(g, world_size)
+        acc += local.float().pow(2).sum() / _copies(g, world_size // stages)
     if world_size > 1:
         dist.all_reduce(acc)
     return acc.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip gradients in place to global norm ``max_norm`` (no-op if <= 0); return the norm before."""
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, stages: int = 1) -> torch.Tensor:
+    """Clip gradients in place to global norm ``max_norm`` (no-op if <= 0); return the norm before.
+    ``stages``: pipeline stages (``parallel.pp``) over which the parameters are divided."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(grads)
+    norm = total_norm(grads, stages)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:

@@ -1,8 +1,9 @@
 """Process group and DeviceMesh for a ``ParallelConfig``.
 
-The world is one 3-D mesh ``(dp_replicate, fsdp, tp)``: TP innermost so its frequent
-collectives stay between neighbouring ranks (the same GPU node), data parallelism outside.
-gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1) mesh so every code path
+The world is one 4-D mesh ``(pp, dp_replicate, fsdp, tp)``: TP innermost so its frequent
+collectives stay between neighbouring ranks (the same GPU node), data parallelism outside, the
+pipeline stages outermost (``parallel.pp``: one activation per micro-batch crosses between them).
+gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1, 1) mesh so every code path
 is the same.
 
 Expert parallelism (``parallel.ep``) adds no processes: the data-parallel ranks, ``(dp_replicate,
@@ -32,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
 
-MESH_DIMS = ("dp_replicate", "fsdp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "fsdp", "tp")  # pp outermost: stages exchange one activation per micro-batch
 
 
 @dataclass
@@ -61,6 +62,11 @@ class Mesh:
     @property
     def tp(self) -> DeviceMesh:
         return self.world["tp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        """The pipeline stages holding this rank's place in the other dims (``parallel.pp``)."""
+        return self.world["pp"]
 
     @property
     def dp(self) -> DeviceMesh:
@@ -181,10 +187,11 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
     world_size = dist.get_world_size()
     if parallel.world_size != world_size:
         raise ConfigError(
-            f"parallel: dp_replicate*fsdp*tp = {parallel.dp_replicate}*{parallel.fsdp}*{parallel.tp} = "
-            f"{parallel.world_size} but the world has {world_size} processes; make the product equal the process count"
+            f"parallel: pp*dp_replicate*fsdp*tp = {parallel.pp}*{parallel.dp_replicate}*{parallel.fsdp}*{parallel.tp}"
+            f" = {parallel.world_size} but the world has {world_size} processes; make the product equal the process "
+            "count"
         )
-    shape = (parallel.dp_replicate, parallel.fsdp, parallel.tp)
+    shape = (parallel.pp, parallel.dp_replicate, parallel.fsdp, parallel.tp)
     world = init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
     ep_world = None
     if parallel.ep > 1:

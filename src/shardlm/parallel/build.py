@@ -26,6 +26,7 @@ from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import keep_parts_in, parts_placements
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
+from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
@@ -35,6 +36,7 @@ from shardlm.parallel.plan.sequence import scattered_rows
 from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage
 from shardlm.parallel.runtime.plan_styles import plan_styles
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -149,6 +151,8 @@ class ParallelModel:
     does not autocast). ``lora``: the peft ``LoraConfig`` of the adapters, None for full training.
     ``expert_grads``: under EP, the experts' parameters, whose gradients are summed over
     ``expert_dp_group`` (the data-parallel ranks holding the same experts; None: none).
+    ``stage``: under pipeline parallelism, what this rank's pipeline stage runs (``module`` then holds
+    only that stage's parameters, under the whole model's names; ``parallel/runtime/pipeline.py``).
     """
 
     module: nn.Module
@@ -158,6 +162,7 @@ class ParallelModel:
     lora: PeftLoraConfig | None = None
     expert_grads: list[str] | None = None
     expert_dp_group: dist.ProcessGroup | None = None
+    stage: PipelineStageModule | None = None
 
 
 def parallelize(
@@ -185,6 +190,10 @@ def parallelize(
             model.get_parameter(name).requires_grad_(False)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
+    pp, stage = mesh.parallel.pp, None
+    if pp > 1:  # this rank's stage only, before anything is placed (``parallel/runtime/pipeline.py``)
+        keep_stage(model, stage_layout(model, pp), mesh.pp.get_local_rank())
+        stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
     peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
@@ -198,7 +207,9 @@ def parallelize(
     experts = apply_ep(model, mesh.experts, plan.experts) if mesh.parallel.ep > 1 else []
     parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
     if mesh.parallel.dp_size > 1:
-        apply_fsdp(model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
+        # under pp the stage is FSDP's root: its forward unshards what the stage holds outside the blocks,
+        # and torch's schedules then reduce the gradients once per step (``PipelineStage`` knows FSDPModule)
+        apply_fsdp(stage if stage is not None else model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
     _materialize(model, mesh)
     keep_parts_in(dict(model.named_parameters()), parts)
     with torch.no_grad():
@@ -221,4 +232,5 @@ def parallelize(
     )
     fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
     dtype = mp_policy.param_dtype if fsdp_on else None
-    return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, mesh.expert_dp_group if experts else None)
+    experts_group = mesh.expert_dp_group if experts else None
+    return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, experts_group, stage)

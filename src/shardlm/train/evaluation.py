@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -44,14 +45,15 @@ def _rows(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor 
 @torch.no_grad()
 def eval_loss(
     module: nn.Module,
-    logits_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    logits_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None],
     ds: TokenDataset,
     mesh: Mesh,
     per_device: int,
     max_batches: int | None,
 ) -> tuple[float, int]:
     """Collective: the token-weighted loss of ``logits_of`` over ``ds`` and its labelled token
-    count (the module is left in the mode it was in)."""
+    count (the module is left in the mode it was in). Under ``parallel.pp``, ``module`` is the stage
+    and ``logits_of`` gives logits on the last stage only (None elsewhere), whose sums every stage takes."""
     p = mesh.parallel
     was_training = module.training
     module.eval()
@@ -60,8 +62,9 @@ def eval_loss(
         for batch in eval_batches(ds, mesh.dp_rank, p.dp_size, per_device, max_batches):
             batch = batch.to(mesh.device)
             logits = logits_of(batch.input_ids, batch.position_ids)
-            with loss_context(isinstance(logits, DTensor)):
-                totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
+            if logits is not None:
+                with loss_context(isinstance(logits, DTensor)):
+                    totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
             totals[1] += (batch.labels != IGNORE_INDEX).sum()
     finally:
         module.train(was_training)
@@ -71,5 +74,7 @@ def eval_loss(
             if isinstance(sub, FSDPModule):
                 sub.reshard()
     mesh.sum_over_dp(totals)
+    if p.pp > 1:  # the loss sums are the last stage's
+        dist.broadcast(totals, group_src=p.pp - 1, group=mesh.pp.get_group())
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, int(totals[1])

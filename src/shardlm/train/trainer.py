@@ -83,6 +83,7 @@ from shardlm.train.metrics import (
     peak_tflops,
 )
 from shardlm.train.optim import build_optimizer, build_scheduler
+from shardlm.train.pipeline_step import PipelineStep
 from shardlm.train.router_loss import router_loss_of
 from shardlm.train.tp_checks import check_tp_batches, check_tp_replicas, tp_replicated_params
 
@@ -172,6 +173,9 @@ class Trainer:
             self.module, self.optimizer, self.scheduler, len(self.dataset), lora=self.model.lora
         )
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
+        # parallel.pp: the schedule runs this rank's stage over the step's micro-batches (train/pipeline_step.py)
+        stage = self.model.stage
+        self.pipeline = PipelineStep(stage, self.mesh, self.mesh.parallel, self.autocast) if stage is not None else None
 
     def _check_ids(self) -> None:
         """Every sample's ids inside the model's vocabulary (``data/fit.py``): once over the whole data
@@ -224,7 +228,9 @@ class Trainer:
         count = self.mesh.sum_over_dp(torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float())
         denom = max(float(count), 1.0)
         loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-        for micro, batch in enumerate(batches):
+        if self.pipeline is not None:  # every micro-batch through the stages; the last stage's loss sum
+            loss_sum = self.pipeline.forward_backward(batches, denom)
+        for micro, batch in enumerate(batches if self.pipeline is None else []):
             mode = self.dropout_mode(micro)
             with mode or nullcontext():
                 outputs = self.outputs(batch.input_ids, batch.position_ids)
@@ -244,7 +250,7 @@ class Trainer:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
         if self.model.expert_grads:  # EP: over the data-parallel ranks holding the same experts
             sum_expert_grads(self.module, self.model.expert_grads, self.model.expert_dp_group)
-        grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm)
+        grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm, stages=p.pp)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.guard.check(loss, grad_norm, self.step + 1)  # collective: same answer on every rank
         if not skipped:
@@ -275,8 +281,11 @@ class Trainer:
         if self.eval_dataset is None:
             raise ConfigError("eval.path is not set: there is no eval data set to evaluate on")
         per_device = self.config.train.per_device_train_batch_size
+        module, logits_of = self.module, self.forward
+        if self.pipeline is not None:  # the batches through the stages in turn (train/pipeline_step.py)
+            module, logits_of = self.model.stage, self.pipeline.logits_of
         loss, tokens = eval_loss(
-            self.module, self.forward, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
+            module, logits_of, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
         )
         ppl = math.exp(loss) if loss < 700 else float("inf")
         return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}

@@ -1,0 +1,76 @@
+"""Which decoder blocks each pipeline stage holds (``parallel.pp``): contiguous runs, balanced by
+parameter count with the embedding weighed in on the first stage and the final norm and head on the
+last (as torchtitan balances its stages), so no stage carries the vocabulary matrices on top of an
+equal share of blocks.
+
+Pure arithmetic over counts: the model's modules are read by ``infer/stages.py`` and cut by
+``runtime/pipeline.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """``blocks[s]``: the indices of the decoder blocks stage ``s`` runs (contiguous, in order);
+    ``params[s]``: its parameter count, embedding and head included."""
+
+    blocks: tuple[range, ...]
+    params: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.blocks)
+
+
+def balance(block_params: list[int], first_extra: int, last_extra: int, stages: int) -> StageSplit:
+    """The contiguous split of ``block_params`` into ``stages`` non-empty runs whose largest stage
+    (``first_extra`` added to the first, ``last_extra`` to the last) is smallest; among equal
+    maxima the earliest cut points win, so the answer is the same on every rank."""
+    n = len(block_params)
+    if stages > n:
+        raise ConfigError(
+            f"parallel.pp={stages} stages but the model has {n} decoder blocks; set parallel.pp to at most {n}"
+        )
+    prefix = [0]
+    for count in block_params:
+        prefix.append(prefix[-1] + count)
+
+    def weight(stage: int, lo: int, hi: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == stages - 1 else 0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[s][i]: the smallest largest weight of stages s.. over blocks i.., with the cut it takes
+    inf = float("inf")
+    best = [[(inf, n)] * (n + 1) for _ in range(stages + 1)]
+    best[stages][n] = (0, n)
+    for s in range(stages - 1, -1, -1):
+        for i in range(n - (stages - s), -1, -1):
+            for j in range(i + 1, n - (stages - s - 1) + 1):
+                worst = max(weight(s, i, j), best[s + 1][j][0])
+                if worst < best[s][i][0]:
+                    best[s][i] = (worst, j)
+    cuts, i = [], 0
+    for s in range(stages):
+        j = best[s][i][1]
+        cuts.append(range(i, j))
+        i = j
+    return StageSplit(tuple(cuts), tuple(weight(s, r.start, r.stop) for s, r in enumerate(cuts)))
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The stages of a model, its modules named by FQN: ``split`` (the blocks of each), ``blocks`` (the
+    ModuleList holding them), ``embedding`` (first stage only), ``after`` (the base model's children
+    that run after the last block: the final norm, last stage only) and ``head`` (the output
+    embedding, last stage only)."""
+
+    split: StageSplit
+    blocks: str
+    embedding: str
+    after: tuple[str, ...]
+    head: str

@@ -1,0 +1,87 @@
+"""The forward and backward of one optimizer step under pipeline parallelism (``parallel.pp``).
+
+The same training as without stages: each data-parallel rank's micro-batches of the step (the
+``gradient_accumulation_steps`` batches of ``data/dataset.py``, in order) are joined into its batch
+of the step, which ``torch.distributed.pipelining``'s schedule (``parallel.pp_schedule``) cuts into
+``parallel.pp_microbatches`` micro-batches and runs through the stages. The loss each micro-batch
+backpropagates is its token-loss sum divided by the labelled-token count of the whole global batch
+(``train/loss.py``), exactly what the micro-steps without stages backpropagate; the schedule's own
+averaging over micro-batches is off (``scale_grads=False``). The last stage's loss sum is broadcast
+to the other stages, so every rank logs the same loss; the gradient norm is summed over the stages
+by ``distributed/clip.py``. Evaluation sends each batch through the stages in turn (``logits_of``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from shardlm.config import ParallelConfig
+from shardlm.data.dataset import Batch
+from shardlm.distributed.mesh import Mesh
+from shardlm.parallel.runtime.pipeline import PipelineStageModule
+from shardlm.train.loss import loss_context, token_loss_sum
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what hidden states between stages can be
+
+
+class PipelineStep:
+    """Runs this rank's stage of every step's schedule (``forward_backward``); ``autocast``: the
+    trainer's choice of bf16 autocast (``train.bf16`` where FSDP does not cast)."""
+
+    def __init__(self, module: PipelineStageModule, mesh: Mesh, parallel: ParallelConfig, autocast: bool) -> None:
+        module.autocast = mesh.device.type if autocast else None
+        self.group = mesh.pp.get_group()
+        self.stage = PipelineStage(module, mesh.pp.get_local_rank(), parallel.pp, mesh.device, group=self.group)
+        schedule = get_schedule_class(parallel.pp_schedule)
+        self.schedule = schedule(self.stage, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
+        self.last = dist.get_global_rank(self.group, parallel.pp - 1)
+        self.denom = 1.0
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss on the last stage: its token-loss sum over the global count (the
+        schedule also calls it once on its first step to learn the shapes of the backward)."""
+        with loss_context(False):
+            return token_loss_sum(logits, labels) / self.denom
+
+    def forward_backward(self, batches: list[Batch], denom: float) -> torch.Tensor:
+        """Collective over the stages: run the schedule over this rank's ``batches`` of the step, the
+        gradients of ``sum of token losses / denom`` accumulated; this rank's token-loss sum (the same
+        on every stage)."""
+        ids = torch.cat([b.input_ids for b in batches])
+        labels = torch.cat([b.labels for b in batches])
+        kwargs = {}
+        if batches[0].position_ids is not None:
+            kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
+        self.denom, losses = denom, []
+        args = (ids,) if self.stage.is_first else ()
+        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum
+        total = torch.stack(losses).detach().sum() * denom if losses else torch.zeros((), device=ids.device)
+        dist.broadcast(total, src=self.last, group=self.group)
+        return total
+
+    @torch.no_grad()
+    def logits_of(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Collective over the stages, for evaluation (batches of any size, so no schedule): the batch
+        through every stage in turn; the logits on the last stage, None on the others."""
+        module, index = self.stage.submod, self.stage.stage_index
+        x = input_ids if module.first else self._recv(dist.get_global_rank(self.group, index - 1))
+        out = module(x, position_ids)
+        if module.last:
+            return out
+        header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
+        dist.send(header, dist.get_global_rank(self.group, index + 1), group=self.group)
+        dist.send(out.contiguous(), dist.get_global_rank(self.group, index + 1), group=self.group)
+        return None
+
+    def _recv(self, src: int) -> torch.Tensor:
+        """The previous stage's hidden states, ``[batch, seq, hidden]``, shape and dtype sent ahead."""
+        header = torch.empty(4, dtype=torch.long, device=self.stage.device)
+        dist.recv(header, src, group=self.group)
+        *shape, dtype = header.tolist()
+        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=self.stage.device)
+        dist.recv(hidden, src, group=self.group)
+        return hidden
