@@ -68,11 +68,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         have = int(os.environ["WORLD_SIZE"])
         if have != world:
-            raise ConfigError(f"parallel: dp_replicate*fsdp*tp = {world} but torchrun started {have} processes")
+            raise ConfigError(f"parallel: dp_replicate*fsdp*cp*tp = {world} but torchrun started {have} processes")
     else:
         nproc = args.nproc or world
         if nproc != world:
-            raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
+            why = f"--nproc {nproc} differs from parallel dp_replicate*fsdp*cp*tp = {world}"
+            raise ConfigError(f"{why}; make them equal")
         check_data(cfg)  # tokenizer and data sets, built once here (under torchrun rank 0 builds them)
     verified = {VERIFIED_ENV: os.path.realpath(resume_from)} if resume_from else {}  # the ranks need not hash it again
     t = cfg.train

@@ -4,7 +4,7 @@
 process, so a run that cannot work ends with one ``error:`` line instead of a failure in every
 rank: the head/vocabulary geometry against ``parallel.tp``, a router load-balancing loss the trainer
 cannot compute over the global batch (``train/router_loss.py``), LayerDrop under more than one rank,
-the experts ``parallel.ep`` divides,
+the experts ``parallel.ep`` divides, the attention ``parallel.cp`` splits,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/weights/published.py``),
@@ -34,6 +34,7 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.runtime.context import check_context_parallel
 from shardlm.parallel.runtime.dropout import check_layerdrop
 from shardlm.parallel.runtime.ep import check_ep, check_ep_lora
 from shardlm.parallel.runtime.lora import check_lora
@@ -54,7 +55,9 @@ def check_run(cfg: Config) -> str | None:
     saves = cfg.train.save_steps > 0 and cfg.lora is None  # a full checkpoint: its size against the free space
     ckpt = cfg.train.gradient_checkpointing
     # one meta model for every check that needs it (LoRA adapts it last)
-    model = build_meta_model(cfg.model) if traced or weights or router or saves or ckpt or packed or p.ep > 1 else None
+    needed = traced or weights or router or saves or ckpt or packed or p.ep > 1 or p.cp > 1
+    model = build_meta_model(cfg.model) if needed else None
+    check_context_parallel(model, p.cp)  # attention the cp ranks can split (parallel/runtime/context.py)
     if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
         check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides

@@ -130,6 +130,7 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     check_ranges(cfg)  # every numeric key against its rule (``ranges.RULES``)
     _validate_ep(cfg)
+    _validate_cp(cfg)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -154,6 +155,23 @@ def _validate_ep(cfg: Config) -> None:
             f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp} or be a multiple of it dividing "
             f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
             f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
+        )
+
+
+def _validate_cp(cfg: Config) -> None:
+    """Context parallelism splits each window into ``2 * cp`` equal chunks, rank ``r`` of ``cp``
+    holding chunks ``r`` and ``2cp-1-r`` (``data/context_split.py``); what the model decides (its
+    attention, its mixers) is checked by ``shardlm.preflight``."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if p.cp > 1 and seq % (2 * p.cp):
+        raise ConfigError(
+            f"parallel.cp={p.cp} splits each window into 2*cp={2 * p.cp} equal chunks but data.seq_len={seq} is not "
+            f"a multiple of {2 * p.cp}; set data.seq_len to a multiple of {2 * p.cp}"
+        )
+    if p.cp > 1 and p.ep > 1:
+        raise ConfigError(
+            f"parallel.cp={p.cp} with parallel.ep={p.ep}: expert parallelism does not yet carve its ranks out of a "
+            "mesh with a cp dimension; set parallel.cp: 1 or parallel.ep: 1"
         )
 
 

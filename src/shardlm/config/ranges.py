@@ -57,6 +57,7 @@ RULES: dict[str, Rule] = {
     "parallel.fsdp": AT_LEAST_1,
     "parallel.dp_replicate": AT_LEAST_1,
     "parallel.ep": AT_LEAST_1,
+    "parallel.cp": AT_LEAST_1,
     "train.max_steps": AT_LEAST_1,
     "train.per_device_train_batch_size": AT_LEAST_1,
     "train.gradient_accumulation_steps": AT_LEAST_1,
@@ -104,7 +105,7 @@ def check_ranges(cfg) -> None:
         if node is not None:  # an absent optional section (``lora``) has nothing to check
             check_value(key, getattr(node, leaf))
     p = cfg.parallel
-    check_world(p.tp, p.fsdp, p.dp_replicate)
+    check_world(p.tp * p.cp, p.fsdp, p.dp_replicate, *(["parallel dp_replicate*fsdp*cp*tp"] if p.cp > 1 else []))
 
 
 def check_world(tp: int, fsdp: int, dp_replicate: int, names: str = "parallel dp_replicate*fsdp*tp") -> None:

@@ -60,21 +60,26 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: ``dp_replicate x fsdp x tp`` processes (outermost first).
+    """How the world is split: ``dp_replicate x fsdp x cp x tp`` processes (outermost first).
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
     different data and exchange tokens with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
+
+    ``cp``: context parallelism, each sample's sequence split between ``cp`` ranks that see the same
+    samples, attention gathering the keys and values of the others (``parallel/runtime/context.py``);
+    it adds processes, and FSDP shards over ``fsdp x cp``.
     """
 
     tp: int = 1
     fsdp: int = 1
     dp_replicate: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.fsdp * self.dp_replicate
+        return self.tp * self.cp * self.fsdp * self.dp_replicate
 
     @property
     def dp_size(self) -> int:
