@@ -52,15 +52,39 @@ def cp_data(packed: bool, n: int = 8, seed: int = 3) -> TokenDataset:
 
 def write_family(path: str, family: str) -> str:
     """A tiny random ``family`` for windows of ``SEQ``; weights drawn 10x wider than the default
-    (std 0.2), so that attention is sharp enough for a wrong key or mask to move the loss."""
-    write_model_dir(path, family, max_position_embeddings=2 * SEQ, initializer_range=0.2)
+    (std 0.2), so that attention is sharp enough for a wrong key or mask to move the loss. Gemma 3:
+    a sliding-window layer (window 64, shorter than most documents and than a cp chunk) then a
+    full-attention one."""
+    if family != "gemma3":
+        write_model_dir(path, family, max_position_embeddings=2 * SEQ, initializer_range=0.2)
+        return path
+    from transformers import Gemma3TextConfig
+
+    Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=2 * SEQ,
+        initializer_range=0.2,
+    ).save_pretrained(path)
     return path
 
 
-def plain(model_path: str, data: TokenDataset, steps: int = STEPS) -> list[tuple[float, float]]:
-    """One process without shardlm's training code: (loss, grad_norm) per step on the global batch."""
+def plain(model_path: str, data: TokenDataset, steps: int = STEPS, dropout=False) -> list[tuple[float, float]]:
+    """One process without shardlm's training code: (loss, grad_norm) per step on the global batch;
+    ``dropout``: the model's dropout as shardlm draws it (keyed by the sample's place in the global
+    batch and the element's in the sample: ``parallel/runtime/dropout.py``)."""
+    from contextlib import nullcontext
+
     from transformers import get_scheduler
 
+    from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey
     from shardlm.parallel.weights.fill import reference_model
 
     t = train_config(model_path, {}, GLOBAL_BATCH, 1, steps).train
@@ -78,7 +102,8 @@ def plain(model_path: str, data: TokenDataset, steps: int = STEPS) -> list[tuple
     for step in range(steps):
         idx = torch.tensor(order.indices(step))
         kwargs = {} if data.position_ids is None else {"position_ids": data.position_ids[idx]}
-        logits = model(input_ids=data.input_ids[idx], **kwargs).logits
+        with DeterministicDropout(DropoutKey(t.seed, step, torch.arange(GLOBAL_BATCH))) if dropout else nullcontext():
+            logits = model(input_ids=data.input_ids[idx], **kwargs).logits
         loss = F.cross_entropy(logits.flatten(0, 1), data.labels[idx].flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
@@ -90,13 +115,15 @@ def plain(model_path: str, data: TokenDataset, steps: int = STEPS) -> list[tuple
 
 
 def cp_runs(jobs: list[tuple], out: str) -> list:
-    """Rank body: per job ``(model_path, layout, per_device, accum, packed)``, shardlm's (loss, grad_norm) per step."""
+    """Rank body: per job ``(model_path, layout, per_device, accum, packed[, train keys])``, shardlm's
+    (loss, grad_norm) per step (``steps`` among the train keys: how many, default ``STEPS``)."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
     results = []
-    for path, layout, per_device, accum, packed in jobs:
-        cfg = train_config(path, layout, per_device, accum, STEPS, output_dir=out)
+    for path, layout, per_device, accum, packed, *extra in jobs:
+        train = {"output_dir": out, **(extra[0] if extra else {})}
+        cfg = train_config(path, layout, per_device, accum, train.pop("steps", STEPS), **train)
         mesh = build_mesh(cfg.parallel)
         trainer = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, cp_data(packed), mesh)
         results.append([(h["loss"], h["grad_norm"]) for h in trainer.train()])
@@ -133,6 +160,26 @@ def test_mask_rows_equal_transformers_mask(window):
             assert torch.equal(document_mask(positions, index, window), full[:, :, index])
 
 
+def test_cp_ranks_draw_their_part_of_the_one_process_dropout_mask():
+    """Each cp rank's dropout masks are the one-process masks at its tokens: ``[batch, seq, hidden]``
+    activations (also TP-sharded along hidden) and attention probabilities (the query dim)."""
+    from shardlm.parallel.runtime.dropout import DropoutKey, keep_mask
+
+    whole = DropoutKey(0, 3, torch.arange(2))
+    hidden, probs = (
+        keep_mask((2, 16, 6), 0.3, whole, 5, "cpu", None),
+        keep_mask((2, 4, 16, 16), 0.3, whole, 6, "cpu", None),
+    )
+    for cp in (2, 4):
+        for rank in range(cp):
+            index = chunk_index(16, cp, rank)
+            key = DropoutKey(0, 3, torch.arange(2), sequence=(index, 16))
+            assert torch.equal(keep_mask((2, len(index), 6), 0.3, key, 5, "cpu", None, 1), hidden[:, index])
+            assert torch.equal(keep_mask((2, 4, len(index), 16), 0.3, key, 6, "cpu", None, 2), probs[:, :, index])
+            tp = DropoutKey(0, 3, torch.arange(2), tp_rank=1, tp=2, sequence=(index, 16))
+            assert torch.equal(keep_mask((2, len(index), 3), 0.3, tp, 5, "cpu", 2, 1), hidden[:, index, 3:])
+
+
 # ---------------------------------------------------------------- refused before spawning
 
 
@@ -165,7 +212,65 @@ def test_llama_cp2_equals_one_process(tmp_path):
     path = write_family(str(tmp_path / "llama"), "llama")
     jobs = [(path, {"cp": 2}, 2, 2, False), (path, {"cp": 2}, 2, 2, True)]
     got = run_ranks(cp_runs, 2, jobs, str(tmp_path / "out"))
-    for (_, _, _, _, packed), steps in zip(jobs, got):
+    for (_, _, _, _, packed, *_), steps in zip(jobs, got):
         ref = plain(path, cp_data(packed))
         assert all(math.isfinite(loss) for loss, _ in ref)
         assert_parity(steps, ref, label=f"llama cp=2 packed={packed}")
+
+
+@pytest.mark.ranks
+def test_qwen3_and_gemma3_cp2_equal_one_process(tmp_path):
+    """Qwen3 (q/k norms) and Gemma 3 (a sliding-window layer, window 64 < a chunk of 128) at cp=2,
+    packed and, for Gemma 3, one sequence a window too: loss 1e-5, grad_norm 1e-4 relative."""
+    qwen3, gemma3 = write_family(str(tmp_path / "qwen3"), "qwen3"), write_family(str(tmp_path / "gemma3"), "gemma3")
+    jobs = [(qwen3, {"cp": 2}, 2, 2, True), (gemma3, {"cp": 2}, 2, 2, True), (gemma3, {"cp": 2}, 1, 4, False)]
+    got = run_ranks(cp_runs, 2, jobs, str(tmp_path / "out"))
+    for (path, _, _, _, packed, *_), steps in zip(jobs, got):
+        assert_parity(steps, plain(path, cp_data(packed)), label=f"{path} cp=2 packed={packed}")
+
+
+@pytest.mark.ranks
+def test_cp_with_tp_fsdp_and_cp4_equal_one_process(tmp_path):
+    """4 ranks, packed windows: Llama at tp=2 x cp=2, Gemma 3 at fsdp=2 x cp=2 (per-device 1 x 2
+    micro-steps x 2 dp ranks), Qwen3 at cp=4 (chunks of 64): loss 1e-5, grad_norm 1e-4 relative."""
+    llama, qwen3 = write_family(str(tmp_path / "llama"), "llama"), write_family(str(tmp_path / "qwen3"), "qwen3")
+    gemma3 = write_family(str(tmp_path / "gemma3"), "gemma3")
+    jobs = [
+        (llama, {"tp": 2, "cp": 2}, 2, 2, True),
+        (gemma3, {"fsdp": 2, "cp": 2}, 1, 2, True),
+        (qwen3, {"cp": 4}, 4, 1, True),
+    ]
+    got = run_ranks(cp_runs, 4, jobs, str(tmp_path / "out"))
+    for (path, layout, _, _, packed, *_), steps in zip(jobs, got):
+        assert_parity(steps, plain(path, cp_data(packed)), label=f"{path} {layout}")
+
+
+@pytest.mark.ranks
+def test_dropout_checkpointing_and_resume_onto_fsdp(tmp_path):
+    """cp=2, packed windows. GPT-2 with every dropout on (embeddings, attention probabilities,
+    residuals: p=0.1) equals one process drawing shardlm's masks; Llama with activation
+    checkpointing (the recompute gathers again, on the same shard) equals one process; a Llama run
+    saved at step 2 of 4 under cp=2 resumes on fsdp=2 and continues as the cp=2 run did, and both
+    layouts write the same checkpoint files. Loss 1e-5, grad_norm 1e-4 relative."""
+    import os
+
+    gpt2 = str(tmp_path / "gpt2")
+    drops = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    write_model_dir(gpt2, "gpt2", max_position_embeddings=2 * SEQ, initializer_range=0.2, **drops)
+    llama = write_family(str(tmp_path / "llama"), "llama")
+    saved, resumed = str(tmp_path / "saved"), str(tmp_path / "resumed")
+    step2 = os.path.join(saved, "checkpoints", "step-2")
+    jobs = [
+        (gpt2, {"cp": 2}, 2, 2, True),
+        (llama, {"cp": 2}, 2, 2, True, {"gradient_checkpointing": True}),
+        (llama, {"cp": 2}, 2, 2, True, {"steps": 4, "save_steps": 2, "output_dir": saved}),
+        (llama, {"fsdp": 2}, 1, 2, True, {"steps": 4, "save_steps": 2, "resume": step2, "output_dir": resumed}),
+    ]
+    got = run_ranks(cp_runs, 2, jobs, str(tmp_path / "out"))
+    assert_parity(got[0], plain(gpt2, cp_data(True), dropout=True), label="gpt2 dropout cp=2")
+    ref = plain(llama, cp_data(True), steps=4)
+    assert_parity(got[1], ref[:STEPS], label="llama cp=2 gradient_checkpointing")
+    assert_parity(got[2], ref, label="llama cp=2, 4 steps")
+    assert_parity(got[3], got[2][2:], label="llama resumed from cp=2 onto fsdp=2")
+    files = sorted(os.listdir(step2))
+    assert files == sorted(os.listdir(os.path.join(resumed, "checkpoints", "step-4"))), files

@@ -198,7 +198,8 @@ class Trainer:
 
     def dropout_mode(self, micro: int, shard: ContextShard | None = None) -> DeterministicDropout | None:
         """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
-        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch."""
+        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch,
+        and under context parallelism its tokens the window positions of ``shard``."""
         if self._has_dropout is False:
             return None
         t, p = self.config.train, self.mesh.parallel
@@ -206,7 +207,8 @@ class Trainer:
         positions = torch.arange(start, start + t.per_device_train_batch_size)
         sites = tuple(self.model.plan.dropout_sites)
         tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
-        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites))
+        sequence = None if shard is None else (shard.index, shard.positions.shape[1])  # this cp rank's tokens
+        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites, sequence))
 
     def context_shard(self, batch: Batch) -> tuple[Batch, ContextShard | None]:
         """This rank's tokens of ``batch`` and the shard its attention gathers the others' over

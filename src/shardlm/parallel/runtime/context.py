@@ -65,11 +65,16 @@ class ContextShard:
         gathered = torch.cat([chunk_index(seq_len, self.cp, r, device) for r in range(self.cp)])
         self.order = torch.argsort(gathered)  # the all-gathered rows -> window order
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Bool ``[batch, 1, local, seq_len]``: which keys each of this rank's queries attends to."""
-        if sliding_window not in self.masks:
-            self.masks[sliding_window] = document_mask(self.positions, self.index, sliding_window)
-        return self.masks[sliding_window]
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[batch, 1, local, seq_len]`` in ``dtype`` (0 where this rank's query attends to
+        the key, the dtype's min elsewhere), built once and shared by every layer: handed a bool mask,
+        SDPA converts it to a float one in each layer and saves that for the backward, one
+        ``local x seq_len`` matrix a layer; this one is saved once."""
+        if (sliding_window, dtype) not in self.masks:
+            allowed = document_mask(self.positions, self.index, sliding_window)
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[sliding_window, dtype] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return self.masks[sliding_window, dtype]
 
 
 def document_mask(positions: torch.Tensor, index: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -119,13 +124,11 @@ def context_attention(module: nn.Module, query, key, value, attention_mask, **kw
         raise RuntimeError(f"{IMPLEMENTATION}: attention ran outside a context-parallel micro-step")
     shard = _active[-1]
     key, value = gather_sequence(key, shard), gather_sequence(value, shard)
-    mask = shard.mask(kwargs.get("sliding_window"))
+    mask = shard.mask(kwargs.get("sliding_window"), query.dtype)
     if kwargs.get("softcap") is None:
         return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
     eager = sys.modules[type(module).__module__].eager_attention_forward
-    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-    additive = additive.masked_fill(~mask, torch.finfo(query.dtype).min)
-    return eager(module, query, key, value, additive, **kwargs)
+    return eager(module, query, key, value, mask, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, context_attention)
