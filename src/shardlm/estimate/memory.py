@@ -73,6 +73,13 @@ A sliced projection whose rows some ranks share (Mamba-2's ``in_proj`` with B an
 in each forward and autograd keeps the copy (``row_copies``; not a bias's, which is only added).
 Packed projections of unequal parts (Qwen3.5's ``in_proj_qkv``) are split like any other: no copy.
 
+Under context parallelism (``cp``) T is the rank's ``batch*seq/cp`` tokens, but attention keeps
+the keys and values of the whole window, repeated to every query head where the kv heads are fewer
+(SDPA given a mask has no GQA path): ``T*(2ad/t + a/t) + 2*cp*T*w`` per layer (``w``: ``ad/t``
+repeated, else ``kd/t``), and the additive mask of the rank's rows, ``batch*seq/cp*seq`` in the
+activations' dtype, once for every full-attention layer and once for the sliding-window ones
+(``context_attention_elements``, ``context_mask_elements``; ``parallel/runtime/context.py``).
+
 With gradient checkpointing only each layer's input ``T*h`` stays, plus one layer's activations
 while it is recomputed. The final norm adds ``T*(3h + 1)``. Checked against the tensors autograd
 really saves (``saved_tensors_hooks``) in ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32
@@ -270,22 +277,45 @@ def activation_elements(
     lora_r: int | None = None,
     moe: list[MoeSizes] = (),
     mixers: list[int] = (),
+    cp: int = 1,
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
     the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
-    in as many layers."""
+    in as many layers; ``cp``: context parallelism, ``tokens`` this rank's (``context_elements``)."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
     norms = tokens * (6 * h + 2)
     attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
+    if cp > 1:
+        attention = context_attention_elements(tokens, cp, a // t, local_kv, d)
     if lora_r:
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
     mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
     stack = g["L"] * tokens * h + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
     return stack + tokens * (3 * h + 1)
+
+
+def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int) -> int:
+    """One attention layer's saved elements on a context-parallel rank of ``tokens`` tokens
+    (``parallel/runtime/context.py``): its queries, output and logsumexp, and the keys and values
+    of the whole window (``cp x tokens``), repeated to every query head where the kv heads are
+    fewer (SDPA given a mask runs no GQA kernel: transformers repeats them)."""
+    width = heads * d if kv_heads < heads else kv_heads * d
+    return tokens * (2 * heads * d + heads) + 2 * cp * tokens * width
+
+
+def context_mask_elements(config, batch: int, seq: int, cp: int) -> int:
+    """The additive masks a context-parallel rank holds for a micro-batch, ``batch x seq/cp x seq``
+    each, in the activations' dtype: one for full attention, one for a sliding window (shared by
+    every layer of its kind)."""
+    if cp == 1:
+        return 0
+    text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"]) & {"full_attention", "sliding_attention"}
+    return max(len(kinds), 1) * batch * (seq // cp) * seq
 
 
 def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -370,7 +400,15 @@ def runtime_bytes() -> int:
 
 
 def _check_layout(
-    tp: int, fsdp: int, dp_replicate: int, batch: int, seq: int, ep: int, lora_r: int | None, memory_gib: float | None
+    tp: int,
+    fsdp: int,
+    dp_replicate: int,
+    batch: int,
+    seq: int,
+    ep: int,
+    lora_r: int | None,
+    memory_gib: float | None,
+    cp: int = 1,
 ) -> None:
     """The layout ``estimate`` is asked about, checked before the model is read (one ``ConfigError``
     line): each flag against the range of the config key it stands for (``config/ranges.py``)."""
@@ -381,9 +419,12 @@ def _check_layout(
         ("--batch", "train.per_device_train_batch_size", batch),
         ("--seq", "data.seq_len", seq),
         ("--ep", "parallel.ep", ep),
+        ("--cp", "parallel.cp", cp),
     ):
         check_value(key, value, flag)
-    check_world(tp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --tp")
+    check_world(tp * cp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --cp x --tp")
+    if seq % (2 * cp):
+        raise ConfigError(f"--seq {seq} must be a multiple of 2 x --cp = {2 * cp}: each window is cut in 2*cp chunks")
     if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
         raise ConfigError(
             f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
@@ -393,6 +434,15 @@ def _check_layout(
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
     if memory_gib is not None and memory_gib <= 0:
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
+
+
+def _ep_cast_elements(model: nn.Module, styles: dict[str, str], tp: int, plan: Plan, skip: set, ep: int) -> int:
+    """Under EP and bf16, the elements of one rank's experts cast to bf16 in their layer's forward."""
+    experts = (
+        count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
+        for fqn in skip
+    )
+    return sum(experts) // ep
 
 
 def estimate(
@@ -407,15 +457,17 @@ def estimate(
     gradient_checkpointing: bool = False,
     memory_gib: float | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
-    carved out of the data-parallel ranks)."""
+    carved out of the data-parallel ranks; ``cp``: context parallelism, each sequence split between
+    ``cp`` ranks, FSDP sharding over ``fsdp x cp``)."""
     check_model_dir(model_path)
     if seq is None:
         bound = max_positions(model_config(model_path))
         seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
-    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib)
+    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib, cp)
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
@@ -425,20 +477,13 @@ def estimate(
     skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
     # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
-    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
+    shards = fsdp * cp  # FSDP2 shards over fsdp x cp (``distributed/mesh.py``)
+    full, local, trainable, tensors = count_params(model, styles, tp, shards, lora_r, plan.experts, ep)
     # EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward
-    ep_casts = (
-        sum(
-            count_params(model.get_submodule(fqn), {"": styles.get(fqn)}, tp, 1, None, {"": plan.experts.get(fqn)})[1]
-            for fqn in skip
-        )
-        // ep
-        if bf16
-        else 0
-    )
-    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
+    ep_casts = _ep_cast_elements(model, styles, tp, plan, skip, ep) if bf16 else 0
+    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, shards * dp_replicate))
     act_bytes = 2 if bf16 else 4
-    tokens = batch * seq
+    tokens = batch * seq // cp  # this rank's
     # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
     copies = row_copies(model, plan).values()
     mixers = [
@@ -455,22 +500,23 @@ def estimate(
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes
         * (
-            activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers)
+            activation_elements(model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers, cp)
+            + context_mask_elements(model.config, batch, seq, cp)
             # with gradient checkpointing one layer's at a time: the largest
             + (max(copies, default=0) if gradient_checkpointing else sum(copies))
         ),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
-        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
+        "compute_weights": _compute_weight_bytes(model, styles, tp, shards, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (
             4 * _block_elements(model, styles, tp, plan.experts, skip)[0]
-            if fsdp * dp_replicate > 1 and not lora_r
+            if shards * dp_replicate > 1 and not lora_r
             else 0
         ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
     state = rows["parameters"] + rows["gradients"] + rows["optimizer"]
     rows["total"] = state + max(sum(rows[k] for k in STEP_ROWS), rows["optimizer_temporaries"])
-    layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
+    layout = {"tp": tp, "fsdp": fsdp, "cp": cp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
     layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
     return Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
 
@@ -488,7 +534,8 @@ def format_table(est: Estimate) -> str:
     lines = [
         (
             f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
-            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}, per rank: "
+            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}"
+            f"{' cp=' + str(lay['cp']) if lay.get('cp', 1) > 1 else ''}, per rank: "
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
