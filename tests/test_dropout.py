@@ -114,7 +114,7 @@ def run(
     model = parallelize(model_path, mesh, seed=cfg.train.seed, lora_config=cfg.lora)
     trainer = Trainer(model, cfg, token_dataset(), mesh)
     if torch_dropout:
-        trainer.dropout_mode = lambda micro: None
+        trainer.dropout_mode = lambda micro, shard=None: None
         with pytest.raises(RuntimeError) as info:
             trainer.train()
         return {"error": str(info.value), "step": trainer.step}

@@ -1,4 +1,4 @@
-"""The world mesh ``(dp_replicate, fsdp, tp)``: names, sizes, data-parallel ranks and groups.
+"""The world mesh ``(dp_replicate, fsdp, cp, tp)`` at cp=1: names, sizes, data-parallel ranks and groups.
 
 TP is innermost, so ranks ``r`` with the same ``r // tp`` form one TP group, see the same batch
 and must share a ``dp_rank``; the ``dp_rank`` values cover ``0 .. dp_size - 1`` exactly once per
@@ -81,8 +81,8 @@ def test_mesh_layout(meshes, layout):
     ranks = meshes["layouts"][layout]["ranks"]
     assert len(ranks) == 4
     for rank, r in enumerate(ranks):
-        assert r["names"] == ("pp", "dp_replicate", "fsdp", "tp")
-        assert r["shape"] == (1, *layout)
+        assert r["names"] == ("pp", "dp_replicate", "fsdp", "cp", "tp")
+        assert r["shape"] == (1, dp_replicate, fsdp, 1, tp)  # pp: test_pipeline.py, cp: test_context_parallel.py
         assert r["tp_size"] == tp
         assert r["dp_mesh_size"] == dp_size
         assert r["dp_mesh_ndim"] == (2 if dp_replicate > 1 else 1)
@@ -111,4 +111,4 @@ def test_layout_not_matching_world_is_refused(meshes, layout):
     message = meshes["errors"][layout]
     assert message is not None, f"{layout} was accepted on 4 processes"
     assert "\n" not in message
-    assert "dp_replicate*fsdp*tp" in message and "4 processes" in message
+    assert "dp_replicate*fsdp*cp*tp" in message and "4 processes" in message

@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--fsdp", type=int, default=1)
     est.add_argument("--dp-replicate", type=int, default=1)
     est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of the data-parallel ranks)")
+    est.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split between cp ranks")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
     est.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128 or the positions)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
@@ -70,11 +71,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         have = int(os.environ["WORLD_SIZE"])
         if have != world:
-            raise ConfigError(f"parallel: dp_replicate*fsdp*tp = {world} but torchrun started {have} processes")
+            raise ConfigError(f"parallel: pp*dp_replicate*fsdp*cp*tp = {world} but torchrun started {have} processes")
     else:
         nproc = args.nproc or world
         if nproc != world:
-            raise ConfigError(f"--nproc {nproc} differs from parallel dp_replicate*fsdp*tp = {world}; make them equal")
+            why = f"--nproc {nproc} differs from parallel pp*dp_replicate*fsdp*cp*tp = {world}"
+            raise ConfigError(f"{why}; make them equal")
         check_data(cfg)  # tokenizer and data sets, built once here (under torchrun rank 0 builds them)
     verified = {VERIFIED_ENV: os.path.realpath(resume_from)} if resume_from else {}  # the ranks need not hash it again
     t = cfg.train
@@ -229,6 +231,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.ep,
         args.sequence_parallel,
         args.fsdp_offload,
+        args.cp,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

@@ -5,6 +5,7 @@ process, so a run that cannot work ends with one ``error:`` line instead of a fa
 rank: the head/vocabulary geometry against ``parallel.tp``, a router load-balancing loss the trainer
 cannot compute over the global batch (``train/router_loss.py``), LayerDrop under more than one rank,
 the experts ``parallel.ep`` divides, the pipeline stages ``parallel.pp`` cuts the model into,
+the attention ``parallel.cp`` splits,
 the traced TP plan (refusals such as fused kv groups that a tp cannot split, or a split Mamba mixer
 that would run a fused kernel reading its weights itself), the LoRA targets,
 the model's weights (their names through transformers' conversion rules, ``parallel/weights/published.py``),
@@ -37,6 +38,7 @@ from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.meta import build_meta_model
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import sequence_refusal
+from shardlm.parallel.runtime.context import check_context_parallel
 from shardlm.parallel.runtime.dropout import check_layerdrop
 from shardlm.parallel.runtime.ep import check_ep, check_ep_lora
 from shardlm.parallel.runtime.lora import check_lora
@@ -57,8 +59,9 @@ def check_run(cfg: Config) -> str | None:
     saves = cfg.train.save_steps > 0 and cfg.lora is None  # a full checkpoint: its size against the free space
     ckpt = cfg.train.gradient_checkpointing
     # one meta model for every check that needs it (LoRA adapts it last)
-    needs_model = traced or weights or router or saves or ckpt or packed or p.ep > 1 or p.pp > 1
+    needs_model = traced or weights or router or saves or ckpt or packed or p.ep > 1 or p.pp > 1 or p.cp > 1
     model = build_meta_model(cfg.model) if needs_model else None
+    check_context_parallel(model, p.cp)  # attention the cp ranks can split (parallel/runtime/context.py)
     if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
         check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides
@@ -69,9 +72,11 @@ def check_run(cfg: Config) -> str | None:
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
-        if p.pp > 1:  # the router logits of every stage would have to meet on the last one
-            why = "the router's load-balancing loss (output_router_logits) with parallel.pp is not supported yet"
-            raise ConfigError(f"{why}; set output_router_logits false in the model's config.json or parallel.pp: 1")
+        # pp: the router logits of every stage would have to meet on the last one; cp: not tested yet
+        for key, on in (("parallel.pp", p.pp > 1), ("parallel.cp", p.cp > 1)):
+            if on:
+                why = f"the router's load-balancing loss (output_router_logits) with {key} is not supported yet"
+                raise ConfigError(f"{why}; set output_router_logits false in the model's config.json or {key}: 1")
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)

@@ -135,6 +135,7 @@ def validate(cfg: Config) -> None:
     _validate_offload(cfg)
     _validate_compile(t, cfg.parallel.sequence_parallel)
     _validate_pp(cfg)
+    _validate_cp(cfg)
     d = cfg.data
     if d.packing_strategy not in d.PACKING_STRATEGIES:
         names = " or ".join(d.PACKING_STRATEGIES)
@@ -254,11 +255,36 @@ def _validate_pp(cfg: Config) -> None:
         "lora": cfg.lora is not None,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
         "train.compile": t.compile,
+        "parallel.cp": p.cp > 1,
     }
     for key, on in unsupported.items():
         if on:
             why = f"{key} with parallel.pp={p.pp} is not supported yet (docs/pipeline.md)"
             raise ConfigError(f"{why}; turn it off or set parallel.pp: 1")
+
+
+def _validate_cp(cfg: Config) -> None:
+    """Context parallelism splits each window into ``2 * cp`` equal chunks, rank ``r`` of ``cp``
+    holding chunks ``r`` and ``2cp-1-r`` (``data/context_split.py``); what the model decides (its
+    attention, its mixers) is checked by ``shardlm.preflight``."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if p.cp > 1 and seq % (2 * p.cp):
+        raise ConfigError(
+            f"parallel.cp={p.cp} splits each window into 2*cp={2 * p.cp} equal chunks but data.seq_len={seq} is not "
+            f"a multiple of {2 * p.cp}; set data.seq_len to a multiple of {2 * p.cp}"
+        )
+    if p.cp > 1 and p.ep > 1:
+        raise ConfigError(
+            f"parallel.cp={p.cp} with parallel.ep={p.ep}: expert parallelism does not yet carve its ranks out of a "
+            "mesh with a cp dimension; set parallel.cp: 1 or parallel.ep: 1"
+        )
+    unsupported = {"parallel.sequence_parallel": p.sequence_parallel, "train.compile": cfg.train.compile}
+    for key, on in unsupported.items():
+        if p.cp > 1 and on:
+            raise ConfigError(
+                f"parallel.cp={p.cp} with {key} is not supported yet (not tested together, docs/long_sequences.md); "
+                f"set parallel.cp: 1 or turn {key} off"
+            )
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:

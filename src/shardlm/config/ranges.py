@@ -59,6 +59,7 @@ RULES: dict[str, Rule] = {
     "parallel.ep": AT_LEAST_1,
     "parallel.pp": AT_LEAST_1,
     "parallel.pp_microbatches": AT_LEAST_1,
+    "parallel.cp": AT_LEAST_1,
     "train.max_steps": AT_LEAST_1,
     "train.per_device_train_batch_size": AT_LEAST_1,
     "train.gradient_accumulation_steps": AT_LEAST_1,
@@ -106,7 +107,8 @@ def check_ranges(cfg) -> None:
         if node is not None:  # an absent optional section (``lora``) has nothing to check
             check_value(key, getattr(node, leaf))
     p = cfg.parallel
-    check_world(p.tp, p.fsdp, p.dp_replicate, "parallel pp*dp_replicate*fsdp*tp", pp=p.pp)
+    names = "parallel pp*dp_replicate*fsdp*cp*tp" if p.cp > 1 else "parallel pp*dp_replicate*fsdp*tp"
+    check_world(p.tp * p.cp, p.fsdp, p.dp_replicate, names, pp=p.pp)
 
 
 def check_world(

@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: ``pp x dp_replicate x fsdp x tp`` processes (outermost first).
+    """How the world is split: ``pp x dp_replicate x fsdp x cp x tp`` processes (outermost first).
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
     ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
@@ -72,6 +72,10 @@ class ParallelConfig:
 
     ``fsdp_offload``: ``cpu`` keeps each rank's FSDP shards of parameters, gradients and optimizer
     state in host memory between uses (FSDP2's ``CPUOffloadPolicy``, ``parallel/build.py``).
+
+    ``cp``: context parallelism, each sample's sequence split between ``cp`` ranks that see the same
+    samples, attention gathering the keys and values of the others (``parallel/runtime/context.py``);
+    it adds processes, and FSDP shards over ``fsdp x cp``.
     """
 
     OFFLOADS: ClassVar[tuple[str, ...]] = ("none", "cpu")
@@ -87,10 +91,11 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None  # None: ``pp``
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp * self.fsdp * self.dp_replicate
+        return self.pp * self.tp * self.cp * self.fsdp * self.dp_replicate
 
     @property
     def pp_chunks(self) -> int:

@@ -1,10 +1,16 @@
 """Process group and DeviceMesh for a ``ParallelConfig``.
 
-The world is one 4-D mesh ``(pp, dp_replicate, fsdp, tp)``: TP innermost so its frequent
-collectives stay between neighbouring ranks (the same GPU node), data parallelism outside, the
-pipeline stages outermost (``parallel.pp``: one activation per micro-batch crosses between them).
-gloo on CPU, NCCL on CUDA. A one-process run still gets a (1, 1, 1, 1) mesh so every code path
-is the same.
+The world is one 5-D mesh ``(pp, dp_replicate, fsdp, cp, tp)``: TP innermost so its frequent
+collectives stay between neighbouring ranks (the same GPU node), context parallelism next (its
+ranks exchange keys and values every layer), data parallelism outside, the pipeline stages
+outermost (``parallel.pp``: one activation per micro-batch crosses between them). gloo on CPU,
+NCCL on CUDA. A one-process run still gets a (1, 1, 1, 1, 1) mesh so every code path is the same.
+
+Context parallelism (``parallel.cp``): the ``cp`` ranks of a group read the same samples and hold
+different chunks of their sequences (``parallel/runtime/context.py``), so their parameters are
+replicated like data-parallel ranks': FSDP2 shards over ``fsdp x cp`` flattened (torchtitan's
+``dp_shard_cp``), which sums the parameters' gradients over cp too, and the loss and its token
+count are summed over ``dp x cp`` (``sum_over_tokens``).
 
 Expert parallelism (``parallel.ep``) adds no processes: the data-parallel ranks, ``(dp_replicate,
 fsdp)`` flattened (fsdp inner), are unflattened into ``(edp, ep)``, ``ep`` inner (neighbouring
@@ -33,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardlm.config import ParallelConfig
 from shardlm.errors import ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "fsdp", "tp")  # pp outermost: stages exchange one activation per micro-batch
+MESH_DIMS = ("pp", "dp_replicate", "fsdp", "cp", "tp")  # pp outermost: stages exchange one activation per micro-batch
 
 
 @dataclass
@@ -69,11 +75,30 @@ class Mesh:
         return self.world["pp"]
 
     @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
     def dp(self) -> DeviceMesh:
-        """Mesh that FSDP2 shards over: 1-D ``fsdp``, or 2-D ``(dp_replicate, fsdp)`` for HSDP."""
+        """Mesh that FSDP2 shards over: 1-D ``fsdp``, or 2-D ``(dp_replicate, fsdp)`` for HSDP;
+        with context parallelism ``fsdp`` is ``fsdp x cp`` flattened (``fsdp_cp``)."""
+        shard = "fsdp_cp" if self.parallel.cp > 1 else "fsdp"
         if self.parallel.dp_replicate > 1:
-            return self.world["dp_replicate", "fsdp"]
-        return self.world["fsdp"]
+            return self.world["dp_replicate", shard]
+        return self.world[shard]
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP2 is applied: more than one rank holds the same parameters (data- or context-parallel)."""
+        return self.parallel.dp_size * self.parallel.cp > 1
+
+    def sum_over_tokens(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed in place over every rank holding different tokens of the global batch (the
+        data-parallel ranks and, within each, the context-parallel ranks), and returned."""
+        self.sum_over_dp(value)
+        if self.parallel.cp > 1:
+            dist.all_reduce(value, group=self.cp.get_group())
+        return value
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -187,12 +212,14 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
     world_size = dist.get_world_size()
     if parallel.world_size != world_size:
         raise ConfigError(
-            f"parallel: pp*dp_replicate*fsdp*tp = {parallel.pp}*{parallel.dp_replicate}*{parallel.fsdp}*{parallel.tp}"
-            f" = {parallel.world_size} but the world has {world_size} processes; make the product equal the process "
-            "count"
+            f"parallel: pp*dp_replicate*fsdp*cp*tp = "
+            f"{parallel.pp}*{parallel.dp_replicate}*{parallel.fsdp}*{parallel.cp}*{parallel.tp} = "
+            f"{parallel.world_size} but the world has {world_size} processes; make the product equal the process count"
         )
-    shape = (parallel.pp, parallel.dp_replicate, parallel.fsdp, parallel.tp)
+    shape = (parallel.pp, parallel.dp_replicate, parallel.fsdp, parallel.cp, parallel.tp)
     world = init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
+    if parallel.cp > 1:
+        world["fsdp", "cp"]._flatten("fsdp_cp")  # FSDP2's shard dim (``Mesh.dp``)
     ep_world = None
     if parallel.ep > 1:
         dp = world["dp_replicate", "fsdp"]._flatten("dp")

@@ -79,6 +79,13 @@ which keep that gathered input: per norm ``T*(2h + 1)/t + T*h`` instead of ``T*(
 of a layer is as without it (attention and the MLP run on the whole sequence, split by heads and
 columns); the final norm runs on the whole sequence (the stream is gathered after the last block).
 
+Under context parallelism (``cp``) T is the rank's ``batch*seq/cp`` tokens, but attention keeps
+the keys and values of the whole window, repeated to every query head where the kv heads are fewer
+(SDPA given a mask has no GQA path): ``T*(2ad/t + a/t) + 2*cp*T*w`` per layer (``w``: ``ad/t``
+repeated, else ``kd/t``), and the additive mask of the rank's rows, ``batch*seq/cp*seq`` in the
+activations' dtype, once for every full-attention layer and once for the sliding-window ones
+(``context_attention_elements``, ``context_mask_elements``; ``parallel/runtime/context.py``).
+
 With gradient checkpointing only each layer's input ``T*h`` stays (``T*h/t`` under sequence
 parallelism), plus one layer's activations while it is recomputed. The final norm adds
 ``T*(3h + 1)``. Checked against the tensors autograd really saves (``saved_tensors_hooks``) in
@@ -289,11 +296,13 @@ def activation_elements(
     moe: list[MoeSizes] = (),
     mixers: list[int] = (),
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
     the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
-    in as many layers; ``sequence_parallel``: the norms on sequence slices."""
+    in as many layers; ``sequence_parallel``: the norms on sequence slices; ``cp``: context
+    parallelism, ``tokens`` this rank's (``context_elements``)."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
@@ -301,12 +310,34 @@ def activation_elements(
     norms = 2 * (tokens * (2 * h + 1) // t + tokens * h) if sequence_parallel else tokens * (6 * h + 2)
     inputs = g["L"] * tokens * h // (t if sequence_parallel else 1)  # kept by activation checkpointing
     attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
+    if cp > 1:
+        attention = context_attention_elements(tokens, cp, a // t, local_kv, d)
     if lora_r:
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
     mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
     stack = inputs + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
     return stack + tokens * (3 * h + 1)
+
+
+def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int) -> int:
+    """One attention layer's saved elements on a context-parallel rank of ``tokens`` tokens
+    (``parallel/runtime/context.py``): its queries, output and logsumexp, and the keys and values
+    of the whole window (``cp x tokens``), repeated to every query head where the kv heads are
+    fewer (SDPA given a mask runs no GQA kernel: transformers repeats them)."""
+    width = heads * d if kv_heads < heads else kv_heads * d
+    return tokens * (2 * heads * d + heads) + 2 * cp * tokens * width
+
+
+def context_mask_elements(config, batch: int, seq: int, cp: int) -> int:
+    """The additive masks a context-parallel rank holds for a micro-batch, ``batch x seq/cp x seq``
+    each, in the activations' dtype: one for full attention, one for a sliding window (shared by
+    every layer of its kind)."""
+    if cp == 1:
+        return 0
+    text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"]) & {"full_attention", "sliding_attention"}
+    return max(len(kinds), 1) * batch * (seq // cp) * seq
 
 
 def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -411,7 +442,15 @@ def _check_sequence_parallel(model: nn.Module, plan: Plan, tp: int, seq: int) ->
 
 
 def _check_layout(
-    tp: int, fsdp: int, dp_replicate: int, batch: int, seq: int, ep: int, lora_r: int | None, memory_gib: float | None
+    tp: int,
+    fsdp: int,
+    dp_replicate: int,
+    batch: int,
+    seq: int,
+    ep: int,
+    lora_r: int | None,
+    memory_gib: float | None,
+    cp: int = 1,
 ) -> None:
     """The layout ``estimate`` is asked about, checked before the model is read (one ``ConfigError``
     line): each flag against the range of the config key it stands for (``config/ranges.py``)."""
@@ -422,9 +461,12 @@ def _check_layout(
         ("--batch", "train.per_device_train_batch_size", batch),
         ("--seq", "data.seq_len", seq),
         ("--ep", "parallel.ep", ep),
+        ("--cp", "parallel.cp", cp),
     ):
         check_value(key, value, flag)
-    check_world(tp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --tp")
+    check_world(tp * cp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --cp x --tp")
+    if seq % (2 * cp):
+        raise ConfigError(f"--seq {seq} must be a multiple of 2 x --cp = {2 * cp}: each window is cut in 2*cp chunks")
     if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
         raise ConfigError(
             f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
@@ -444,6 +486,25 @@ def _check_offload(fsdp_offload: bool, dp_size: int, ep: int) -> None:
         raise ConfigError("--fsdp-offload with --ep > 1 is not supported: the experts are outside FSDP")
 
 
+def _check_cp(cp: int, sequence_parallel: bool) -> None:
+    """``--cp`` where ``parallel.cp`` would be refused with sequence parallelism (``config/load.py``)."""
+    if sequence_parallel and cp > 1:
+        raise ConfigError("--sequence-parallel with --cp > 1 is not supported yet (parallel.cp refuses it too)")
+
+
+def _mixers(
+    model: nn.Module, plan: Plan, styles: dict[str, str], batch: int, seq: int, tp: int, act_bytes: int
+) -> list[int]:
+    """The activation elements of each recurrent mixer; its heads are split where the plan splits its
+    convolution's channels (``per_channel``)."""
+    return [
+        mixer_elements(m, batch, seq, tp, 4 // act_bytes, local_channels(plan, m.conv, m.channels, tp))
+        if styles.get(m.conv) == Style.PER_CHANNEL
+        else mixer_elements(m, batch, seq, 1, 4 // act_bytes)
+        for m in mixer_sizes(model)
+    ]
+
+
 def estimate(
     model_path: str,
     tp: int = 1,
@@ -458,17 +519,20 @@ def estimate(
     ep: int = 1,
     sequence_parallel: bool = False,
     fsdp_offload: bool = False,
+    cp: int = 1,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
     carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``;
-    ``fsdp_offload``: the model state in host memory)."""
+    ``fsdp_offload``: the model state in host memory; ``cp``: context parallelism, each sequence
+    split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``)."""
     check_model_dir(model_path)
     _check_offload(fsdp_offload, fsdp * dp_replicate, ep)
+    _check_cp(cp, sequence_parallel)
     if seq is None:
         bound = max_positions(model_config(model_path))
         seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
-    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib)
+    _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib, cp)
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
@@ -480,19 +544,17 @@ def estimate(
     skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
     # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
-    full, local, trainable, tensors = count_params(model, styles, tp, fsdp, lora_r, plan.experts, ep)
+    shards = fsdp * cp  # FSDP2 shards over fsdp x cp (``distributed/mesh.py``)
+    full, local, trainable, tensors = count_params(model, styles, tp, shards, lora_r, plan.experts, ep)
     ep_casts = _ep_casts(model, styles, plan, skip, tp, ep) if bf16 else 0
-    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, fsdp * dp_replicate))
+    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, shards * dp_replicate))
     act_bytes = 2 if bf16 else 4
-    tokens = batch * seq
-    # a mixer's heads are split where the plan splits its convolution's channels (``per_channel``)
+    tokens = batch * seq // cp  # this rank's
     copies = row_copies(model, plan).values()
-    mixers = [
-        mixer_elements(m, batch, seq, tp, 4 // act_bytes, local_channels(plan, m.conv, m.channels, tp))
-        if styles.get(m.conv) == Style.PER_CHANNEL
-        else mixer_elements(m, batch, seq, 1, 4 // act_bytes)
-        for m in mixer_sizes(model)
-    ]
+    mixers = _mixers(model, plan, styles, batch, seq, tp, act_bytes)
+    stack = activation_elements(
+        model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers, sequence_parallel, cp
+    )
     vocab = _dims(model.config)["V"]
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
@@ -501,22 +563,21 @@ def estimate(
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes
         * (
-            activation_elements(
-                model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers, sequence_parallel
-            )
+            stack
+            + context_mask_elements(model.config, batch, seq, cp)
             # with gradient checkpointing one layer's at a time: the largest
             + (max(copies, default=0) if gradient_checkpointing else sum(copies))
         ),
         "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
-        "compute_weights": _compute_weight_bytes(model, styles, tp, fsdp, bf16, plan.experts, skip) + 2 * ep_casts,
+        "compute_weights": _compute_weight_bytes(model, styles, tp, shards, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (
             4 * _block_elements(model, styles, tp, plan.experts, skip)[0]
-            if fsdp * dp_replicate > 1 and not lora_r
+            if shards * dp_replicate > 1 and not lora_r
             else 0
         ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
-    layout = {"tp": tp, "fsdp": fsdp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
+    layout = {"tp": tp, "fsdp": fsdp, "cp": cp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
     layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
     layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload}
     est = Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
@@ -537,7 +598,8 @@ def format_table(est: Estimate) -> str:
     lines = [
         (
             f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
-            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}, per rank: "
+            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}"
+            f"{' cp=' + str(lay['cp']) if lay.get('cp', 1) > 1 else ''}, per rank: "
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"

@@ -34,6 +34,7 @@ from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import scattered_rows
 from shardlm.parallel.runtime import lora
+from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
 from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage
@@ -176,7 +177,7 @@ def parallelize(
 ) -> ParallelModel:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
-    ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp > 1); the dtype it
+    ``mp_policy``: FSDP2 mixed precision, used only where FSDP is on (dp x cp > 1); the dtype it
     computes in is returned as ``fsdp_param_dtype`` so the trainer knows whether it must
     autocast itself (``trainer.mixed_precision_policy``). ``lora_config``: peft LoRA
     adapters on the plan's projections (``parallel/runtime/lora.py``); only they (and ``modules_to_save``) train.
@@ -205,8 +206,11 @@ def parallelize(
             check_fused_kernels(model, plan, mesh.parallel.tp)
         apply_tp(model, mesh, plan, with_lora=peft_cfg is not None)
     experts = apply_ep(model, mesh.experts, plan.experts) if mesh.parallel.ep > 1 else []
+    if mesh.parallel.cp > 1:  # attention over the sequence split between the cp ranks
+        check_context_parallel(model, mesh.parallel.cp)
+        enable_context_parallel(model)
     parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
-    if mesh.parallel.dp_size > 1:
+    if mesh.shards_parameters:
         # under pp the stage is FSDP's root: its forward unshards what the stage holds outside the blocks,
         # and torch's schedules then reduce the gradients once per step (``PipelineStage`` knows FSDPModule)
         apply_fsdp(stage if stage is not None else model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
@@ -230,7 +234,7 @@ def parallelize(
     partial = tp_partial_grad_params(
         model, plan, with_lora=lora_config is not None and tp_on, sequence_parallel=mesh.parallel.sequence_parallel
     )
-    fsdp_on = mesh.parallel.dp_size > 1 and mp_policy is not None
+    fsdp_on = mesh.shards_parameters and mp_policy is not None
     dtype = mp_policy.param_dtype if fsdp_on else None
     experts_group = mesh.expert_dp_group if experts else None
     return ParallelModel(model, plan, partial, dtype, peft_cfg, experts, experts_group, stage)

@@ -21,6 +21,7 @@ from shardlm.data.dataset import Batch, TokenDataset
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import as_local
+from shardlm.parallel.runtime.context import ContextShard, context_parallel
 from shardlm.train.loss import loss_context, token_loss_sum
 
 
@@ -50,18 +51,22 @@ def eval_loss(
     mesh: Mesh,
     per_device: int,
     max_batches: int | None,
+    shard_of: Callable[[Batch], tuple[Batch, ContextShard | None]] | None = None,
 ) -> tuple[float, int]:
     """Collective: the token-weighted loss of ``logits_of`` over ``ds`` and its labelled token
     count (the module is left in the mode it was in). Under ``parallel.pp``, ``module`` is the stage
-    and ``logits_of`` gives logits on the last stage only (None elsewhere), whose sums every stage takes."""
+    and ``logits_of`` gives logits on the last stage only (None elsewhere), whose sums every stage takes.
+    ``shard_of``: this rank's tokens of a batch under context parallelism and their shard
+    (``Trainer.context_shard``); the loss and the count are then summed over the cp ranks too."""
     p = mesh.parallel
     was_training = module.training
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=mesh.device)
     try:
         for batch in eval_batches(ds, mesh.dp_rank, p.dp_size, per_device, max_batches):
-            batch = batch.to(mesh.device)
-            logits = logits_of(batch.input_ids, batch.position_ids)
+            batch, shard = shard_of(batch.to(mesh.device)) if shard_of is not None else (batch.to(mesh.device), None)
+            with context_parallel(shard):
+                logits = logits_of(batch.input_ids, batch.position_ids)
             if logits is not None:
                 with loss_context(isinstance(logits, DTensor)):
                     totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
@@ -73,7 +78,7 @@ def eval_loss(
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
-    mesh.sum_over_dp(totals)
+    mesh.sum_over_tokens(totals)
     if p.pp > 1:  # the loss sums are the last stage's
         dist.broadcast(totals, group_src=p.pp - 1, group=mesh.pp.get_group())
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

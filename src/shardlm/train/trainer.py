@@ -58,7 +58,8 @@ from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
 from shardlm.checkpoint.ownership import run_id
 from shardlm.config import Config, TrainConfig
-from shardlm.data.dataset import GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
+from shardlm.data.context_split import split_batch, window_positions
+from shardlm.data.dataset import Batch, GlobalBatchOrder, TokenDataset, build_dataset, micro_batch, micro_batch_start
 from shardlm.data.fit import check_ids, load_tokenizer, vocab_size
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
@@ -66,6 +67,7 @@ from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_fr
 from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
+from shardlm.parallel.runtime.context import ContextShard, context_parallel
 from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.parallel.runtime.ep import sum_expert_grads
 from shardlm.parallel.runtime.grads import sum_tp_partial_grads
@@ -201,9 +203,10 @@ class Trainer:
         with ctx:
             return self.module(input_ids=input_ids, **kwargs)
 
-    def dropout_mode(self, micro: int) -> DeterministicDropout | None:
+    def dropout_mode(self, micro: int, shard: ContextShard | None = None) -> DeterministicDropout | None:
         """The dropout mode of micro-step ``micro`` of this step (None once the model showed it has
-        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch."""
+        no dropout): this rank's samples are positions ``start..start+per_device`` of the global batch,
+        and under context parallelism its tokens the window positions of ``shard``."""
         if self._has_dropout is False:
             return None
         t, p = self.config.train, self.mesh.parallel
@@ -211,7 +214,39 @@ class Trainer:
         positions = torch.arange(start, start + t.per_device_train_batch_size)
         sites = tuple(self.model.plan.dropout_sites)
         tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
-        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites))
+        sequence = None if shard is None else (shard.index, shard.positions.shape[1])  # this cp rank's tokens
+        return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites, sequence))
+
+    def context_shard(self, batch: Batch) -> tuple[Batch, ContextShard | None]:
+        """This rank's tokens of ``batch`` and the shard its attention gathers the others' over
+        (``parallel/runtime/context.py``); the batch itself and None without context parallelism."""
+        p = self.mesh.parallel
+        if p.cp == 1:
+            return batch, None
+        shard = ContextShard(window_positions(batch), p.cp, self.mesh.cp.get_local_rank(), self.mesh.cp.get_group())
+        return split_batch(batch, shard.index), shard
+
+    def _micro_step(self, micro: int, batch: Batch, denom: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of micro-batch ``micro`` (``batch``: this dp rank's whole windows);
+        this rank's token-loss sum and the router's ``coef * aux_loss`` (0 without one), detached.
+        Under context parallelism the forward and backward both run on this rank's chunks, so
+        that the recompute of a checkpointed block finds its shard."""
+        local, shard = self.context_shard(batch)
+        router_total = torch.zeros((), device=self.mesh.device)
+        with context_parallel(shard):
+            mode = self.dropout_mode(micro, shard)
+            with mode or nullcontext():
+                outputs = self.outputs(local.input_ids, local.position_ids)
+            if mode is not None and self._has_dropout is None:
+                self._has_dropout = mode.used
+            with loss_context(isinstance(outputs.logits, DTensor)):
+                micro_loss = token_loss_sum(outputs.logits, local.labels)
+                roots = [micro_loss / denom]
+                if self.router_loss is not None:  # one backward for both (train/router_loss.py)
+                    term, router_total = self.router_loss.terms(outputs.router_logits, self.mesh.sum_over_tokens)
+                    roots.append(term)
+                torch.autograd.backward(roots)
+        return as_local(micro_loss).detach(), router_total.detach()
 
     def train_step(self) -> dict:
         t, p = self.config.train, self.mesh.parallel
@@ -231,21 +266,10 @@ class Trainer:
         if self.pipeline is not None:  # every micro-batch through the stages; the last stage's loss sum
             loss_sum = self.pipeline.forward_backward(batches, denom)
         for micro, batch in enumerate(batches if self.pipeline is None else []):
-            mode = self.dropout_mode(micro)
-            with mode or nullcontext():
-                outputs = self.outputs(batch.input_ids, batch.position_ids)
-            if mode is not None and self._has_dropout is None:
-                self._has_dropout = mode.used
-            with loss_context(isinstance(outputs.logits, DTensor)):
-                micro_loss = token_loss_sum(outputs.logits, batch.labels)
-                roots = [micro_loss / denom]
-                if self.router_loss is not None:  # one backward for both (train/router_loss.py)
-                    term, router_total = self.router_loss.terms(outputs.router_logits, self.mesh.sum_over_dp)
-                    roots.append(term)
-                    router_sum += router_total.detach()
-                torch.autograd.backward(roots)
-            loss_sum += as_local(micro_loss).detach()
-        loss = self.mesh.sum_over_dp(loss_sum) / denom + router_sum
+            micro_loss, router_total = self._micro_step(micro, batch, denom)
+            loss_sum += micro_loss
+            router_sum += router_total
+        loss = self.mesh.sum_over_tokens(loss_sum) / denom + router_sum
         if self.model.tp_partial_grads:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
         if self.model.expert_grads:  # EP: over the data-parallel ranks holding the same experts
@@ -285,7 +309,13 @@ class Trainer:
         if self.pipeline is not None:  # the batches through the stages in turn (train/pipeline_step.py)
             module, logits_of = self.model.stage, self.pipeline.logits_of
         loss, tokens = eval_loss(
-            module, logits_of, self.eval_dataset, self.mesh, per_device, self.config.eval.max_batches
+            module,
+            logits_of,
+            self.eval_dataset,
+            self.mesh,
+            per_device,
+            self.config.eval.max_batches,
+            self.context_shard,
         )
         ppl = math.exp(loss) if loss < 700 else float("inf")
         return {"step": self.step, "eval_loss": loss, "eval_ppl": ppl, "eval_tokens": tokens}

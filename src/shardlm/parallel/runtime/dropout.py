@@ -22,10 +22,18 @@ kept iff ``hash(seed, step, site, sample, index) >= p * 2**24`` (splitmix64), wh
   intermediate), along dim ``d`` (``Plan.dropout_sites``), the local index is shifted to this
   rank's slice, so each shard draws its own part of the one-process mask.
 
-* under sequence parallelism (``runtime/sequence.py``), a site the trace found replicated but run while
-  the residual stream is this rank's slice of the sequence (``in_sequence_region``) draws this rank's
-  positions of the one-process mask: its tensor is ``[batch, s / tp, ...]`` (or that flattened to
-  ``[batch * s / tp, hidden]``) and index ``e`` is shifted to this rank's slice of dim 1.
+Under context parallelism (``parallel/runtime/context.py``) a rank holds some of each sample's
+tokens (``DropoutKey.sequence``: their positions in the window): the sequence coordinate of an
+element is mapped to its window position, so each cp rank draws its tokens' part of the
+one-process mask. The sequence dim is the query dim of attention probabilities (``[batch, heads,
+queries, keys]``, the keys already gathered whole) and, for every other dropout, the first dim
+after the batch whose size is the rank's token count (``[batch, seq, ...]`` activations).
+
+Under sequence parallelism (``runtime/sequence.py``), a site the trace found replicated but run while
+the residual stream is this rank's slice of the sequence (``in_sequence_region``) draws this rank's
+positions of the one-process mask: its tensor is ``[batch, s / tp, ...]`` (or that flattened to
+``[batch * s / tp, hidden]``) and index ``e`` is shifted to this rank's slice of dim 1. (Sequence and
+context parallelism are not combined: ``config/load.py`` refuses it.)
 
 Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
 reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
@@ -98,6 +106,43 @@ class DropoutKey:
     tp_rank: int = 0
     tp: int = 1
     sites: tuple = ()
+    sequence: tuple[torch.Tensor, int] | None = None  # context parallelism: (this rank's window positions, seq_len)
+
+
+def sequence_dim(shape: tuple[int, ...], key: DropoutKey) -> int | None:
+    """Under context parallelism, the dim of a ``[batch, seq, ...]`` activation that holds this rank's
+    tokens (None without); a tensor without one cannot be placed in the window."""
+    if key.sequence is None:
+        return None
+    local = key.sequence[0].numel()
+    for dim in range(1, len(shape)):
+        if shape[dim] == local:
+            return dim
+    raise RuntimeError(
+        f"dropout under context parallelism: a tensor of shape {list(shape)} has no dim of this rank's {local} tokens"
+    )
+
+
+def _window_index(shape: tuple[int, ...], key: DropoutKey, dim: int | None, seq_dim: int) -> tuple[torch.Tensor, int]:
+    """Every local element's flat index in the one-process tensor (TP slice along ``dim`` and this cp
+    rank's window positions along ``seq_dim`` put back), and that tensor's numel."""
+    positions, seq_len = key.sequence
+    full = list(shape)
+    rest = torch.arange(math.prod(shape), device=positions.device, dtype=torch.int64)
+    coords = []
+    for size in reversed(shape):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    if dim is not None and key.tp > 1:
+        coords[dim] = coords[dim] + key.tp_rank * shape[dim]
+        full[dim] = shape[dim] * key.tp
+    coords[seq_dim] = positions.to(torch.int64)[coords[seq_dim]]
+    full[seq_dim] = seq_len
+    flat = torch.zeros_like(coords[0])
+    for coord, size in zip(coords, full):
+        flat = flat * size + coord
+    return flat, math.prod(full)
 
 
 _region = {"sequence": False}  # whether the residual stream is now this rank's slice of the sequence
@@ -131,11 +176,18 @@ def traced_dim(key: DropoutKey, site: int) -> int | str | None:
 
 
 def keep_mask(
-    shape: tuple[int, ...], p: float, key: DropoutKey, site: int, device, dim: int | str | None
+    shape: tuple[int, ...],
+    p: float,
+    key: DropoutKey,
+    site: int,
+    device,
+    dim: int | str | None,
+    seq_dim: int | None = None,
 ) -> torch.Tensor:
     """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``, sharded
     across TP along ``dim`` (None: replicated; ``SEQUENCE``: this rank's slice of every sample's
-    positions, the tensor seen as ``[batch, s / tp, last dim]``)."""
+    positions, the tensor seen as ``[batch, s / tp, last dim]``) and, under context parallelism,
+    holding this rank's tokens along ``seq_dim``."""
     if dim == SEQUENCE:
         batch, numel = key.positions.numel(), math.prod(shape)
         if batch == 0 or numel % (batch * shape[-1]):
@@ -145,7 +197,10 @@ def keep_mask(
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
-    if dim is not None and key.tp > 1:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
+    if seq_dim is not None:
+        flat, total = _window_index(shape, key, dim, seq_dim)
+        flat = flat.to(device)
+    elif dim is not None and key.tp > 1:  # this rank holds slice tp_rank of dim `dim`: index it in the full tensor
         inner = math.prod(shape[dim + 1 :])
         block = shape[dim] * inner
         flat = (flat // block) * (block * key.tp) + key.tp_rank * block + flat % block
@@ -164,18 +219,26 @@ def keep_mask(
 
 
 def hashed_dropout(
-    x: torch.Tensor, p: float, key: DropoutKey, site: int, dim: int | str | None, inplace: bool = False
+    x: torch.Tensor,
+    p: float,
+    key: DropoutKey,
+    site: int,
+    dim: int | str | None,
+    inplace: bool = False,
+    probs: bool = False,
 ) -> torch.Tensor:
-    """``F.dropout(x, p, training=True)`` with the mask of ``keep_mask``."""
+    """``F.dropout(x, p, training=True)`` with the mask of ``keep_mask``; ``probs``: ``x`` is
+    attention probabilities (under context parallelism their query dim holds this rank's tokens)."""
     if isinstance(x, DTensor):
         if not all(pl.is_replicate() for pl in x.placements):
             raise RuntimeError(f"dropout on a DTensor with placements {x.placements} is not supported")
-        local = hashed_dropout(x.to_local(), p, key, site, dim, inplace)
+        local = hashed_dropout(x.to_local(), p, key, site, dim, inplace, probs)
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
     if p >= 1.0:
         return x.zero_() if inplace else torch.zeros_like(x)
+    seq_dim = (x.dim() - 2 if key.sequence is not None else None) if probs else sequence_dim(tuple(x.shape), key)
     with torch.no_grad():
-        scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim).to(x.dtype) * (1.0 / (1.0 - p))
+        scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim, seq_dim).to(x.dtype) * (1.0 / (1.0 - p))
     return x.mul_(scale) if inplace else x * scale
 
 
@@ -246,7 +309,7 @@ class DeterministicDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         self.used = True
         dim = traced_dim(self.key, site)
-        return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site, dim))
+        return _attention(a, lambda probs: hashed_dropout(probs, p, self.key, site, dim, probs=True))
 
 
 def check_layerdrop(model_path: str) -> None:

@@ -1,0 +1,184 @@
+"""Context parallelism: attention over a sequence split between ranks, with unmodified HF modeling code.
+
+Each rank of a cp group holds two chunks of every window (``data/context_split.py``): its
+embeddings, MLPs, norms and loss see only those tokens. Attention is the one place tokens meet, so
+the model's attention function is replaced through transformers' ``AttentionInterface`` (the
+``attn_implementation`` every modern modeling file dispatches on) by ``context_attention``:
+
+* the rank's keys and values are all-gathered over the cp group (an autograd all-gather: their
+  gradients come back by reduce-scatter, summed over the ranks whose queries used them) and put
+  back in window order;
+* the mask is built here, for the rank's query rows against every key, from the *global* position
+  ids of the window: causal, within one document (position ids restarting at each packed document,
+  as ``masking_utils.find_packed_sequence_indices`` reads them) and, where the layer passes a
+  ``sliding_window``, within it (``masking_utils.sliding_window_overlay``: ``k > q - window``);
+* the model's own attention then runs on the rank's queries against the global keys with that
+  mask: transformers' ``sdpa_attention_forward``, or the modeling file's ``eager_attention_forward``
+  where the layer passes what SDPA cannot express (a logit ``softcap``), with the layer's own
+  scaling, dropout and GQA grouping.
+
+transformers builds no mask of its own for an implementation it has no mask function for
+(``masking_utils._preprocess_mask_arguments`` exits early), so nothing is built twice. The shard of
+the step (this rank's positions, the window's position ids, the cp group) is set around each
+micro-step's forward *and* backward by ``context_parallel``, so the recompute of an activation-
+checkpointed block finds it too. torch's own ``context_parallel()`` is not the base: it runs only
+CUDA SDPA kernels and takes no mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from shardlm.data.context_split import chunk_index
+from shardlm.errors import ConfigError
+from shardlm.parallel.model.hf import is_depthwise_conv
+
+IMPLEMENTATION = "shardlm_context_parallel"
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class ContextShard:
+    """One micro-batch as rank ``rank`` of the ``cp`` ranks of ``group`` holds it. ``positions``: the
+    window's global position ids ``[batch, seq_len]``; ``masks``: built once per micro-batch, per
+    sliding window (the recompute of a checkpointed block reuses them)."""
+
+    positions: torch.Tensor
+    cp: int
+    rank: int
+    group: dist.ProcessGroup
+    masks: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        seq_len, device = self.positions.shape[1], self.positions.device
+        self.index = chunk_index(seq_len, self.cp, self.rank, device)  # this rank's window positions
+        gathered = torch.cat([chunk_index(seq_len, self.cp, r, device) for r in range(self.cp)])
+        self.order = torch.argsort(gathered)  # the all-gathered rows -> window order
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[batch, 1, local, seq_len]`` in ``dtype`` (0 where this rank's query attends to
+        the key, the dtype's min elsewhere), built once and shared by every layer: handed a bool mask,
+        SDPA converts it to a float one in each layer and saves that for the backward, one
+        ``local x seq_len`` matrix a layer; this one is saved once."""
+        if (sliding_window, dtype) not in self.masks:
+            allowed = document_mask(self.positions, self.index, sliding_window)
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[sliding_window, dtype] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return self.masks[sliding_window, dtype]
+
+
+def document_mask(positions: torch.Tensor, index: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """The rows ``index`` of the document-causal (and sliding-window) mask of windows whose position
+    ids are ``positions`` ``[batch, seq_len]``: a new document starts wherever a position is not its
+    predecessor's plus one (transformers' rule for packed sequences)."""
+    batch, seq_len = positions.shape
+    step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    document = (step != 1).cumsum(-1)  # [batch, seq_len]
+    q, k = index.view(-1, 1), torch.arange(seq_len, device=positions.device).view(1, -1)
+    allowed = k <= q
+    if sliding_window is not None:
+        allowed = allowed & (k > q - sliding_window)
+    same = document[:, index].unsqueeze(-1) == document.unsqueeze(-2)  # [batch, local, seq_len]
+    return (allowed.unsqueeze(0) & same).unsqueeze(1)
+
+
+_active: list[ContextShard] = []
+
+
+@contextmanager
+def context_parallel(shard: ContextShard | None):
+    """Run the enclosed forward and backward on ``shard`` (None: no context parallelism)."""
+    if shard is None:
+        yield
+        return
+    _active.append(shard)
+    try:
+        yield
+    finally:
+        _active.remove(shard)
+
+
+def gather_sequence(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """``x`` ``[batch, heads, local, dim]`` of every cp rank, in window order ``[batch, heads, seq_len, dim]``;
+    the backward reduce-scatters the gradient (each rank gets the sum over ranks of its rows')."""
+    rows = x.transpose(0, 2).contiguous()  # the sequence first: the all-gather concatenates dim 0
+    gathered = funcol.all_gather_single_autograd(rows, 0, shard.group)
+    gathered = funcol.wait_tensor(gathered) if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
+    return gathered[shard.order].transpose(0, 2)
+
+
+def context_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The registered attention function (see the module docstring); ``attention_mask`` is None:
+    transformers builds none for this implementation."""
+    if not _active:
+        raise RuntimeError(f"{IMPLEMENTATION}: attention ran outside a context-parallel micro-step")
+    shard = _active[-1]
+    key, value = gather_sequence(key, shard), gather_sequence(value, shard)
+    mask = shard.mask(kwargs.get("sliding_window"), query.dtype)
+    if kwargs.get("softcap") is None:
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, mask, **kwargs)
+
+
+AttentionInterface.register(IMPLEMENTATION, context_attention)
+
+
+def enable_context_parallel(model: nn.Module) -> None:
+    """Route every attention layer of ``model`` through ``context_attention``."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        config._attn_implementation = IMPLEMENTATION
+
+
+def _uses_attention_interface(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def context_parallel_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` (meta is fine) cannot run under ``parallel.cp``, or None when it can."""
+    name = type(model).__name__
+    if not getattr(type(model), "_supports_context_parallel", True):
+        return f"{name} declares it cannot run under context parallelism (transformers' _supports_context_parallel)"
+    if "position_ids" not in inspect.signature(type(model).forward).parameters:
+        return f"{name}'s forward takes no position_ids, so a rank's chunk cannot keep its positions"
+    mixers = sorted({type(m).__name__ for m in model.modules() for c in m.children() if is_depthwise_conv(c)})
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES)
+    if mixers or layer_types:
+        what = mixers[0] if mixers else sorted(layer_types)[0]
+        return f"{name}'s {what} carries a recurrent state along the sequence, which cp ranks do not exchange"
+    if getattr(config, "attention_chunk_size", None):
+        return f"{name} uses chunked attention, whose mask context parallelism does not build"
+    attention = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+    others = [a for a in attention if not _uses_attention_interface(_class_named(model, a))]
+    if not attention or others:
+        what = others[0] if others else "its attention"
+        return f"{name}'s {what} does not dispatch through transformers' AttentionInterface"
+    return None
+
+
+def _class_named(model: nn.Module, name: str) -> type:
+    return next(type(m) for m in model.modules() if type(m).__name__ == name)
+
+
+def check_context_parallel(model: nn.Module, cp: int) -> None:
+    """Refuse ``parallel.cp`` > 1 for a model it cannot split (``shardlm.preflight``, and ``parallelize``)."""
+    if cp == 1:
+        return
+    why = context_parallel_refusal(model)
+    if why is not None:
+        raise ConfigError(f"parallel.cp={cp}: {why}; set parallel.cp: 1 (use parallel.tp or parallel.fsdp instead)")
