@@ -128,6 +128,7 @@ TINY = {
     # Gemma 3 as published for 4B and up: Gemma3ForConditionalGeneration (a SigLIP vision tower, its
     # projector, the Gemma 3 text model in ``model.language_model``), trained on text rows
     "gemma3": ("gemma3", {}),
+    "gpt_oss": ("gpt_oss", {}),  # per-head attention sinks (s_aux)
 }
 
 

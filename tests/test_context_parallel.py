@@ -214,6 +214,12 @@ def test_refusals_before_spawning(tmp_path):
     assert "\n" not in message and message.startswith("parallel.cp=2: Qwen3_5ForCausalLM's ")
     assert "recurrent state" in message
     assert message.endswith("set parallel.cp: 1 (use parallel.tp or parallel.fsdp instead)")
+    # attention sinks (gpt-oss): transformers' sdpa function would drop them silently (s_aux in **kwargs)
+    gpt_oss = write_tiny_dir(str(tmp_path / "gpt_oss"), "gpt_oss")
+    with pytest.raises(ConfigError) as err:
+        load_checked(raw={**raw, "model": gpt_oss, "parallel": {"cp": 2}, "data": {**raw["data"], "packing": False}})
+    message = str(err.value)
+    assert "\n" not in message and "adds attention sinks to the scores" in message
 
 
 # ---------------------------------------------------------------- parity with one process

@@ -5,8 +5,11 @@ global batch 4, clipping binding, padded and wholly-ignored samples): the loss t
 gradient norm to 1e-4, relative, at every step. The refusals are checked before spawning, one line each.
 """
 
+import json
+
 import pytest
 import torch
+from families import write_tiny_dir
 from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
 from transformers import MixtralConfig
 
@@ -62,7 +65,7 @@ def test_refusals_before_spawning(tmp_path):
     """One line each, naming the key: a schedule needing virtual stages, fewer micro-batches than
     1F1B's stages, micro-batches not dividing the batch, combinations not supported yet, more stages
     than blocks, tied embeddings, a forward that changes the embeddings before the first block (GPT-2),
-    the router's load-balancing loss."""
+    the router's load-balancing loss, a multimodal checkpoint's language model one level down."""
     (tmp_path / "d.txt").write_text("a b c\n")
     llama = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
     tied = write_model_dir(str(tmp_path / "tied"), "llama", tie_word_embeddings=True)
@@ -70,8 +73,13 @@ def test_refusals_before_spawning(tmp_path):
     router = str(tmp_path / "mixtral")
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
     MixtralConfig(**sizes, num_hidden_layers=2, num_local_experts=4, output_router_logits=True).save_pretrained(router)
+    nested = write_tiny_dir(str(tmp_path / "gemma3_mm"), "gemma3")  # the blocks under model.language_model
+    config = json.loads((tmp_path / "gemma3_mm" / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
+    (tmp_path / "gemma3_mm" / "config.json").write_text(json.dumps(config))
     train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     cases = [
+        (nested, {"pp": 2}, {}, r"decoder blocks \(model.language_model.layers\) are not a child of its base model"),
         (llama, {"pp": 2, "pp_schedule": "Interleaved1F1B"}, {}, "parallel.pp_schedule 'Interleaved1F1B'"),
         (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),

@@ -192,6 +192,9 @@ def save_checkpoint(state: TrainState, cfg: Config, step: int) -> str:
     return final
 
 
+MARKER_LAYOUT = ("tp", "fsdp", "dp_replicate", "ep", "pp", "cp", "sequence_parallel")  # what the resume message names
+
+
 def _marker(state: TrainState, cfg: Config, step: int) -> dict:
     return {
         "format": FORMAT_VERSION,
@@ -201,7 +204,7 @@ def _marker(state: TrainState, cfg: Config, step: int) -> dict:
         "seed": cfg.train.seed,
         "num_samples": state.num_samples,
         "world_size": dist.get_world_size(),
-        "layout": {k: getattr(cfg.parallel, k) for k in ("tp", "fsdp", "dp_replicate", "ep", "pp")},
+        "layout": {k: getattr(cfg.parallel, k) for k in MARKER_LAYOUT},
         "lora": state.lora_marker(),
         "scheduler": state.scheduler.state_dict(),
         "config": cfg.to_dict(),

@@ -166,6 +166,10 @@ class Trainer:
             self.eval_dataset = build_eval_dataset(self.config)
         self._check_ids()
         self.num_params = count_params(self.module)
+        if self.mesh.parallel.pp > 1:  # a stage holds its own blocks (``parallel.pp``): the model is their sum
+            total = torch.tensor(float(self.num_params), dtype=torch.float64, device=self.mesh.device)
+            dist.all_reduce(total, group=self.mesh.pp.get_group())
+            self.num_params = int(total)
         self.router_loss = router_loss_of(self.module)  # the load-balancing loss over the global batch, or None
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)

@@ -86,11 +86,34 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
     prefix = names[id(base)] + "." if names[id(base)] else ""
     after = tuple(prefix + c for c in calls[calls.index("block") :] if c in children)
     container = next(fqn for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and list(m) == blocks)
+    _check_cut(model, container, names[id(base)], (emb, *blocks, *(model.get_submodule(f) for f in after), head))
     counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     first = sum(p.numel() for p in emb.parameters())
     split = balance(counts, first, total - sum(counts) - first, stages)
     return StageLayout(split, container, names[id(emb)], after, names[id(head)])
+
+
+def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Module, ...]) -> None:
+    """The stages are cut from the base model's own children: its block list must be one of them (a
+    multimodal wrapper's language model one level down is not handled yet: its final norm and
+    ``layer_types`` would be missed), and every parameter must belong to the embedding, a block, what
+    runs after the blocks or the head (anything else would be held, and clipped, on every stage)."""
+    name = type(model).__name__
+    if container.rpartition(".")[0] != base:
+        where = base or "the model"
+        raise ConfigError(
+            f"parallel.pp: {name}'s decoder blocks ({container}) are not a child of its base model ({where}), "
+            f"as in a multimodal checkpoint's language_model; {_NOT_YET}"
+        )
+    placed = {id(p) for m in kept for p in m.parameters()}
+    left = [fqn for fqn, p in model.named_parameters() if id(p) not in placed]
+    if left:
+        raise ConfigError(
+            f"parallel.pp: {name} has parameters outside its embedding, blocks, final modules and head "
+            f"({left[0]}{f' and {len(left) - 1} more' if len(left) > 1 else ''}), which every stage would hold; "
+            f"{_NOT_YET}"
+        )
 
 
 def _probe(meta: nn.Module) -> tuple[list[str], bool | None, int]:

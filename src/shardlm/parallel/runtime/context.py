@@ -123,6 +123,8 @@ def context_attention(module: nn.Module, query, key, value, attention_mask, **kw
     if not _active:
         raise RuntimeError(f"{IMPLEMENTATION}: attention ran outside a context-parallel micro-step")
     shard = _active[-1]
+    if kwargs.get("s_aux") is not None:  # refused before spawning (``context_parallel_refusal``); never dropped
+        raise RuntimeError(f"{IMPLEMENTATION}: attention sinks (s_aux) are not supported under context parallelism")
     key, value = gather_sequence(key, shard), gather_sequence(value, shard)
     mask = shard.mask(kwargs.get("sliding_window"), query.dtype)
     if kwargs.get("softcap") is None:
@@ -168,7 +170,18 @@ def context_parallel_refusal(model: nn.Module) -> str | None:
     if not attention or others:
         what = others[0] if others else "its attention"
         return f"{name}'s {what} does not dispatch through transformers' AttentionInterface"
+    sinks = [a for a in attention if _has_sinks(_class_named(model, a))]
+    if sinks:  # transformers' sdpa function takes s_aux in **kwargs and ignores it: it would be dropped
+        return f"{name}'s {sinks[0]} adds attention sinks to the scores, which the context-parallel attention does not"
     return None
+
+
+def _has_sinks(cls: type) -> bool:
+    """Whether attention ``cls`` hands per-head sinks to the attention function (gpt-oss, Granite-SWA, ...)."""
+    try:
+        return "s_aux" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _class_named(model: nn.Module, name: str) -> type:
