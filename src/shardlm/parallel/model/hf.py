@@ -64,7 +64,12 @@ def tower_parameters(model: nn.Module) -> list[str]:
     """Names of the parameters outside the language model: a multimodal checkpoint's vision or audio
     tower and its projector (Gemma 3's ``model.vision_tower``, ``model.multi_modal_projector``);
     empty for a text model. The language model is what transformers' ``get_decoder`` returns, with
-    the input and output embeddings. The plan keeps the towers whole (no text row reaches them)."""
+    the input and output embeddings. The plan keeps the towers whole (no text row reaches them).
+    Only a multimodal config (its text config a sub-config) has towers: a text model's parameters
+    outside ``get_decoder`` are its own head's (RoCBert's ``cls.predictions.transform``) and train."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config") or config.get_text_config() is config:
+        return []
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or decoder is model:
         return []
