@@ -34,7 +34,7 @@ MODELS = {
         None,
         ["q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "f_a_proj", "g_a_proj", "kv_a_proj_with_mqa", *LLAMA[4:]],
     ),
-    # Gemma 3 as published (Gemma3ForConditionalGeneration, families.TINY) on text rows: the language
+    # Gemma 3 as published (Gemma3ForConditionalGeneration, families.PUBLISHED_TINY) on text rows: the language
     # model's projections (peft's regex: its SigLIP vision tower has q/k/v_proj too, which text rows
     # never reach)
     "gemma3": ("gemma3", None, rf".*language_model.*\.({'|'.join(LLAMA)})"),
