@@ -13,7 +13,7 @@ from helpers import (
     assert_parity,
     make_adapter,
     plain_reference,
-    run_ranks,
+    run_fresh_ranks,
     token_dataset,
     train_config,
     write_model_dir,
@@ -59,7 +59,10 @@ def test_compiled_blocks_match_one_process(model_path, tmp_path):
     from peft import PeftModel
 
     adapter = make_adapter(model_path, str(tmp_path / "adapter"), ["q_proj", "v_proj"])
-    got = run_ranks(_compiled_runs, 2, model_path, adapter)
+    # new processes, as a training run starts: in the pool's long-lived workers, after the models of the
+    # tests before it (test_compat's 20-odd types), inductor's partitioner failed on the same graph
+    # ("Node tangents_2 was invalid, but is output"; alone, cold cache or warm, it passes)
+    got = run_fresh_ranks(_compiled_runs, 2, model_path, adapter)
     ref = plain_reference(model_path, 4, steps=STEPS)
     lora_ref = plain_reference(
         model_path, 4, steps=STEPS, wrap=lambda m: PeftModel.from_pretrained(m, adapter, is_trainable=True)

@@ -27,6 +27,7 @@ from shardlm.distributed.shards import keep_parts_in, parts_placements
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.infer.stages import stage_layout
+from shardlm.parallel.model.experts import experts_modules
 from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
@@ -52,8 +53,10 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     sequence = mesh.parallel.sequence_parallel
     scattered = scattered_rows(model, plan) if sequence else set()
     styles = lora.lora_styles(model, plan, scattered) if with_lora else plan_styles(plan, scattered)
-    if mesh.parallel.ep > 1:  # the experts are placed with EP (``apply_ep``)
-        styles = {fqn: style for fqn, style in styles.items() if fqn not in plan.experts}
+    if mesh.parallel.ep > 1:  # the experts are placed with EP (``apply_ep``); not the other modules of
+        # ``plan.experts``, the per-channel ones (gpt-oss's attention with its sinks, a hybrid's mixers)
+        ep_placed = set(experts_modules(model))
+        styles = {fqn: style for fqn, style in styles.items() if fqn not in ep_placed}
     tp_mesh = mesh.tp  # one object: the sequence hooks and the styles key their shared views by it
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)

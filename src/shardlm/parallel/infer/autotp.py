@@ -151,7 +151,10 @@ def infer_plan(model: nn.Module, tp: int) -> Plan:
     check_config_geometry(model.config, tp)
     if tp == 1:
         return Plan()
-    key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str))
+    # the modules too, not only the config: the same config traced with LoRA layers injected (or
+    # without) is another plan, and a process that builds both must not hand one the other's
+    modules = tuple((name, type(m).__name__) for name, m in model.named_modules())
+    key = (type(model).__name__, tp, json.dumps(model.config.to_dict(), sort_keys=True, default=str), modules)
     if key not in PLANS:
         PLANS[key] = _infer_or_refuse(model, tp)
     return copy.deepcopy(PLANS[key])
