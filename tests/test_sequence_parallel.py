@@ -294,22 +294,11 @@ def test_packed_documents_with_sp_equal_padded_rows_in_one_process(tmp_path):
     """Attention under SP runs on the gathered sequence with the mask the model built from the whole
     window's position ids: one step's loss (1e-5), grad_norm (1e-4 relative) and the eval loss on packed
     windows equal one process's on the documents padded one per row (Llama; Gemma 3, sliding window)."""
-    from test_packing import GEMMA3, loss_and_grads, parity_data
+    from test_packing import GEMMA3, assert_equals_padded
     from transformers import Gemma3TextConfig
-
-    from shardlm.parallel.weights.fill import reference_model
 
     paths = [write_model_dir(str(tmp_path / "llama"), "llama")]
     Gemma3TextConfig(**GEMMA3).save_pretrained(tmp_path / "gemma3")
     paths.append(str(tmp_path / "gemma3"))
     got = run_ranks(packed_sp_steps, 2, paths, str(tmp_path / "out"))
-    _, padded = parity_data()
-    for path in paths:
-        model = reference_model(path, 0)
-        model.config.use_cache = False
-        loss, grads = loss_and_grads(model, padded)
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
-        got_loss, got_norm, got_eval = got[path]
-        assert abs(got_loss - loss) <= 1e-5 * loss, (path, got_loss, loss)
-        assert abs(got_eval - loss) <= 1e-5 * loss, (path, got_eval, loss)
-        assert abs(got_norm - norm) <= 1e-4 * norm, (path, got_norm, norm)
+    assert_equals_padded(got, paths)
