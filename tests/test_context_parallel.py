@@ -213,6 +213,9 @@ def test_refusals_before_spawning(tmp_path):
     assert str(err.value).startswith("parallel.cp=4 splits each window into 2*cp=8 equal chunks but data.seq_len=100")
     with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.ep=2"):
         load_checked(raw={**raw, "parallel": {"cp": 2, "ep": 2, "fsdp": 2}})
+    # combined since: LoRA (tests/test_lora.py) and sequence parallelism (below)
+    assert load_checked(raw={**raw, "parallel": {"cp": 2}, "lora": {}}).lora is not None
+    assert load_checked(raw={**raw, "parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}}).parallel.cp == 2
     sp = {"cp": 2, "tp": 4, "sequence_parallel": True}  # 12 % 4 == 0, but a cp rank's 6 tokens do not split over 4
     with pytest.raises(ConfigError) as err:
         load_checked(raw={**raw, "parallel": sp, "data": {**raw["data"], "seq_len": 12}})

@@ -288,7 +288,6 @@ def _validate_cp(cfg: Config) -> None:
     unsupported = {
         "train.compile": cfg.train.compile,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
-        "lora": cfg.lora is not None,
     }
     for key, on in unsupported.items():
         if p.cp > 1 and on:
