@@ -172,8 +172,9 @@ def test_mask_rows_equal_transformers_mask(window):
 
 def test_cp_ranks_draw_their_part_of_the_one_process_dropout_mask():
     """Each cp rank's dropout masks are the one-process masks at its tokens: ``[batch, seq, hidden]``
-    activations (also TP-sharded along hidden) and attention probabilities (the query dim)."""
-    from shardlm.parallel.runtime.dropout import DropoutKey, keep_mask
+    activations (also TP-sharded along hidden, or, with sequence parallelism, sliced along the rank's
+    tokens over TP) and attention probabilities (the query dim)."""
+    from shardlm.parallel.runtime.dropout import SEQUENCE, DropoutKey, keep_mask
 
     whole = DropoutKey(0, 3, torch.arange(2))
     hidden, probs = (
@@ -188,6 +189,15 @@ def test_cp_ranks_draw_their_part_of_the_one_process_dropout_mask():
             assert torch.equal(keep_mask((2, 4, len(index), 16), 0.3, key, 6, "cpu", None, 2), probs[:, :, index])
             tp = DropoutKey(0, 3, torch.arange(2), tp_rank=1, tp=2, sequence=(index, 16))
             assert torch.equal(keep_mask((2, len(index), 3), 0.3, tp, 5, "cpu", 2, 1), hidden[:, index, 3:])
+            # with sequence parallelism: tp rank r holds slice r of the cp rank's tokens, [batch, s/cp/tp, hidden]
+            # (OPT's MLP: flattened to [batch * s/cp/tp, hidden])
+            for tp_rank in range(2):
+                key = DropoutKey(0, 3, torch.arange(2), tp_rank=tp_rank, tp=2, sequence=(index, 16))
+                mine = index.view(2, -1)[tp_rank]
+                local = (2, len(mine), 6)
+                assert torch.equal(keep_mask(local, 0.3, key, 5, "cpu", SEQUENCE), hidden[:, mine])
+                flat = keep_mask((2 * len(mine), 6), 0.3, key, 5, "cpu", SEQUENCE)
+                assert torch.equal(flat.view(local), hidden[:, mine])
 
 
 # ---------------------------------------------------------------- refused before spawning
@@ -203,10 +213,20 @@ def test_refusals_before_spawning(tmp_path):
     assert str(err.value).startswith("parallel.cp=4 splits each window into 2*cp=8 equal chunks but data.seq_len=100")
     with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.ep=2"):
         load_checked(raw={**raw, "parallel": {"cp": 2, "ep": 2, "fsdp": 2}})
+    # combined since: LoRA (tests/test_lora.py) and sequence parallelism (below)
+    assert load_checked(raw={**raw, "parallel": {"cp": 2}, "lora": {}}).lora is not None
+    assert load_checked(raw={**raw, "parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}}).parallel.cp == 2
+    sp = {"cp": 2, "tp": 4, "sequence_parallel": True}  # 12 % 4 == 0, but a cp rank's 6 tokens do not split over 4
+    with pytest.raises(ConfigError) as err:
+        load_checked(raw={**raw, "parallel": sp, "data": {**raw["data"], "seq_len": 12}})
+    assert str(err.value).startswith("parallel.cp=2 with parallel.sequence_parallel=true slices each rank's 6 tokens")
+    assert str(err.value).endswith("set data.seq_len to a multiple of cp*tp=8 (and of 2*cp=4)")
     from shardlm.estimate.memory import estimate
 
     with pytest.raises(ConfigError, match=r"^--seq 100 must be a multiple of 2 x --cp = 8"):
         estimate(llama, seq=100, cp=4)
+    with pytest.raises(ConfigError, match=r"^--sequence-parallel .* needs --tp > 1 dividing --seq / --cp = 6$"):
+        estimate(llama, seq=12, cp=2, tp=4, sequence_parallel=True)
     deltanet = write_tiny_dir(str(tmp_path / "qwen35"), "qwen3_5_text")  # Gated DeltaNet beside attention
     with pytest.raises(ConfigError) as err:
         load_checked(raw={**raw, "model": deltanet, "parallel": {"cp": 2}, "data": {**raw["data"], "packing": False}})
@@ -296,6 +316,34 @@ def test_dropout_checkpointing_and_resume_onto_fsdp(tmp_path):
     assert_parity(got[3], got[2][2:], label="llama resumed from cp=2 onto fsdp=2")
     files = sorted(os.listdir(step2))
     assert files == sorted(os.listdir(os.path.join(resumed, "checkpoints", "step-4"))), files
+
+
+@pytest.mark.ranks
+def test_sequence_parallel_with_cp_equals_one_process_and_resumes_onto_fsdp(tmp_path):
+    """tp=2 x cp=2 with sequence parallelism (4 ranks), packed windows: each cp rank's 256 tokens
+    sliced over tp between the sub-blocks, the whole 256 at attention, where K/V are gathered over
+    cp. Llama saved at step 2 of 4 equals one process (loss 1e-5, grad_norm 1e-4 relative) and,
+    resumed from step 2 on fsdp=4, continues as the SP + CP run did; GPT-2 with every dropout on
+    (p=0.1: the residual dropouts drawn on the sequence slices of a cp rank's tokens) equals one
+    process drawing shardlm's masks."""
+    import os
+
+    gpt2 = str(tmp_path / "gpt2")
+    drops = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    write_model_dir(gpt2, "gpt2", max_position_embeddings=2 * SEQ, initializer_range=0.2, **drops)
+    llama = write_family(str(tmp_path / "llama"), "llama")
+    saved, resumed = str(tmp_path / "saved"), str(tmp_path / "resumed")
+    step2 = os.path.join(saved, "checkpoints", "step-2")
+    sp_cp = {"tp": 2, "cp": 2, "sequence_parallel": True}
+    jobs = [
+        (llama, sp_cp, 2, 2, True, {"steps": 4, "save_steps": 2, "output_dir": saved}),
+        (llama, {"fsdp": 4}, 1, 1, True, {"steps": 4, "save_steps": 2, "resume": step2, "output_dir": resumed}),
+        (gpt2, sp_cp, 2, 2, True),
+    ]
+    got = run_ranks(cp_runs, 4, jobs, str(tmp_path / "out"))
+    assert_parity(got[0], plain(llama, cp_data(True), steps=4), label="llama tp=2 x cp=2 + SP")
+    assert_parity(got[1], got[0][2:], label="llama resumed from tp=2 x cp=2 + SP onto fsdp=4")
+    assert_parity(got[2], plain(gpt2, cp_data(True), dropout=True), label="gpt2 dropout tp=2 x cp=2 + SP")
 
 
 # ---------------------------------------------------------------- memory: saved tensors against the estimate

@@ -266,8 +266,9 @@ def _validate_pp(cfg: Config) -> None:
 
 def _validate_cp(cfg: Config) -> None:
     """Context parallelism splits each window into ``2 * cp`` equal chunks, rank ``r`` of ``cp``
-    holding chunks ``r`` and ``2cp-1-r`` (``data/context_split.py``); what the model decides (its
-    attention, its mixers) is checked by ``shardlm.preflight``."""
+    holding chunks ``r`` and ``2cp-1-r`` (``data/context_split.py``); with sequence parallelism those
+    ``seq_len / cp`` tokens are then sliced over tp. What the model decides (its attention, its mixers)
+    is checked by ``shardlm.preflight``."""
     p, seq = cfg.parallel, cfg.data.seq_len
     if p.cp > 1 and seq % (2 * p.cp):
         raise ConfigError(
@@ -279,11 +280,14 @@ def _validate_cp(cfg: Config) -> None:
             f"parallel.cp={p.cp} with parallel.ep={p.ep}: expert parallelism does not yet carve its ranks out of a "
             "mesh with a cp dimension; set parallel.cp: 1 or parallel.ep: 1"
         )
+    if p.cp > 1 and p.sequence_parallel and (seq // p.cp) % p.tp:
+        raise ConfigError(
+            f"parallel.cp={p.cp} with parallel.sequence_parallel=true slices each rank's {seq // p.cp} tokens over "
+            f"parallel.tp={p.tp}; set data.seq_len to a multiple of cp*tp={p.cp * p.tp} (and of 2*cp={2 * p.cp})"
+        )
     unsupported = {
-        "parallel.sequence_parallel": p.sequence_parallel,
         "train.compile": cfg.train.compile,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
-        "lora": cfg.lora is not None,
     }
     for key, on in unsupported.items():
         if p.cp > 1 and on:

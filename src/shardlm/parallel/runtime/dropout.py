@@ -32,8 +32,9 @@ after the batch whose size is the rank's token count (``[batch, seq, ...]`` acti
 Under sequence parallelism (``runtime/sequence.py``), a site the trace found replicated but run while
 the residual stream is this rank's slice of the sequence (``in_sequence_region``) draws this rank's
 positions of the one-process mask: its tensor is ``[batch, s / tp, ...]`` (or that flattened to
-``[batch * s / tp, hidden]``) and index ``e`` is shifted to this rank's slice of dim 1. (Sequence and
-context parallelism are not combined: ``config/load.py`` refuses it.)
+``[batch * s / tp, hidden]``) and index ``e`` is shifted to this rank's slice of dim 1. With context
+parallelism too, that slice is of the cp rank's tokens: shifted to this tp rank's slice, then mapped to
+its window positions.
 
 Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
 reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
@@ -193,7 +194,8 @@ def keep_mask(
         if batch == 0 or numel % (batch * shape[-1]):
             raise RuntimeError(f"dropout: a tensor of shape {list(shape)} is not [batch, sequence slice, ...]")
         sliced = (batch, numel // (batch * shape[-1]), shape[-1])
-        return keep_mask(sliced, p, key, site, device, 1).view(shape)
+        # under context parallelism too: the slice is of this rank's window positions (dim 1 both)
+        return keep_mask(sliced, p, key, site, device, 1, None if key.sequence is None else 1).view(shape)
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
@@ -236,7 +238,12 @@ def hashed_dropout(
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
     if p >= 1.0:
         return x.zero_() if inplace else torch.zeros_like(x)
-    seq_dim = (x.dim() - 2 if key.sequence is not None else None) if probs else sequence_dim(tuple(x.shape), key)
+    if dim == SEQUENCE:  # the slice of the sequence (of this cp rank's tokens): placed by ``keep_mask``
+        seq_dim = None
+    elif probs:
+        seq_dim = x.dim() - 2 if key.sequence is not None else None
+    else:
+        seq_dim = sequence_dim(tuple(x.shape), key)
     with torch.no_grad():
         scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim, seq_dim).to(x.dtype) * (1.0 / (1.0 - p))
     return x.mul_(scale) if inplace else x * scale
