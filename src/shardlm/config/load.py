@@ -251,7 +251,6 @@ def _validate_pp(cfg: Config) -> None:
             f"least one micro-batch per stage); set parallel.pp_microbatches to {p.pp} or more"
         )
     unsupported = {
-        "parallel.tp": p.tp > 1,
         "parallel.ep": p.ep > 1,
         "lora": cfg.lora is not None,
         "parallel.fsdp_offload": p.fsdp_offload != "none",

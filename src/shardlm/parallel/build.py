@@ -38,7 +38,7 @@ from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
-from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage, stage_plan
 from shardlm.parallel.runtime.plan_styles import plan_styles
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -48,7 +48,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     """Apply the plan on the TP mesh (LoRA placements where peft adapted a layer, ``with_lora``);
     keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    tied = head is not None and emb is not None and getattr(head, "weight", None) is emb.weight  # a stage: one of them
     shared = _shared_parameters(model)
     sequence = mesh.parallel.sequence_parallel
     scattered = scattered_rows(model, plan) if sequence else set()
@@ -197,6 +197,7 @@ def parallelize(
     pp, stage = mesh.parallel.pp, None
     if pp > 1:  # this rank's stage only, before anything is placed (``parallel/runtime/pipeline.py``)
         keep_stage(model, stage_layout(model, pp), mesh.pp.get_local_rank())
+        plan = stage_plan(plan, model)  # the plan's entries for the modules this stage holds
         stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
     peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
     if frozen_dtype is not None:
