@@ -7,6 +7,7 @@ gradient norm to 1e-4, relative, at every step.
 """
 
 import pytest
+import torch
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
 
 from shardlm.parallel.infer.autotp import infer_plan
@@ -47,6 +48,23 @@ def test_stage_plan_holds_the_stage_modules(tmp_path):
     assert "model.layers.0.self_attn.q_proj" in styles[0] and "model.layers.3.mlp.down_proj" in styles[1]
 
 
+def test_lora_dropout_refused_with_stages(tmp_path):
+    """LoRA's dropout under pp: one line naming lora.dropout, before spawning; without it LoRA on stages loads."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "d.txt").write_text("a b c\n")
+    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "parallel": {"pp": 2}}
+    raw["train"] = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
+    raw["lora"] = {"target_modules": ["q_proj"], "dropout": 0.1}
+    with pytest.raises(ConfigError, match=r"^lora.dropout=0.1 with parallel.pp=2: [^\n]*set lora.dropout: 0") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
+    assert load_checked(raw={**raw, "lora": {"target_modules": ["q_proj"]}}).lora is not None
+
+
 def jobs_losses(jobs: list[tuple[str, str]]) -> list:
     """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
     return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
@@ -59,3 +77,73 @@ def test_pp2_tp2_matches_one_process(llama):
     shards (``loss_parallel``), the norm summed over stages and TP placements: one process's numbers."""
     path, ref = llama
     assert_parity(run_ranks(jobs_losses, 4, [(path, "pp2_tp2")])[0], ref, label="pp2 x tp2")
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_LAYOUTS = {"pp2": ({"pp": 2}, 4), "pp2_tp2": ({"pp": 2, "tp": 2}, 4), "one": ({}, 4)}
+
+
+def lora_losses(path: str, layout: str, lora: dict, output_dir: str) -> list:
+    """Rank body: LoRA training of ``path`` at ``LORA_LAYOUTS[layout]`` (``lora``: the section), saving at
+    step 5 into ``output_dir``; (loss, grad_norm) per step."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.config import LoraConfig
+
+    init_distributed()
+    shape, per_device = LORA_LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, 1, 5, save_steps=5, output_dir=output_dir)
+    cfg.lora = LoraConfig(**lora)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh, seed=0, lora_config=cfg.lora)
+    return [(h["loss"], h["grad_norm"]) for h in Trainer(model, cfg, token_dataset(), mesh).train()]
+
+
+@pytest.fixture(scope="module")
+def llama_adapter(llama, tmp_path_factory):
+    """A peft adapter on every projection (random lora_B: every gradient path live from step 1) and
+    one-process peft's training of it: (loss, grad_norm) per step and the trained adapter's tensors."""
+    from helpers import make_adapter
+    from test_lora import peft_reference
+
+    path, _ = llama
+    adapter = make_adapter(path, str(tmp_path_factory.mktemp("ppc-adapter") / "adapter"), LORA_TARGETS)
+    steps, trained, _ = peft_reference(path, adapter)
+    return adapter, steps, trained
+
+
+@pytest.mark.parametrize("layout,world", [("pp2", 2), ("pp2_tp2", 4)])
+@pytest.mark.ranks
+def test_lora_on_stages_matches_one_process_peft(llama, llama_adapter, layout, world, tmp_path):
+    """LoRA on each stage's projections (only the adapters train): pp=2 and pp=2 x tp=2 against one-process
+    peft, loss and grad_norm of every step; each stage saves its adapters into the one checkpoint, and
+    consolidation writes one peft adapter equal to the one peft trained (every stage's tensors)."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.export import consolidate
+
+    path, _ = llama
+    adapter, ref_steps, ref_adapter = llama_adapter
+    out = str(tmp_path / "out")
+    got = run_ranks(lora_losses, world, path, layout, {"adapter": adapter}, out)
+    assert_parity(got, ref_steps, label=f"lora {layout}")
+    consolidate(out, str(tmp_path / "adapter"))
+    ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert ours.keys() == ref_adapter.keys()
+    assert any(".layers.0." in key for key in ours) and any(".layers.3." in key for key in ours)
+    for key, value in ref_adapter.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.ranks
+def test_seeded_adapters_on_stages(llama, tmp_path):
+    """Adapters drawn from ``train.seed`` (no ``lora.adapter``): each stage draws the whole model's adapters in
+    turn and keeps its own, so pp=2 trains what one process does (a stage drawing from the generator's start
+    would give the second stage's ``lora_A`` the first's values)."""
+    path, _ = llama
+    lora = {"r": 4, "alpha": 8, "target_modules": LORA_TARGETS}
+    one = run_ranks(lora_losses, 1, path, "one", lora, str(tmp_path / "one"))
+    got = run_ranks(lora_losses, 2, path, "pp2", lora, str(tmp_path / "pp2"))
+    assert one[1][0] != one[0][0]
+    assert_parity(got, one, label="seeded lora pp2")

@@ -169,6 +169,25 @@ class ParallelModel:
     stage: PipelineStageModule | None = None
 
 
+def _stage_and_adapters(
+    model: nn.Module, mesh: Mesh, plan: Plan, lora_config: LoraConfig | None
+) -> tuple[Plan, PipelineStageModule | None, PeftLoraConfig | None, list[tuple[str, torch.Size]]]:
+    """The LoRA adapters injected (``lora_config``), then, under ``parallel.pp``, the model cut to this rank's
+    stage before anything is placed (``parallel/runtime/pipeline.py``) and the plan narrowed to it: (the
+    plan, the stage or None, the peft config or None, the whole model's trainable parameters in order).
+    The stages are balanced on the model without adapters (what ``shardlm plan --pp`` shows); the adapters
+    of the whole model are listed before the cut, so a stage draws or reads its own as one process would."""
+    pp = mesh.parallel.pp
+    layout = stage_layout(model, pp) if pp > 1 else None
+    peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
+    adapters = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad] if peft_cfg else []
+    if layout is None:
+        return plan, None, peft_cfg, adapters
+    keep_stage(model, layout, mesh.pp.get_local_rank())
+    stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
+    return stage_plan(plan, model), stage, peft_cfg, adapters
+
+
 def parallelize(
     model_path: str,
     mesh: Mesh,
@@ -194,12 +213,7 @@ def parallelize(
             model.get_parameter(name).requires_grad_(False)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
-    pp, stage = mesh.parallel.pp, None
-    if pp > 1:  # this rank's stage only, before anything is placed (``parallel/runtime/pipeline.py``)
-        keep_stage(model, stage_layout(model, pp), mesh.pp.get_local_rank())
-        plan = stage_plan(plan, model)  # the plan's entries for the modules this stage holds
-        stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
-    peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
+    plan, stage, peft_cfg, adapters = _stage_and_adapters(model, mesh, plan, lora_config)
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
             # a modules_to_save original stays fp32: its trained copy starts from it (lora.copy_modules_to_save)
@@ -229,9 +243,9 @@ def parallelize(
     if lora_config is not None:
         lora.copy_modules_to_save(model)
         if lora_config.adapter:
-            lora.load_adapter(model, lora_config.adapter)
+            lora.load_adapter(model, lora_config.adapter, adapters)
         else:
-            lora.init_adapters(model, seed)
+            lora.init_adapters(model, seed, adapters)
     _buffers_to(model, mesh.device)
     model.train()
     tp_on = mesh.parallel.tp > 1
