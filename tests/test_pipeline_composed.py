@@ -147,3 +147,122 @@ def test_seeded_adapters_on_stages(llama, tmp_path):
     got = run_ranks(lora_losses, 2, path, "pp2", lora, str(tmp_path / "pp2"))
     assert one[1][0] != one[0][0]
     assert_parity(got, one, label="seeded lora pp2")
+
+
+ESTIMATE_SEQ = 32
+# name -> (schedule, per-device batch, accumulation, micro-batches): 8 rows a step in 4 micro-batches of 2
+ESTIMATE_RUNS = {"1f1b": ("1F1B", 4, 2, 4), "gpipe": ("GPipe", 4, 2, 4)}
+
+
+class SavedPeak:
+    """``saved_tensors_hooks`` counting the storages autograd keeps saved (the parameters' aside), each
+    until the graph holding it is released, and the peak of their bytes."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params, self.refs, self.live, self.peak = params, {}, 0, 0
+
+    def pack(self, t: torch.Tensor):
+        return t if t.untyped_storage().data_ptr() in self.params else _Held(self, t)
+
+    def unpack(self, held):
+        return held.t if isinstance(held, _Held) else held
+
+
+class _Held:
+    """A saved tensor, counted by ``counter`` while autograd keeps it."""
+
+    def __init__(self, counter: SavedPeak, t: torch.Tensor) -> None:
+        self.counter, self.t, self.ptr = counter, t, t.untyped_storage().data_ptr()
+        counter.refs[self.ptr] = counter.refs.get(self.ptr, 0) + 1
+        if counter.refs[self.ptr] == 1:
+            counter.live += t.untyped_storage().nbytes()
+            counter.peak = max(counter.peak, counter.live)
+
+    def __del__(self) -> None:
+        self.counter.refs[self.ptr] -= 1
+        if self.counter.refs[self.ptr] == 0:
+            self.counter.live -= self.t.untyped_storage().nbytes()
+
+
+def stage_measures(path: str, runs: list[str]) -> list[list[tuple[int, int]]]:
+    """Rank body (pp=2): per run of ``ESTIMATE_RUNS``, every stage's (parameter count, peak bytes of the
+    activations autograd holds saved at once during the second step): the storages (not parameters) saved
+    by the step's forwards, each counted until the backward releases it. The first step is not measured:
+    torch's shape inference on it runs one forward of the first stage with grad, whose graph stays alive
+    (one micro-batch's activations on stage 0, measured here, not in the estimate)."""
+    import torch.distributed as dist
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = []
+    for run in runs:
+        schedule, per_device, accum, chunks = ESTIMATE_RUNS[run]
+        shape = {"pp": 2, "pp_schedule": schedule, "pp_microbatches": chunks}
+        cfg = train_config(path, shape, per_device, accum, 2)
+        mesh = build_mesh(cfg.parallel)
+        trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(24, ESTIMATE_SEQ), mesh)
+        trainer.train_step()
+        counter = SavedPeak({p.untyped_storage().data_ptr() for p in trainer.module.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            trainer.train_step()
+        mine = (sum(p.numel() for p in trainer.module.parameters()), counter.peak)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out.append(every)
+    return out
+
+
+@pytest.mark.ranks
+def test_estimate_stages_match_built_stages(llama):
+    """``estimate --pp 2``: each stage's parameter count equals the built stage's exactly (and the split
+    ``plan --pp`` prints, ``StageSplit.params``); its activations, those of the micro-batches the schedule
+    keeps in flight there (1F1B: 2 on the first stage, 1 on the last; GPipe: all 4 on both), agree with
+    the peak of autograd's saved tensors on the real stage within 10% (on the last stage with the
+    log-softmax of each micro-batch in flight, the saved part of the logits row)."""
+    from shardlm.estimate.memory import estimate
+
+    path, _ = llama
+    runs = list(ESTIMATE_RUNS)
+    got = run_ranks(stage_measures, 2, path, runs)
+    split = stage_layout(build_meta_model(path), 2).split
+    for run, stages in zip(runs, got, strict=True):
+        schedule, per_device, accum, chunks = ESTIMATE_RUNS[run]
+        rows = per_device * accum // chunks
+        est = estimate(path, batch=rows, seq=ESTIMATE_SEQ, pp=2, pp_schedule=schedule, pp_microbatches=chunks)
+        assert [s["params"] for s in est.stages] == [count for count, _ in stages] == list(split.params)
+        held = [s["in_flight"] for s in est.stages]
+        assert held == ([2, 1] if schedule == "1F1B" else [4, 4]), held
+        vocab = build_meta_model(path).config.vocab_size
+        for stage, (_, measured) in zip(est.stages, stages, strict=True):
+            want = stage["activations"] + (
+                4 * rows * ESTIMATE_SEQ * vocab * stage["in_flight"] if stage["stage"] else 0
+            )
+            assert abs(want - measured) <= 0.1 * measured, (run, stage, want, measured)
+
+
+def test_plan_and_estimate_cli_show_the_stages(tmp_path, capsys):
+    """``plan --pp 2`` prints each stage's blocks and parameters from the split the ranks use, the
+    micro-batches in flight and the bubble; ``estimate --pp 2`` a line per stage; a layout the schedule
+    cannot run is one ``error:`` line, exit 2."""
+    from shardlm.cli import main
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama", num_hidden_layers=6)
+    split = stage_layout(build_meta_model(path), 2).split
+    assert main(["plan", path, "--pp", "2", "--pp-microbatches", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:4]]
+    assert [row[1] for row in rows] == ["0-2", "3-5"] and [row[1] for row in rows] == [
+        f"{b.start}-{b.stop - 1}" for b in split.blocks
+    ]
+    assert [int(row[2].replace(",", "")) for row in rows] == list(split.params)
+    assert [row[3:5] for row in rows] == [["2", "4"], ["1", "4"]]  # 1F1B, GPipe in flight
+    assert "bubble (p-1)/(m+p-1) = 0.200" in out[4]
+    assert main(["estimate", path, "--pp", "2", "--batch", "2", "--seq", "16", "--pp-schedule", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "GPipe over 2 micro-batches of 2 sequences: bubble (p-1)/(m+p-1) = 0.333" in out
+    assert main(["estimate", path, "--pp", "4", "--pp-microbatches", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --pp-microbatches 2 is fewer than the 4 stages (1F1B needs at least one micro-batch per "
+                   "stage); set it to 4 or more"]  # fmt: skip
