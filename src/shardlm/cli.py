@@ -26,8 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=None, help="local processes (default tp*fsdp*dp_replicate)")
     plan = sub.add_parser("plan", help="print the tensor-parallel plan of a model")
     plan.add_argument("model", help="Hugging Face model directory")
-    plan.add_argument("--tp", type=int, required=True)
+    plan.add_argument("--tp", type=int, default=1)
     plan.add_argument("--ep", type=int, default=1, help="expert parallelism: also show the experts per rank")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline stages: also show each stage's blocks, parameters")
+    plan.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches a step, for the bubble")
     plan.add_argument("--json", action="store_true", help="print only {module: style} as JSON")
     cons = sub.add_parser("consolidate", help="sharded checkpoint -> Hugging Face model directory, verified exactly")
     cons.add_argument("checkpoint", help="a checkpoint step-N directory, or an output_dir (its newest checkpoint)")
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
     est.add_argument("--sequence-parallel", action="store_true", help="parallel.sequence_parallel: norms on slices")
     est.add_argument("--fsdp-offload", action="store_true", help="model state in host memory (fsdp_offload)")
+    est.add_argument("--pp", type=int, default=1, help="pipeline stages: each stage's blocks, parameters and peak")
+    est.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe (default 1F1B)")
+    est.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches of --batch a step (default pp)")
     est.add_argument("--memory", type=float, default=None, help="memory per rank in GiB: say whether it fits")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
@@ -144,12 +149,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardlm.parallel.plan.describe import describe_plan
     from shardlm.parallel.runtime.ep import describe_ep
 
-    if args.tp < 1 or args.ep < 1 or args.tp * args.ep < 2:
-        raise ConfigError(f"--tp {args.tp} --ep {args.ep}: a plan needs tp >= 2 or ep >= 2")
+    if min(args.tp, args.ep, args.pp) < 1 or args.tp * args.ep * args.pp < 2:
+        raise ConfigError(f"--tp {args.tp} --ep {args.ep} --pp {args.pp}: a plan needs tp, ep or pp >= 2")
     check_model_dir(args.model)  # a local directory: never a hub request
     check_geometry(args.model, args.tp)
     model = build_meta_model(args.model)
     plan = infer_plan(model, args.tp)
+    if args.pp > 1 and not args.json:
+        print("\n".join(_stage_lines(model, args.pp, args.pp_microbatches or args.pp)))
     if args.ep > 1 and not args.json:
         print("\n".join(describe_ep(model, plan, args.tp, args.ep)))
     if args.tp == 1:
@@ -201,6 +208,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_lines(model, pp: int, microbatches: int) -> list[str]:
+    """``plan --pp``: the blocks and parameters of each stage as the ranks cut them (``infer/stages.py``,
+    balanced by ``plan/stages.py``), the micro-batches each holds in flight and the bubble per schedule."""
+    from shardlm.estimate.stages import SCHEDULES, bubble, check_microbatches, microbatches_in_flight
+    from shardlm.parallel.infer.stages import stage_layout
+
+    check_microbatches(pp, "GPipe", microbatches)
+    layout = stage_layout(model, pp)
+    schedules = [name for name in SCHEDULES if name != "1F1B" or microbatches >= pp]
+    lines = [
+        f"{pp} pipeline stages of {layout.blocks}, {microbatches} micro-batches a step (in flight: the "
+        "micro-batches whose activations a stage holds at once)",
+        f"{'stage':<5}  {'blocks':<9}  {'parameters':>12}  " + "  ".join(f"{n + ' in flight':>16}" for n in schedules),
+    ]
+    for stage, blocks in enumerate(layout.split.blocks):
+        held = "  ".join(f"{microbatches_in_flight(n, stage, pp, microbatches):>16}" for n in schedules)
+        extra = "  + embedding" if stage == 0 else "  + final norm, head" if stage == pp - 1 else ""
+        ends = f"{blocks.start}-{blocks.stop - 1}"
+        lines.append(f"{stage:<5}  {ends:<9}  {layout.split.params[stage]:>12,}  {held}{extra}")
+    lines.append(f"bubble (p-1)/(m+p-1) = {bubble(pp, microbatches):.3f} of each step under {' and '.join(schedules)}")
+    if len(schedules) < len(SCHEDULES):
+        lines.append(f"(1F1B needs --pp-microbatches >= {pp})")
+    return lines
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.export import VerificationError, consolidate
 
@@ -232,6 +264,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.sequence_parallel,
         args.fsdp_offload,
         args.cp,
+        args.pp,
+        args.pp_schedule,
+        args.pp_microbatches,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

@@ -88,6 +88,10 @@ activations' dtype, once for every full-attention layer and once for the sliding
 sequence parallelism too, the norms' terms above are on the slices of those ``T`` tokens (measured
 within 0.5% at tp=2 x cp=2, seq 8768: ``benchmarks/long_sequence_tables.py``).
 
+Under pipeline parallelism (``pp``, ``pipeline_estimate``) each stage is estimated on its own, cut as the
+ranks cut it (``estimate/stages.py``): its parameters, its blocks' activations times the micro-batches
+its schedule keeps in flight (``T`` one micro-batch's tokens), the final norm and logits on the last stage.
+
 With gradient checkpointing only each layer's input ``T*h`` stays (``T*h/t`` under sequence
 parallelism), plus one layer's activations while it is recomputed. The final norm adds
 ``T*(3h + 1)``. Checked against the tensors autograd really saves (``saved_tensors_hooks``) in
@@ -127,6 +131,7 @@ from shardlm.data.fit import check_seq_len, max_positions, model_config
 from shardlm.errors import ConfigError
 from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 from shardlm.estimate.moe import MoeSizes, moe_elements, moe_sizes
+from shardlm.estimate.stages import bubble, check_microbatches, cut_stages, microbatches_in_flight, schedule_name
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.model.experts import experts_modules
 from shardlm.parallel.model.geometry import read_geometry
@@ -157,6 +162,8 @@ class Estimate:
     bytes: dict[str, int] = field(default_factory=dict)
     memory_gib: float | None = None
     runtime_bytes: int = 0  # resident memory of torch + transformers alone (not in the total)
+    # under ``pp``: every stage's blocks, parameters, micro-batches in flight and peak (``pipeline_estimate``)
+    stages: list[dict] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -267,7 +274,7 @@ def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
     embedding. Measured in ``tests/test_estimate.py``; drop this term when ``parallel/runtime/linear.py`` shards it.
     """
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):
+    if emb is None or tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):  # emb: a stage's
         return 0
     full = emb.weight.numel()
     return full - local_numel(tuple(emb.weight.shape), 0, tp, 1)
@@ -299,12 +306,16 @@ def activation_elements(
     mixers: list[int] = (),
     sequence_parallel: bool = False,
     cp: int = 1,
+    in_flight: int = 1,
+    final_norm: bool = True,
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
     the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
     in as many layers; ``sequence_parallel``: the norms on sequence slices; ``cp``: context
-    parallelism, ``tokens`` this rank's (``context_elements``)."""
+    parallelism, ``tokens`` this rank's (``context_elements``). A pipeline stage (``estimate/stages.py``):
+    ``config`` its own (its blocks), ``in_flight`` micro-batches of ``tokens`` held at once (with
+    activation checkpointing their inputs, and one block recomputed), ``final_norm`` on the last stage only."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
@@ -318,8 +329,8 @@ def activation_elements(
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
     mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
-    stack = inputs + max(mixing) + max(mlps) if checkpointing else sum(mixing) + sum(mlps)
-    return stack + tokens * (3 * h + 1)
+    stack = in_flight * inputs + max(mixing) + max(mlps) if checkpointing else in_flight * (sum(mixing) + sum(mlps))
+    return stack + (in_flight * tokens * (3 * h + 1) if final_norm else 0)
 
 
 def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int) -> int:
@@ -518,18 +529,31 @@ def estimate(
     sequence_parallel: bool = False,
     fsdp_offload: bool = False,
     cp: int = 1,
+    pp: int = 1,
+    pp_schedule: str = "1F1B",
+    pp_microbatches: int | None = None,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
     carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``;
     ``fsdp_offload``: the model state in host memory; ``cp``: context parallelism, each sequence
-    split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``)."""
+    split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``; ``pp``: pipeline stages run by
+    ``pp_schedule`` over ``pp_microbatches`` (default ``pp``) micro-batches of ``batch`` sequences,
+    see ``pipeline_estimate``)."""
     check_model_dir(model_path)
     _check_offload(fsdp_offload, fsdp * dp_replicate, ep)
     if seq is None:
         bound = max_positions(model_config(model_path))
         seq = min(DEFAULT_SEQ, bound[1]) if bound else DEFAULT_SEQ
     _check_layout(tp, fsdp, dp_replicate, batch, seq, ep, lora_r, memory_gib, cp)
+    check_value("parallel.pp", pp, "--pp")
+    layout = {"tp": tp, "fsdp": fsdp, "cp": cp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
+    layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
+    layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload}
+    if pp > 1:
+        schedule = schedule_name(pp_schedule)
+        check_microbatches(pp, schedule, pp_microbatches or pp)
+        layout |= {"pp": pp, "pp_schedule": schedule, "pp_microbatches": pp_microbatches or pp}
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
@@ -538,21 +562,41 @@ def estimate(
     plan = infer_plan(model, tp)
     if sequence_parallel:
         _check_sequence_parallel(model, plan, tp, seq, cp)
+    if pp > 1:
+        return pipeline_estimate(model, plan, layout, memory_gib, baseline)
+    return model_estimate(model, model.config, plan, layout, memory_gib, baseline)
+
+
+def model_estimate(
+    model: nn.Module,
+    config,
+    plan: Plan,
+    layout: dict,
+    memory_gib: float | None,
+    baseline: int,
+    held: int = 1,
+    last: bool = True,
+) -> Estimate:
+    """The rows of ``model`` (the whole model, or one pipeline stage cut by ``estimate/stages.py`` with
+    ``config`` its own and ``plan`` narrowed to it) at ``layout`` (``estimate``'s keys); ``held``:
+    the micro-batches whose activations it holds at once; ``last``: it computes the final norm and logits."""
+    tp, fsdp, ep, cp, batch, seq = (layout[k] for k in ("tp", "fsdp", "ep", "cp", "batch", "seq"))
+    bf16, lora_r, checkpointing = layout["bf16"], layout["lora_r"], layout["gradient_checkpointing"]
     skip = set(experts_modules(model)) if ep > 1 else set()  # EP: the experts are not FSDP's
     # sliced projections (kv heads replicated, parts held whole) are stored whole on every TP rank
     styles = {fqn: "replicate" if fqn in plan.sliced else style for fqn, style in plan.styles.items()}
     shards = fsdp * cp  # FSDP2 shards over fsdp x cp (``distributed/mesh.py``)
     full, local, trainable, tensors = count_params(model, styles, tp, shards, lora_r, plan.experts, ep)
     ep_casts = _ep_casts(model, styles, plan, skip, tp, ep) if bf16 else 0
-    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, shards * dp_replicate))
+    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, shards * layout["dp_replicate"]))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq // cp  # this rank's
     copies = row_copies(model, plan).values()
     mixers = _mixers(model, plan, styles, batch, seq, tp, act_bytes)
     stack = activation_elements(
-        model.config, tokens, tp, gradient_checkpointing, lora_r, moe_sizes(model), mixers, sequence_parallel, cp
-    )
-    vocab = _dims(model.config)["V"]
+        config, tokens, tp, checkpointing, lora_r, moe_sizes(model), mixers, layout["sequence_parallel"], cp,
+        held, last,
+    )  # fmt: skip
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
         "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
@@ -561,25 +605,54 @@ def estimate(
         "activations": act_bytes
         * (
             stack
-            + context_mask_elements(model.config, batch, seq, cp)
+            + held * context_mask_elements(config, batch, seq, cp)
             # with gradient checkpointing one layer's at a time: the largest
-            + (max(copies, default=0) if gradient_checkpointing else sum(copies))
+            + (max(copies, default=0) if checkpointing else held * sum(copies))
         ),
-        "logits": 2 * 4 * tokens * math.ceil(vocab / tp),
+        # the log-softmax of every micro-batch in flight, and one gradient
+        "logits": (held + 1) * 4 * tokens * math.ceil(_dims(config)["V"] / tp) if last else 0,
         "compute_weights": _compute_weight_bytes(model, styles, tp, shards, bf16, plan.experts, skip) + 2 * ep_casts,
         "reduce_scatter": (
             4 * _block_elements(model, styles, tp, plan.experts, skip)[0]
-            if shards * dp_replicate > 1 and not lora_r
+            if shards * layout["dp_replicate"] > 1 and not lora_r
             else 0
         ),
         "optimizer_temporaries": 4 * trainable,  # foreach AdamW: sqrt(exp_avg_sq), one fp32 copy
     }
-    layout = {"tp": tp, "fsdp": fsdp, "cp": cp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
-    layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
-    layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload}
-    est = Estimate(layout, full, local, trainable, rows, memory_gib, baseline)
+    est = Estimate(dict(layout), full, local, trainable, rows, memory_gib, baseline)
     rows["total"] = max(est.step_bytes, est.optimizer_step_bytes)  # the device's peak (host_bytes apart)
     return est
+
+
+def pipeline_estimate(model: nn.Module, plan: Plan, layout: dict, memory_gib: float | None, baseline: int) -> Estimate:
+    """Under ``pp``: each stage as the ranks cut it (``estimate/stages.py``), its activations those of
+    the micro-batches the schedule keeps in flight there. The estimate of the stage with the highest
+    peak, with ``params_full`` the whole model's and ``stages`` (every stage's blocks, parameters, micro-batches
+    in flight and peak) and the schedule's bubble in ``layout``."""
+    pp, schedule, chunks = layout["pp"], layout["pp_schedule"], layout["pp_microbatches"]
+    _, stages = cut_stages(model, plan, pp)
+    rows = []
+    for stage in stages:
+        held = microbatches_in_flight(schedule, stage.index, pp, chunks)
+        config = stage.model.base_model.config  # its own: its blocks' count and kinds (``keep_stage``)
+        est = model_estimate(stage.model, config, stage.plan, layout, memory_gib, baseline, held, stage.last(pp))
+        rows.append((stage, held, est))
+    peak = max((est for _, _, est in rows), key=lambda e: e.bytes["total"])
+    peak.layout["bubble"] = bubble(pp, chunks)
+    peak.stages = [
+        {
+            "stage": stage.index,
+            "blocks": [stage.blocks.start, stage.blocks.stop],
+            "params": est.params_full,
+            "params_local": est.params_local,
+            "in_flight": held,
+            "activations": est.bytes["activations"],
+            "total": est.bytes["total"],
+        }
+        for stage, held, est in rows
+    ]
+    peak.params_full = sum(est.params_full for _, _, est in rows)  # the stages hold disjoint parameters
+    return peak
 
 
 def _human(n: float) -> str:
@@ -589,6 +662,26 @@ def _human(n: float) -> str:
     return f"{int(n)} B"
 
 
+def stage_lines(est: Estimate) -> list[str]:
+    """Under ``pp``: a line per stage (its blocks, parameters, micro-batches in flight, activations and
+    peak), the schedule's bubble, and which stage the rows below are."""
+    lay = est.layout
+    lines = [
+        f"{lay['pp_schedule']} over {lay['pp_microbatches']} micro-batches of {lay['batch']} sequences: bubble "
+        f"(p-1)/(m+p-1) = {lay['bubble']:.3f} of each step",
+        f"{'stage':<5}  {'blocks':<9}  {'parameters':>12}  {'in flight':>9}  {'activations':>12}  {'peak':>12}",
+    ]
+    for st in est.stages:
+        start, stop = st["blocks"]
+        lines.append(
+            f"{st['stage']:<5}  {f'{start}-{stop - 1}':<9}  {st['params']:>12,}  {st['in_flight']:>9}  "
+            f"{_human(st['activations']):>12}  {_human(st['total']):>12}"
+        )
+    peak = max(est.stages, key=lambda st: st["total"])["stage"]
+    lines.append(f"the rows below: stage {peak}, the highest peak")
+    return lines
+
+
 def format_table(est: Estimate) -> str:
     """The readable report ``shardlm estimate`` prints."""
     lay = est.layout
@@ -596,7 +689,8 @@ def format_table(est: Estimate) -> str:
         (
             f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
             f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}"
-            f"{' cp=' + str(lay['cp']) if lay.get('cp', 1) > 1 else ''}, per rank: "
+            f"{' cp=' + str(lay['cp']) if lay.get('cp', 1) > 1 else ''}"
+            f"{' pp=' + str(lay['pp']) if lay.get('pp', 1) > 1 else ''}, per rank: "
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"
             f"{', gradient checkpointing' if lay['gradient_checkpointing'] else ''}"
@@ -604,10 +698,12 @@ def format_table(est: Estimate) -> str:
             f"{', FSDP CPU offload' if lay.get('fsdp_offload') else ''}"
         ),
         (
-            f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank, "
-            f"{est.trainable_local:,} trainable on each rank"
+            f"parameters: {est.params_full:,} in the model, {est.params_local:,} on each rank"
+            f"{' of the stage with the highest peak' if est.stages else ''}, {est.trainable_local:,} trainable"
         ),
     ]
+    if est.stages:
+        lines += stage_lines(est)
     for key, value in est.bytes.items():
         if key == "total":
             lines.append(f"{'':-<21}  {'':->12}")

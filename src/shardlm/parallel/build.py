@@ -38,7 +38,7 @@ from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
-from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage, stage_plan
 from shardlm.parallel.runtime.plan_styles import plan_styles
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -48,7 +48,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     """Apply the plan on the TP mesh (LoRA placements where peft adapted a layer, ``with_lora``);
     keep tied input/output embeddings tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    tied = head is not None and emb is not None and getattr(head, "weight", None) is emb.weight  # a stage: one of them
     shared = _shared_parameters(model)
     sequence = mesh.parallel.sequence_parallel
     scattered = scattered_rows(model, plan) if sequence else set()
@@ -169,6 +169,25 @@ class ParallelModel:
     stage: PipelineStageModule | None = None
 
 
+def _stage_and_adapters(
+    model: nn.Module, mesh: Mesh, plan: Plan, lora_config: LoraConfig | None
+) -> tuple[Plan, PipelineStageModule | None, PeftLoraConfig | None, list[tuple[str, torch.Size]]]:
+    """The LoRA adapters injected (``lora_config``), then, under ``parallel.pp``, the model cut to this rank's
+    stage before anything is placed (``parallel/runtime/pipeline.py``) and the plan narrowed to it: (the
+    plan, the stage or None, the peft config or None, the whole model's trainable parameters in order).
+    The stages are balanced on the model without adapters (what ``shardlm plan --pp`` shows); the adapters
+    of the whole model are listed before the cut, so a stage draws or reads its own as one process would."""
+    pp = mesh.parallel.pp
+    layout = stage_layout(model, pp) if pp > 1 else None
+    peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
+    adapters = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad] if peft_cfg else []
+    if layout is None:
+        return plan, None, peft_cfg, adapters
+    keep_stage(model, layout, mesh.pp.get_local_rank())
+    stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
+    return stage_plan(plan, model), stage, peft_cfg, adapters
+
+
 def parallelize(
     model_path: str,
     mesh: Mesh,
@@ -194,11 +213,7 @@ def parallelize(
             model.get_parameter(name).requires_grad_(False)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
-    pp, stage = mesh.parallel.pp, None
-    if pp > 1:  # this rank's stage only, before anything is placed (``parallel/runtime/pipeline.py``)
-        keep_stage(model, stage_layout(model, pp), mesh.pp.get_local_rank())
-        stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
-    peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
+    plan, stage, peft_cfg, adapters = _stage_and_adapters(model, mesh, plan, lora_config)
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
             # a modules_to_save original stays fp32: its trained copy starts from it (lora.copy_modules_to_save)
@@ -228,9 +243,9 @@ def parallelize(
     if lora_config is not None:
         lora.copy_modules_to_save(model)
         if lora_config.adapter:
-            lora.load_adapter(model, lora_config.adapter)
+            lora.load_adapter(model, lora_config.adapter, adapters)
         else:
-            lora.init_adapters(model, seed)
+            lora.init_adapters(model, seed, adapters)
     _buffers_to(model, mesh.device)
     model.train()
     tp_on = mesh.parallel.tp > 1

@@ -21,6 +21,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from shardlm.config import ParallelConfig
 from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
+from shardlm.distributed.shards import as_local
 from shardlm.parallel.runtime.pipeline import PipelineStageModule
 from shardlm.train.loss import loss_context, token_loss_sum
 
@@ -39,12 +40,14 @@ class PipelineStep:
         self.schedule = schedule(self.stage, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
         self.last = dist.get_global_rank(self.group, parallel.pp - 1)
         self.denom = 1.0
+        # under TP the head's logits are vocabulary shards (a ``Shard(-1)`` DTensor): the loss's forward and
+        # its backward, which the schedule runs later, are both inside the step, so ``loss_parallel`` covers it
+        self.vocab_sharded = parallel.tp > 1
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss on the last stage: its token-loss sum over the global count (the
         schedule also calls it once on its first step to learn the shapes of the backward)."""
-        with loss_context(False):
-            return token_loss_sum(logits, labels) / self.denom
+        return token_loss_sum(logits, labels) / self.denom
 
     def forward_backward(self, batches: list[Batch], denom: float) -> torch.Tensor:
         """Collective over the stages: run the schedule over this rank's ``batches`` of the step, the
@@ -57,9 +60,11 @@ class PipelineStep:
             kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
         self.denom, losses = denom, []
         args = (ids,) if self.stage.is_first else ()
-        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        with loss_context(self.vocab_sharded):
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum
-        total = torch.stack(losses).detach().sum() * denom if losses else torch.zeros((), device=ids.device)
+        losses = [as_local(loss).detach() for loss in losses]
+        total = torch.stack(losses).sum() * denom if losses else torch.zeros((), device=ids.device)
         dist.broadcast(total, src=self.last, group=self.group)
         return total
 

@@ -301,33 +301,43 @@ def copy_modules_to_save(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, whole: list[tuple[str, torch.Size]] | None = None) -> None:
     """peft's default init (``lora_A`` Kaiming-uniform with a=sqrt(5), ``lora_B`` zero) from a
-    generator seeded with ``seed``, in module order; each rank keeps its piece of the full tensors."""
+    generator seeded with ``seed``, in module order; each rank keeps its piece of the full tensors.
+    ``whole``: the whole model's trainable (name, shape) in order, where ``model`` is one pipeline stage:
+    every adapter is drawn in turn and the stage keeps its own, as one process would draw them."""
     gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, shape in whole or [(name, param.shape) for name, param in params.items()]:
         if f".lora_A.{ADAPTER}." in name:
-            fill_from_full(param, nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=gen))
-        elif f".lora_B.{ADAPTER}." in name:
-            as_local(param).zero_()
+            full = nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=gen)
+            if name in params:
+                fill_from_full(params[name], full)
+        elif f".lora_B.{ADAPTER}." in name and name in params:
+            as_local(params[name]).zero_()
 
 
 @torch.no_grad()
-def load_adapter(model: nn.Module, path: str) -> None:
-    """Fill every trainable parameter from a peft adapter directory (each rank reads its pieces)."""
+def load_adapter(model: nn.Module, path: str, whole: list[tuple[str, torch.Size]] | None = None) -> None:
+    """Fill every trainable parameter from a peft adapter directory (each rank reads its pieces).
+    ``whole``: the whole model's trainable (name, shape), where ``model`` is one pipeline stage: the
+    adapter must match the whole model, and the stage reads its own tensors."""
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as fh:
         saved = set(fh.keys())
-        wanted = {peft_key(n): n for n in trainable_names(model)}
+        wanted = {peft_key(n): n for n in ([n for n, _ in whole] if whole else trainable_names(model))}
         missing = sorted(set(wanted) - saved)
         if missing:
             raise ConfigError(f"lora.adapter: '{path}' lacks {missing[0]}; it was made for another model or config")
         extra = sorted(saved - set(wanted))
         if extra:
             raise ConfigError(f"lora.adapter: '{path}' has {extra[0]}, which this model's adapter does not")
+        params = dict(model.named_parameters())
         for key, name in wanted.items():
-            param = model.get_parameter(name)
+            if name not in params:  # another pipeline stage's
+                continue
+            param = params[name]
             tensor = fh.get_tensor(key)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ConfigError(f"lora.adapter: '{key}' is {list(tensor.shape)}, the model needs {list(param.shape)}")

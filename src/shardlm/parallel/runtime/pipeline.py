@@ -16,11 +16,13 @@ forwards of Qwen3 or Gemma 3) is cut to the stage's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.stages import StageLayout
 
 
@@ -54,6 +56,31 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
         for fqn in layout.after:
             _set(model, fqn, nn.Identity())
         _set(model, layout.head, None)
+
+
+# the plan's fields keyed (or listed) by a module or parameter fqn; the others (``dropout_sites``, by call order,
+# ``kv_heads``, ``geometry``) are the whole model's and hold on every stage as they are
+_FQN_FIELDS = (
+    "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "replicated", "experts", "channels",
+    "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs",
+)  # fmt: skip
+
+
+def stage_plan(plan: Plan, model: nn.Module) -> Plan:
+    """The TP plan of the whole model (inferred before the cut, so every stage splits its blocks as the
+    whole model would) narrowed to the modules and parameters ``model``'s stage holds: the styles, the
+    geometry and the gradient sums read its entries by name, and another stage's modules are not here (the
+    final norm before the last stage is the identity ``keep_stage`` put in its place)."""
+    here = {name for name, m in model.named_modules() if not isinstance(m, nn.Identity)}
+    here |= {name for name, _ in model.named_parameters()}
+    narrowed = {}
+    for name in _FQN_FIELDS:
+        value = getattr(plan, name)
+        if isinstance(value, dict):
+            narrowed[name] = {fqn: entry for fqn, entry in value.items() if fqn in here}
+        else:
+            narrowed[name] = [fqn for fqn in value if fqn in here]
+    return dataclasses.replace(plan, **narrowed)
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:

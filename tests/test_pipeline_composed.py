@@ -1,0 +1,268 @@
+"""Pipeline parallelism composed (``parallel.pp`` with ``parallel.tp``): stages cut from the model's own
+modules, the TP plan of the whole model applied inside each stage, reproduce one process.
+
+The reference is the plain transformers + torch loop of ``helpers.plain_reference`` (fp32, 5 steps,
+global batch 4, clipping binding, padded and wholly-ignored samples): the loss to 1e-5 and the
+gradient norm to 1e-4, relative, at every step.
+"""
+
+import pytest
+import torch
+from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
+
+from shardlm.parallel.infer.autotp import infer_plan
+from shardlm.parallel.infer.stages import stage_layout
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.runtime.pipeline import keep_stage, stage_plan
+
+GLOBAL_BATCH = 4
+LLAMA = {"num_hidden_layers": 4}  # untied embeddings: two blocks a stage at pp=2
+# name -> (layout, per-device batch, accumulation): the global batch is always 4
+LAYOUTS = {
+    "pp2_tp2": ({"pp": 2, "tp": 2}, 2, 2),  # every tp rank of a stage reads the same 2 micro-batches of 2 rows
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = write_model_dir(str(tmp_path_factory.mktemp("ppc") / "llama"), "llama", **LLAMA)
+    return path, plain_reference(path, GLOBAL_BATCH)
+
+
+def test_stage_plan_holds_the_stage_modules(tmp_path):
+    """The plan is inferred on the whole model; each stage's is narrowed to the modules it holds, so
+    together the stages' styles are the whole plan's, each one placed once, under the same names."""
+    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    whole = infer_plan(build_meta_model(path), 2)
+    styles = []
+    for stage in range(2):
+        model = build_meta_model(path)
+        keep_stage(model, stage_layout(model, 2), stage)
+        plan = stage_plan(whole, model)
+        assert all(model.get_submodule(fqn) is not None for fqn in plan.styles)
+        assert set(plan.attention) <= set(whole.attention) and plan.attention
+        styles.append(plan.styles)
+    assert styles[0].keys() & styles[1].keys() == set()
+    assert {**styles[0], **styles[1]} == whole.styles
+    assert "model.embed_tokens" in styles[0] and "lm_head" in styles[1]
+    assert "model.layers.0.self_attn.q_proj" in styles[0] and "model.layers.3.mlp.down_proj" in styles[1]
+
+
+def test_lora_dropout_refused_with_stages(tmp_path):
+    """LoRA's dropout under pp: one line naming lora.dropout, before spawning; without it LoRA on stages loads."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "d.txt").write_text("a b c\n")
+    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "parallel": {"pp": 2}}
+    raw["train"] = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
+    raw["lora"] = {"target_modules": ["q_proj"], "dropout": 0.1}
+    with pytest.raises(ConfigError, match=r"^lora.dropout=0.1 with parallel.pp=2: [^\n]*set lora.dropout: 0") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
+    assert load_checked(raw={**raw, "lora": {"target_modules": ["q_proj"]}}).lora is not None
+
+
+def jobs_losses(jobs: list[tuple[str, str]]) -> list:
+    """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
+    return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
+
+
+@pytest.mark.ranks
+def test_pp2_tp2_matches_one_process(llama):
+    """pp=2 x tp=2 (4 ranks): each stage's projections split over its two tp ranks as the whole model's
+    plan says, the hidden states between stages replicated over tp, the last stage's loss on vocabulary
+    shards (``loss_parallel``), the norm summed over stages and TP placements: one process's numbers."""
+    path, ref = llama
+    assert_parity(run_ranks(jobs_losses, 4, [(path, "pp2_tp2")])[0], ref, label="pp2 x tp2")
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_LAYOUTS = {"pp2": ({"pp": 2}, 4), "pp2_tp2": ({"pp": 2, "tp": 2}, 4), "one": ({}, 4)}
+
+
+def lora_losses(path: str, layout: str, lora: dict, output_dir: str) -> list:
+    """Rank body: LoRA training of ``path`` at ``LORA_LAYOUTS[layout]`` (``lora``: the section), saving at
+    step 5 into ``output_dir``; (loss, grad_norm) per step."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.config import LoraConfig
+
+    init_distributed()
+    shape, per_device = LORA_LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, 1, 5, save_steps=5, output_dir=output_dir)
+    cfg.lora = LoraConfig(**lora)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh, seed=0, lora_config=cfg.lora)
+    return [(h["loss"], h["grad_norm"]) for h in Trainer(model, cfg, token_dataset(), mesh).train()]
+
+
+@pytest.fixture(scope="module")
+def llama_adapter(llama, tmp_path_factory):
+    """A peft adapter on every projection (random lora_B: every gradient path live from step 1) and
+    one-process peft's training of it: (loss, grad_norm) per step and the trained adapter's tensors."""
+    from helpers import make_adapter
+    from test_lora import peft_reference
+
+    path, _ = llama
+    adapter = make_adapter(path, str(tmp_path_factory.mktemp("ppc-adapter") / "adapter"), LORA_TARGETS)
+    steps, trained, _ = peft_reference(path, adapter)
+    return adapter, steps, trained
+
+
+@pytest.mark.parametrize("layout,world", [("pp2", 2), ("pp2_tp2", 4)])
+@pytest.mark.ranks
+def test_lora_on_stages_matches_one_process_peft(llama, llama_adapter, layout, world, tmp_path):
+    """LoRA on each stage's projections (only the adapters train): pp=2 and pp=2 x tp=2 against one-process
+    peft, loss and grad_norm of every step; each stage saves its adapters into the one checkpoint, and
+    consolidation writes one peft adapter equal to the one peft trained (every stage's tensors)."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.export import consolidate
+
+    path, _ = llama
+    adapter, ref_steps, ref_adapter = llama_adapter
+    out = str(tmp_path / "out")
+    got = run_ranks(lora_losses, world, path, layout, {"adapter": adapter}, out)
+    assert_parity(got, ref_steps, label=f"lora {layout}")
+    consolidate(out, str(tmp_path / "adapter"))
+    ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert ours.keys() == ref_adapter.keys()
+    assert any(".layers.0." in key for key in ours) and any(".layers.3." in key for key in ours)
+    for key, value in ref_adapter.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.ranks
+def test_seeded_adapters_on_stages(llama, tmp_path):
+    """Adapters drawn from ``train.seed`` (no ``lora.adapter``): each stage draws the whole model's adapters in
+    turn and keeps its own, so pp=2 trains what one process does (a stage drawing from the generator's start
+    would give the second stage's ``lora_A`` the first's values)."""
+    path, _ = llama
+    lora = {"r": 4, "alpha": 8, "target_modules": LORA_TARGETS}
+    one = run_ranks(lora_losses, 1, path, "one", lora, str(tmp_path / "one"))
+    got = run_ranks(lora_losses, 2, path, "pp2", lora, str(tmp_path / "pp2"))
+    assert one[1][0] != one[0][0]
+    assert_parity(got, one, label="seeded lora pp2")
+
+
+ESTIMATE_SEQ = 32
+# name -> (schedule, per-device batch, accumulation, micro-batches): 8 rows a step in 4 micro-batches of 2
+ESTIMATE_RUNS = {"1f1b": ("1F1B", 4, 2, 4), "gpipe": ("GPipe", 4, 2, 4)}
+
+
+class SavedPeak:
+    """``saved_tensors_hooks`` counting the storages autograd keeps saved (the parameters' aside), each
+    until the graph holding it is released, and the peak of their bytes."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params, self.refs, self.live, self.peak = params, {}, 0, 0
+
+    def pack(self, t: torch.Tensor):
+        return t if t.untyped_storage().data_ptr() in self.params else _Held(self, t)
+
+    def unpack(self, held):
+        return held.t if isinstance(held, _Held) else held
+
+
+class _Held:
+    """A saved tensor, counted by ``counter`` while autograd keeps it."""
+
+    def __init__(self, counter: SavedPeak, t: torch.Tensor) -> None:
+        self.counter, self.t, self.ptr = counter, t, t.untyped_storage().data_ptr()
+        counter.refs[self.ptr] = counter.refs.get(self.ptr, 0) + 1
+        if counter.refs[self.ptr] == 1:
+            counter.live += t.untyped_storage().nbytes()
+            counter.peak = max(counter.peak, counter.live)
+
+    def __del__(self) -> None:
+        self.counter.refs[self.ptr] -= 1
+        if self.counter.refs[self.ptr] == 0:
+            self.counter.live -= self.t.untyped_storage().nbytes()
+
+
+def stage_measures(path: str, runs: list[str]) -> list[list[tuple[int, int]]]:
+    """Rank body (pp=2): per run of ``ESTIMATE_RUNS``, every stage's (parameter count, peak bytes of the
+    activations autograd holds saved at once during the second step): the storages (not parameters) saved
+    by the step's forwards, each counted until the backward releases it. The first step is not measured:
+    torch's shape inference on it runs one forward of the first stage with grad, whose graph stays alive
+    (one micro-batch's activations on stage 0, measured here, not in the estimate)."""
+    import torch.distributed as dist
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = []
+    for run in runs:
+        schedule, per_device, accum, chunks = ESTIMATE_RUNS[run]
+        shape = {"pp": 2, "pp_schedule": schedule, "pp_microbatches": chunks}
+        cfg = train_config(path, shape, per_device, accum, 2)
+        mesh = build_mesh(cfg.parallel)
+        trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(24, ESTIMATE_SEQ), mesh)
+        trainer.train_step()
+        counter = SavedPeak({p.untyped_storage().data_ptr() for p in trainer.module.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            trainer.train_step()
+        mine = (sum(p.numel() for p in trainer.module.parameters()), counter.peak)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out.append(every)
+    return out
+
+
+@pytest.mark.ranks
+def test_estimate_stages_match_built_stages(llama):
+    """``estimate --pp 2``: each stage's parameter count equals the built stage's exactly (and the split
+    ``plan --pp`` prints, ``StageSplit.params``); its activations, those of the micro-batches the schedule
+    keeps in flight there (1F1B: 2 on the first stage, 1 on the last; GPipe: all 4 on both), agree with
+    the peak of autograd's saved tensors on the real stage within 10% (on the last stage with the
+    log-softmax of each micro-batch in flight, the saved part of the logits row)."""
+    from shardlm.estimate.memory import estimate
+
+    path, _ = llama
+    runs = list(ESTIMATE_RUNS)
+    got = run_ranks(stage_measures, 2, path, runs)
+    split = stage_layout(build_meta_model(path), 2).split
+    for run, stages in zip(runs, got, strict=True):
+        schedule, per_device, accum, chunks = ESTIMATE_RUNS[run]
+        rows = per_device * accum // chunks
+        est = estimate(path, batch=rows, seq=ESTIMATE_SEQ, pp=2, pp_schedule=schedule, pp_microbatches=chunks)
+        assert [s["params"] for s in est.stages] == [count for count, _ in stages] == list(split.params)
+        held = [s["in_flight"] for s in est.stages]
+        assert held == ([2, 1] if schedule == "1F1B" else [4, 4]), held
+        vocab = build_meta_model(path).config.vocab_size
+        for stage, (_, measured) in zip(est.stages, stages, strict=True):
+            want = stage["activations"] + (
+                4 * rows * ESTIMATE_SEQ * vocab * stage["in_flight"] if stage["stage"] else 0
+            )
+            assert abs(want - measured) <= 0.1 * measured, (run, stage, want, measured)
+
+
+def test_plan_and_estimate_cli_show_the_stages(tmp_path, capsys):
+    """``plan --pp 2`` prints each stage's blocks and parameters from the split the ranks use, the
+    micro-batches in flight and the bubble; ``estimate --pp 2`` a line per stage; a layout the schedule
+    cannot run is one ``error:`` line, exit 2."""
+    from shardlm.cli import main
+
+    path = write_model_dir(str(tmp_path / "llama"), "llama", num_hidden_layers=6)
+    split = stage_layout(build_meta_model(path), 2).split
+    assert main(["plan", path, "--pp", "2", "--pp-microbatches", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:4]]
+    assert [row[1] for row in rows] == ["0-2", "3-5"] and [row[1] for row in rows] == [
+        f"{b.start}-{b.stop - 1}" for b in split.blocks
+    ]
+    assert [int(row[2].replace(",", "")) for row in rows] == list(split.params)
+    assert [row[3:5] for row in rows] == [["2", "4"], ["1", "4"]]  # 1F1B, GPipe in flight
+    assert "bubble (p-1)/(m+p-1) = 0.200" in out[4]
+    assert main(["estimate", path, "--pp", "2", "--batch", "2", "--seq", "16", "--pp-schedule", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "GPipe over 2 micro-batches of 2 sequences: bubble (p-1)/(m+p-1) = 0.333" in out
+    assert main(["estimate", path, "--pp", "4", "--pp-microbatches", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --pp-microbatches 2 is fewer than the 4 stages (1F1B needs at least one micro-batch per "
+                   "stage); set it to 4 or more"]  # fmt: skip
