@@ -41,7 +41,7 @@ from shardlm.parallel.infer.parts import (
 from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
-from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_dropout_call
+from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
 
 _VIEW_OPS = {"view", "reshape", "unflatten"}
 _BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
@@ -90,7 +90,7 @@ class ShardTracker(TorchFunctionMode):
         # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
         # the split keeps whole (each rank reducing its own groups) has its weight follow the channels
         self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
-        # per dropout call: (input sharded, its shape, its probability)
+        # per call site (dropout, a random draw): (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
         declare_whole_records(self, wholes)
         declare_follow_records(self)
@@ -102,8 +102,9 @@ class ShardTracker(TorchFunctionMode):
         declare_head_input_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
-        """A dropout call site (``call_sites.is_dropout_call``): is its input sharded, its shape, its p."""
-        if is_dropout_call(func):
+        """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its
+        shape, its p."""
+        if is_call_site(func):
             x = args[0] if args else kwargs.get("input", kwargs.get("query"))
             sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
             self.dropout_sites.append(
