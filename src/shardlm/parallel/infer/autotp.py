@@ -305,6 +305,7 @@ def _assemble(
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_shared_rows(model, plan, tp)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
+    plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj

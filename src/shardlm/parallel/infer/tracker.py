@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
 from shardlm.parallel.infer.head_inputs import declare_head_input_records
@@ -35,6 +36,7 @@ from shardlm.parallel.infer.parts import (
     SPLIT_OPS,
     declare_parts_records,
     record_head_view,
+    record_heads_cut,
     record_later_split,
     record_slice,
 )
@@ -100,6 +102,7 @@ class ShardTracker(TorchFunctionMode):
         declare_sizes_records(self)
         declare_layout_records(self)
         declare_head_input_records(self)
+        declare_broadcast_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its
@@ -195,8 +198,12 @@ class ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.from_params[id(t)] = owners
                     self.from_param_ids[id(t)] = ids
+        elif inputs and not sources:
+            record_whole_use(self, inputs)
         if name in SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
             record_later_split(self, name, next(iter(sources)), args, kwargs)
+        elif name in SPLIT_OPS and len(sources) > 1 and args and isinstance(args[0], torch.Tensor):
+            record_heads_cut(self, name, sources, args, kwargs, out)
         # a latent's split reader's output (``sharded``) carries whole gradients on its rows: no longer the latent's
         latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs if id(t) not in self.sharded))
         if latent:
