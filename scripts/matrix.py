@@ -144,7 +144,9 @@ def survey(model_type: str, root: str) -> dict:
     if row["plan"] == "made":
         try:
             _alarm(120)
-            row["reference"] = plain_reference(path, 4, steps=STEPS)
+            # under shardlm's dropout mode: dropout is off, but a router's random draws (Phi-MoE's
+            # sampling) are keyed as shardlm's ranks draw them (parallel/runtime/dropout.py)
+            row["reference"] = plain_reference(path, 4, steps=STEPS, dropout=True)
             row["path"] = path
         except (Exception, _Timeout) as exc:  # noqa: BLE001
             row["plan_note"] = f"reference failed: {type(exc).__name__}"

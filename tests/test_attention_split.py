@@ -9,6 +9,11 @@ reduction of a later dim). Multi-query attention
 computed by every rank (``Plan.sliced``). ALiBi (BLOOM, MPT): the bias the model builds from the
 config's head count and hands to each attention is sliced to the rank's heads at their global
 index (``Plan.head_inputs``, ``parallel/infer/head_inputs.py``, ``parallel/plan/head_inputs.py``).
+DiffLlama (differential attention): head h paired with head h + heads/2, V cut in two along its kv
+heads, so q, k and v are packed in two halves (``parts.record_heads_cut``), and the one scalar lambda
+made from its parameters, whole on every rank, has its gradient summed over TP (``infer/broadcast.py``).
+CodeGen's qkv, fused in the checkpoint's ``mp_num`` groups of [q, v, k]: each rank views its
+contiguous columns into whole groups (``dry_run.py``) where tp divides them.
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -37,6 +42,8 @@ SPLIT = {
     "bloom": ("transformer.h.0.self_attention", ("query_key_value", "dense")),
     "mpt": ("transformer.blocks.0.attn", ("Wqkv", "out_proj")),
     "granite_swa": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "diffllama": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "codegen": ("transformer.h.0.attn", ("qkv_proj", "out_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -52,6 +59,10 @@ ATTENTION_ELEMENTS = {
     "mpt": (16384, 8192),
     # q/k/v/o [64, 64], sinks [4] (sigmoid(logsumexp(scores) - sink) scales each head's output): halved
     "granite_swa": (16388, 8194),
+    # q/k/v/o [64, 64] halved; the lambdas (4 x [16], one scalar for every head) whole on every rank
+    "diffllama": (16448, 8256),
+    # qkv [192, 64] in 4 groups of [q, v, k] (each rank its 2 whole groups), out [64, 64]: halved
+    "codegen": (16384, 8192),
 }
 
 
@@ -87,12 +98,43 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
     for model_type, name in (("bloom", "alibi"), ("mpt", "position_bias")):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         assert plan.head_inputs[SPLIT[model_type][0]] == {name: 0}, (model_type, plan.head_inputs)
+    # DiffLlama pairs head h with head h + heads/2 (its attention output chunked in two along the heads)
+    # and splits V in two along the kv heads: q, k and v each packed in two halves, split 2 ways, so a
+    # rank holds both heads of its pairs; its scalar lambda, whole, has its gradient summed over TP
+    plan = infer_plan(build_meta_model(dirs["diffllama"]), 2)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert plan.parts[f"model.layers.0.self_attn.{name}"] == [32, 32], name
+    assert plan.styles["model.layers.0.self_attn"] == "replicate_own"
+    assert [p for p in plan.partial_grads if ".layers.0." in p] == [
+        f"model.layers.0.self_attn.lambda_{n}" for n in ("k1", "k2", "q1", "q2")
+    ]
+    # CodeGen: qkv viewed into mp_num=4 groups of [q, v, k] (the checkpoint's), sized by its embed_dim: kept
+    # whole on each rank (``Plan.local_sizes``) so its contiguous columns view into 4/tp whole groups
+    for tp in (2, 4):
+        plan = infer_plan(build_meta_model(dirs["codegen"]), tp)
+        assert plan.styles["transformer.h.0.attn.qkv_proj"] == "colwise" and not plan.replicated, tp
+        assert plan.local_sizes["transformer.h.0.attn"] == {"embed_dim": 64}, tp
     # multi-query: q split, the one k/v head computed by every rank (rows of the fused projection)
     for model_type in ("falcon", "gpt_bigcode"):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         attention, (fused, _) = SPLIT[model_type]
         assert plan.parts[f"{attention}.{fused}"] == [64, 16, 16], model_type
         assert plan.sliced[f"{attention}.{fused}"] == [[(0, 32), (64, 80), (80, 96)], [(32, 64), (64, 80), (80, 96)]]
+
+
+def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
+    """tp=8 on a CodeGen of 8 heads: its 4 qkv groups cannot each be whole on a rank, so its attention
+    is kept replicated with the groups named (the MLP still split)."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    config = tiny_config("codegen")
+    config.n_head = 8
+    config.save_pretrained(tmp_path / "codegen8")
+    plan = infer_plan(build_meta_model(str(tmp_path / "codegen8")), 8)
+    why = plan.replicated["transformer.h.0.attn.qkv_proj"]
+    assert why.endswith("is fused in 4 groups of 48 columns fixed by the checkpoint, which tp=8 does not divide"), why
+    assert plan.styles["transformer.h.0.mlp.fc_in"] == "colwise"
 
 
 def test_kept_whole_names_what_each_rank_stores_whole(dirs):
@@ -108,7 +150,10 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
         whole, local = ATTENTION_ELEMENTS[model_type]
         assert attention_bytes(meta, plan, 2) == (2 * 4 * local, 2 * 4 * whole), model_type
         mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
-        assert [w[: len(mqa[0])] for w in kept_whole(plan)] == (mqa if model_type in ("falcon", "gpt_bigcode") else [])
+        expect = mqa if model_type in ("falcon", "gpt_bigcode") else []
+        if model_type == "diffllama":
+            expect = ["model.layers.*.self_attn.lambda_k1, model.layers.*.self_attn.lambda_k2, "]
+        assert [w[: len(expect[0])] for w in kept_whole(plan)] == expect, model_type
     meta = build_meta_model(dirs["gpt_oss"])
     plan = infer_plan(meta, 2)
     plan.replicated = {"model.layers.0.self_attn.q_proj": "why", "model.layers.1.self_attn.q_proj": "why"}

@@ -22,7 +22,7 @@ from tiny import tiny_config  # noqa: E402
 MODELS = {
     "gpt2_pad": ("gpt2", {"pad_token_id": 0}),  # `pad_token_id in input_ids` asked of meta
     "gemma4_text": ("gemma4_text", {}),  # per-layer head_dim (config.head_dim raises)
-    "codegen": ("codegen", {}),  # qkv fused in mp_num groups: kept replicated
+    "codegen": ("codegen", {}),  # qkv fused in mp_num groups: each rank its whole groups (test_attention_split.py)
     "bloom": ("bloom", {}),  # ALiBi slopes per head: each rank its heads' (test_attention_split.py)
     "falcon_mq": ("falcon", {"multi_query": True, "new_decoder_architecture": False}),
     "gpt_bigcode": ("gpt_bigcode", {"multi_query": True}),
@@ -30,7 +30,7 @@ MODELS = {
     "cpmant": ("cpmant", {}),  # kept-replicated modules make plain tensors of their own (position buckets)
     "xlm": ("xlm", {}),  # the embeddings' norm output is modified in place (`tensor *= mask`)
     "roc_bert": ("roc_bert", {}),  # the LM-head bias is also `cls.predictions.bias`: one tensor after TP
-    "diffllama": ("diffllama", {}),  # exp(sum(lambda_q1 * lambda_k1)) scales split heads: kept replicated
+    "diffllama": ("diffllama", {}),  # exp(sum(lambda_q1 * lambda_k1)) scales split heads: summed over TP
     "hrm_text": ("hrm_text", {}),  # the model's own initial state around split layers: replicate_own
     "rwkv": ("rwkv", {}),  # block 0's time_decay/time_first split with the channels of its key (per_channel)
 }
@@ -38,7 +38,11 @@ MODELS = {
 EXPECT = {
     "gpt2_pad": (0, "packed transformer.h.0.attn.c_attn", None),
     "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.*.per_layer_input_gate"),
-    "codegen": (0, "fused in groups whose size depends on the split", "transformer.h.*.attn.qkv_proj"),
+    "codegen": (
+        0,
+        "widths kept whole (each rank views its columns into whole groups): transformer.h.*.attn.embed_dim=64",
+        None,
+    ),
     # split by heads (tests/test_attention_split.py): ALiBi sliced per rank; multi-query: q split, k/v computed by all
     "bloom": (0, "sliced to each rank's heads (at their global index): transformer.h.*.self_attention(alibi)", None),
     "falcon_mq": (0, "packed transformer.h.0.self_attention.query_key_value: parts [64, 16, 16], rows shared", None),
@@ -48,7 +52,11 @@ EXPECT = {
     "cpmant": (0, "ALiBi", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
     "xlm": (0, "transformer.layer_norm_emb", None),
     "roc_bert": (0, "cls.predictions.decoder", None),
-    "diffllama": (0, "a tensor computed from parameters of model.layers.*", "model.layers.*.self_attn.q_proj"),
+    "diffllama": (
+        0,
+        "gradients summed over TP: model.layers.*.self_attn.lambda_k1, model.layers.*.self_attn.lambda_k2",
+        None,
+    ),
     "hrm_text": (0, "replicate_own", None),
     # the later blocks' LayerNorms read split activations: those blocks stay whole
     "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.attention.key"),
@@ -118,7 +126,7 @@ def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monke
 # trained in the spawn (a model costs ~5-10 s there on 2 cores); Gemma 4 and GPT-BigCode train
 # with parity in `make matrix` (docs/compatibility.md), here only their plans are checked
 TRAINED = ["gpt2_pad", "codegen", "bloom", "falcon_mq", "lfm2_conv"]
-TRAINED += ["cpmant", "xlm", "roc_bert", "diffllama", "hrm_text"]  # kept replicated on local tensors, shared bias
+TRAINED += ["cpmant", "xlm", "roc_bert", "diffllama", "hrm_text"]  # local tensors, shared bias, lambdas summed
 TRAINED += ["rwkv"]  # channels of its WKV mixer split (parallel/infer/channels.py)
 
 

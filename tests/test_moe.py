@@ -188,23 +188,12 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
         from shardlm.parallel.infer.experts import find_experts
 
         find_experts(meta, 2)
-    # Mixtral with router jitter: each rank would draw its own noise
-    jitter = tiny_config("mixtral")
-    jitter.router_jitter_noise = 0.1
-    jitter.save_pretrained(tmp_path / "jitter")
-    assert main(["plan", str(tmp_path / "jitter"), "--tp", "2"]) == 2
-    assert "router_jitter_noise=0.1 randomizes the router in training" in capsys.readouterr().err
-    # experts as separate modules (JetMoE); a router that is an nn.Linear subclass returning a tuple
-    # (Phi-MoE's, which samples its experts at random in training)
-    phimoe = tiny_config("phimoe")
-    phimoe.router_jitter_noise = 0.0  # its default 0.01 is refused as jitter first
-    phimoe.save_pretrained(tmp_path / "phimoe")
-    expect = {"jetmoe": "mixture-of-experts layer whose experts are not fused", "phimoe": "is a router the trace"}
-    for model_type, text in expect.items():
-        path = str(tmp_path / model_type) if model_type == "phimoe" else _write(tmp_path, model_type)
-        assert main(["plan", path, "--tp", "2"]) == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and text in lines[0] and "parallel.fsdp trains it" in lines[0], lines
+    # experts as separate modules (JetMoE)
+    path = _write(tmp_path, "jetmoe")
+    assert main(["plan", path, "--tp", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "mixture-of-experts layer whose experts are not fused" in lines[0], lines
+    assert "parallel.fsdp trains it" in lines[0], lines
 
 
 def _report(label: str, got: list, ref: list) -> None:

@@ -197,6 +197,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inputs = {f"{any_block(m)}({', '.join(map(str, found))})": None for m, found in plan.head_inputs.items()}
     if inputs:  # BLOOM's ALiBi bias, built by the model from the config's head count
         print(f"per-head inputs sliced to each rank's heads (at their global index): {', '.join(inputs)}")
+    broadcast = dict.fromkeys(any_block(f) for f in plan.partial_grads)
+    if broadcast:  # DiffLlama's lambdas
+        print(f"stored whole, one value for every split head, gradients summed over TP: {', '.join(broadcast)}")
+    whole = {
+        f"{any_block(m)}.{a}={v}": None
+        for m, sizes in plan.local_sizes.items()
+        for a, v in sizes.items()
+        if getattr(model.get_submodule(m), a, None) == v
+    }
+    if whole:  # CodeGen's embed_dim: its qkv viewed into the checkpoint's groups
+        print(f"widths kept whole (each rank views its columns into whole groups): {', '.join(whole)}")
     kv, _ = plan.kv_heads
     if kv and kv < args.tp and plan.attention:
         print(

@@ -98,7 +98,7 @@ import torch.nn as nn
 from shardlm.errors import ConfigError
 from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
 from shardlm.parallel.infer.dry_run import dry_run
-from shardlm.parallel.infer.experts import find_experts, place_experts
+from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.sizes import used_only
@@ -185,10 +185,10 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     """Trace, keep replicated every sub-block something in it cannot be split, check the plan by
     running the forward at one rank's shapes (``dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
-    forced: frozenset[str] = frozenset()
+    reasons: dict[str, str] = own_forward_routers(model, experts)  # kept whole from the start (Phi-MoE's)
+    forced: frozenset[str] = frozenset(reasons)
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
-    reasons: dict[str, str] = {}
     geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
     for _ in range(_MAX_ROUNDS):
@@ -225,7 +225,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced, geo, latents)
             failure = dry_run(model, plan, tp, traced)
             if failure is None:
-                place_experts(model, plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
+                place_experts(plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
                 plan.experts.update(channel_placements(model, plan))
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
@@ -305,6 +305,7 @@ def _assemble(
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_shared_rows(model, plan, tp)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
+    plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj

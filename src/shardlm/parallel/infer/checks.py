@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.infer.broadcast import broadcast_over_split
 from shardlm.parallel.infer.follow import buffer_follows, follows
 from shardlm.parallel.infer.head_inputs import meets_split
 
@@ -36,6 +37,10 @@ def check(
             continue
         if follows(tracker, name, t, sharded, args, kwargs or {}, out) or buffer_follows(tracker, t, sharded, out):
             continue
+        if (isinstance(t, nn.Parameter) or id(t) in tracker.from_params) and broadcast_over_split(
+            tracker, name, t, sharded, sources
+        ):
+            continue  # one whole value for every split position: its gradient summed over TP (``broadcast.py``)
         if isinstance(t, nn.Parameter):
             owner = tracker.param_owner.get(id(t), "?")
             if owner not in tracker.legit:

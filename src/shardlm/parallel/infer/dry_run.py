@@ -9,6 +9,9 @@ projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 import torch.nn as nn
 
@@ -18,7 +21,7 @@ from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
-from shardlm.parallel.plan.local_geometry import localize_geometry
+from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS, localize_geometry, localize_geometry_of
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.styles import SPLIT_LINEAR
@@ -33,7 +36,49 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
     ``num_heads + 2``), split sizes of a multi-query fused projection (GPT-BigCode), and fused
     projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
     ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
-    with the global trace's)."""
+    with the global trace's; run again with the module's widths whole, see the module docstring)."""
+    failure, regrouped = _run(model, plan, tp, traced)
+    if regrouped is None:
+        return failure
+    first, kept = (failure, regrouped), {}
+    while regrouped is not None and regrouped[0] not in kept:  # every block's module alike, one by one
+        whole = _localized_widths(model, plan, tp, regrouped[0])
+        if not whole:
+            break
+        kept[regrouped[0]] = whole
+        plan.local_sizes.setdefault(regrouped[0], {}).update(whole)
+        failure, regrouped = _run(model, plan, tp, traced)
+        if failure is None:
+            return None  # each rank views its columns into whole groups, fewer of them
+    if not kept:
+        return first[0]  # no width of its module sizes the groups (Moshi's ``view(..., 2, -1)``)
+    for owner, whole in kept.items():
+        for attr in whole:
+            plan.local_sizes[owner].pop(attr)
+        if not plan.local_sizes[owner]:
+            plan.local_sizes.pop(owner)
+    (owner, why), (_, groups, size) = first
+    fused = why.split(" is fused")[0]
+    return owner, (
+        f"{fused} is fused in {groups} groups of {size} columns fixed by the checkpoint, which tp={tp} does not divide"
+    )
+
+
+def _localized_widths(model: nn.Module, plan: Plan, tp: int, owner: str) -> dict[str, int]:
+    """The head-concatenation widths of ``owner`` that ``localize_geometry`` divides: their whole values."""
+    if owner not in plan.attention or not plan.geometry.heads:
+        return {}
+    module = model.get_submodule(owner)
+    local = copy.copy(module)
+    localize_geometry_of(local, owner, plan, tp)
+    return {a: getattr(module, a) for a in WIDTH_ATTRS if getattr(local, a, None) != getattr(module, a, None)}
+
+
+def _run(
+    model: nn.Module, plan: Plan, tp: int, traced: Traced
+) -> tuple[tuple[str, str] | None, tuple[str, int, int] | None]:
+    """The dry run's failure (``dry_run``) and, for a fused projection regrouped by its local view,
+    (its module, the number of its groups whole, their size)."""
     meta = build_meta(model, eager=False)
     localize_geometry(meta, plan, tp)
     slice_head_inputs(meta, plan, tp, 0)
@@ -76,7 +121,10 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
     except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
         owner = _owner_of_split_linears(plan, stack)
         detail = " ".join(str(exc).split())[:120]
-        return owner, f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})"
+        return (
+            owner,
+            f"{owner} ({type(meta.get_submodule(owner)).__name__}) fails at one rank's shapes ({detail})",
+        ), None
     finally:
         for h in hooks:
             h.remove()
@@ -87,12 +135,14 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
         local_view = tracker.first_view.get(id(out), ())[out.dim() :]
         if local_view and local_view != global_view:
             owner = fqn.rpartition(".")[0]
-            return owner, (
+            why = (
                 f"{fqn} ({type(meta.get_submodule(fqn)).__name__}) is fused in groups whose size depends on the "
                 f"split (reshaped to {global_view} whole, {local_view} per rank): its layout is fixed by the "
                 "checkpoint"
             )
-    return None
+            size = math.prod(global_view)
+            return (owner, why), (owner, out_features(model.get_submodule(fqn)) // size, size)
+    return None, None
 
 
 def _pop(stack: list[str], name: str, out, outputs: dict) -> None:

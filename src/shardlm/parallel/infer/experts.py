@@ -45,18 +45,15 @@ import torch.nn as nn
 
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module
-from shardlm.parallel.model.hf import config_size, config_value
+from shardlm.parallel.model.hf import config_size, config_value, is_linear
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.styles import SPLIT_LINEAR, ExpertParam, Style
+from shardlm.parallel.plan.styles import ExpertParam, Style
 
 # class names of mixture-of-experts (and mixture-of-attention) layers
 _MOE_CLASS = re.compile(r"Mo[EeA](?![a-z])|Mo[EeA][A-Z]|Expert|Router")
 
 
 _MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-_JITTER = ("router_jitter_noise", "input_jitter_noise")  # random in training (Mixtral, Phi-MoE): per rank
 
 
 _PROBE_EXPERTS = 4  # experts kept in the probe copy
@@ -70,16 +67,9 @@ _PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by
 
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
     """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
-    ``ConfigError`` for an experts module no placement splits exactly, for router jitter noise
-    (drawn by each rank on its own), and for any other mixture-of-experts layer
-    (``refuse_unhandled_moe``)."""
-    for key in _JITTER:
-        noise = config_value(model.config, key)
-        if isinstance(noise, (int, float)) and noise > 0:
-            raise cannot_split(
-                f"{key}={noise} randomizes the router in training (jitter), which each TP rank would "
-                f"draw on its own (0 in config.json turns it off)"
-            )
+    ``ConfigError`` for an experts module no placement splits exactly and for any other
+    mixture-of-experts layer (``refuse_unhandled_moe``). A router's jitter needs nothing here: its
+    draws are keyed like dropout (``runtime/dropout.py``), the same on every TP rank."""
     hidden = config_size(model.config, "hidden_size")
     blocks = block_prefixes(model)
     found: dict[str, dict[str, ExpertParam]] = {}
@@ -98,17 +88,23 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
     return found
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    return type(module).forward is nn.Linear.forward
+def own_forward_routers(model: nn.Module, experts: dict[str, dict[str, ExpertParam]]) -> dict[str, str]:
+    """The linear layers of the MoE blocks holding ``experts`` that have a forward of their own (Phi-MoE's
+    router, an ``nn.Linear`` subclass returning its logits with the experts it samples): the trace would
+    take one for a split linear layer; it is computed whole on every rank like any router. ``{fqn: why}``."""
+    blocks = {fqn.rpartition(".")[0] for fqn in experts}
+    return {
+        fqn: f"{type(module).__name__} is a router, a linear layer with its own forward, computed whole by each rank"
+        for fqn, module in model.named_modules()
+        if fqn.rpartition(".")[0] in blocks and is_linear(module) and type(module).forward is not nn.Linear.forward
+    }
 
 
-def place_experts(model: nn.Module, plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
+def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
     """Put ``experts`` (``find_experts``) into ``plan``: the ``experts`` style and placements, and
     ``replicate_local`` for the other whole modules of their MoE blocks (the router): those compute
     on plain tensors with local views of their parameters, so buffers the block's routing code
-    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors. A router the
-    trace took for a split linear layer (Phi-MoE's is an ``nn.Linear`` subclass returning a tuple,
-    and samples its experts at random in training) is refused."""
+    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors."""
     plan.experts = experts
     blocks = {fqn.rpartition(".")[0] for fqn in experts}
     for fqn, style in plan.styles.items():
@@ -116,12 +112,6 @@ def place_experts(model: nn.Module, plan: Plan, experts: dict[str, dict[str, Exp
             plan.styles[fqn] = Style.EXPERTS.value
         elif fqn.rpartition(".")[0] in blocks and style == Style.REPLICATE:
             plan.styles[fqn] = Style.REPLICATE_LOCAL.value
-        elif fqn.rpartition(".")[0] in blocks and style in SPLIT_LINEAR and not _plain_linear(model.get_submodule(fqn)):
-            module = model.get_submodule(fqn)
-            raise cannot_split(
-                f"{any_block(fqn)} ({type(module).__name__}) is a router the trace takes for a "
-                f"{style} layer (a linear layer with a forward of its own)"
-            )
 
 
 def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:

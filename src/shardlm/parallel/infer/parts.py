@@ -7,7 +7,10 @@ heads means per-head interleaving (GPT-NeoX), which plain column sharding alread
 fused projection whose output is cut only later, after per-channel ops (DeltaNet's q/k/v, convolved
 first), is found packed at that cut (``ShardTracker.later_parts``); a cut of a stretch of a linear's
 output (Mamba-2's x|B|C, cut again after its conv) refines that linear's parts (``layouts.Cuts``,
-``refined``).
+``refined``). A cut into equal pieces along the split heads of a tensor computed from several linears
+(DiffLlama's attention output, from q, k and v, chunked into the two halves of its heads, which it
+pairs) packs each of them in as many equal parts (``record_heads_cut``): each rank then holds its
+chunk of both halves, so the pairs stay on one rank.
 """
 
 from __future__ import annotations
@@ -60,6 +63,26 @@ def record_later_split(tracker, name: str, source: str, args: tuple, kwargs: dic
         tracker.later_parts[source] = list(sizes)
     elif isinstance(sizes, int) and 0 < sizes < width and width % sizes == 0:
         tracker.later_parts[source] = [sizes] * (width // sizes)
+
+
+def record_heads_cut(tracker, name: str, sources: frozenset[str], args: tuple, kwargs: dict, out) -> None:
+    """A chunk/split into n >= 2 equal pieces, along its split dim, of a tensor computed from several
+    column-parallel linears (``tracker.layouts`` says which dim is split): each is packed in n equal
+    parts (``later_parts``), where its width allows and no other cut decided its parts."""
+    t = args[0]
+    layout = tracker.layouts.get(id(t))
+    if len(sources) < 2 or layout is None or len(layout[1]) != 1 or not isinstance(out, (tuple, list)):
+        return
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if not isinstance(dim, int) or dim % t.dim() != layout[0] % t.dim():
+        return
+    sizes = {piece.shape[dim] for piece in out}
+    if len(out) < 2 or len(sizes) != 1:
+        return
+    for source in sources:
+        width = tracker.widths.get(source)
+        if width and width % len(out) == 0 and source not in tracker.later_parts:
+            tracker.later_parts[source] = [width // len(out)] * len(out)
 
 
 def parts_from_consumer(tracker, out: torch.Tensor) -> list[int] | None:

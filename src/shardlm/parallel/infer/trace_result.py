@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from shardlm.parallel.infer.broadcast import broadcast_violations
 from shardlm.parallel.infer.latent import latent_candidates
 from shardlm.parallel.infer.parts import parts_from_consumer, refined
 from shardlm.parallel.infer.trace_hooks import TraceHooks
@@ -47,6 +48,8 @@ class Traced:
     summed_readers: dict[str, set[str]]
     # module -> {its argument (position or name): the heads dim} handed per head (``head_inputs.py``)
     head_inputs: dict[str, dict[int | str, int]]
+    # parameters broadcast over split activations, replicated, gradients summed over TP (``broadcast.py``)
+    partial_grads: list[str]
 
 
 def collect(
@@ -87,6 +90,7 @@ def collect(
         for m_name, m in meta.named_modules()
         for p_name, p in m.named_parameters(recurse=False)
     }
+    partial_grads = broadcast_violations(tracker, names)  # before the violations are handed on
     follows = {names[pid]: source for pid, source in tracker.follows.items()} | tracker.buffer_follows
     whole = {name: whole_flags(wholes, name, 0, p) for name, p in parts.items()}
     for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
@@ -114,4 +118,5 @@ def collect(
         summed,
         {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
         tracker.found_head_inputs,
+        partial_grads,
     )

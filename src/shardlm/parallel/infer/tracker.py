@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
 from shardlm.parallel.infer.head_inputs import declare_head_input_records
@@ -35,13 +36,14 @@ from shardlm.parallel.infer.parts import (
     SPLIT_OPS,
     declare_parts_records,
     record_head_view,
+    record_heads_cut,
     record_later_split,
     record_slice,
 )
 from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
-from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_dropout_call
+from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
 
 _VIEW_OPS = {"view", "reshape", "unflatten"}
 _BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
@@ -90,7 +92,7 @@ class ShardTracker(TorchFunctionMode):
         # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
         # the split keeps whole (each rank reducing its own groups) has its weight follow the channels
         self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
-        # per dropout call: (input sharded, its shape, its probability)
+        # per call site (dropout, a random draw): (input sharded, its shape, its probability)
         self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
         declare_whole_records(self, wholes)
         declare_follow_records(self)
@@ -100,10 +102,12 @@ class ShardTracker(TorchFunctionMode):
         declare_sizes_records(self)
         declare_layout_records(self)
         declare_head_input_records(self)
+        declare_broadcast_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
-        """A dropout call site (``call_sites.is_dropout_call``): is its input sharded, its shape, its p."""
-        if is_dropout_call(func):
+        """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its
+        shape, its p."""
+        if is_call_site(func):
             x = args[0] if args else kwargs.get("input", kwargs.get("query"))
             sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
             self.dropout_sites.append(
@@ -194,8 +198,12 @@ class ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.from_params[id(t)] = owners
                     self.from_param_ids[id(t)] = ids
+        elif inputs and not sources:
+            record_whole_use(self, inputs)
         if name in SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):
             record_later_split(self, name, next(iter(sources)), args, kwargs)
+        elif name in SPLIT_OPS and len(sources) > 1 and args and isinstance(args[0], torch.Tensor):
+            record_heads_cut(self, name, sources, args, kwargs, out)
         # a latent's split reader's output (``sharded``) carries whole gradients on its rows: no longer the latent's
         latent = frozenset().union(*(self.latent.get(id(t), frozenset()) for t in inputs if id(t) not in self.sharded))
         if latent:

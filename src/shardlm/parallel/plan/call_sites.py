@@ -1,12 +1,28 @@
-"""Dropout call sites: the calls ``runtime/dropout.py`` takes over (``F.dropout``, sdpa's ``dropout_p``)
-recognized with their arguments. The trace counts them (``infer/tracker.py``) and the runtime masks them
-by the same count, so both read them here.
+"""Call sites: the calls ``runtime/dropout.py`` takes over, recognized with their arguments: dropout
+(``F.dropout``, sdpa's ``dropout_p``) and the random draws of a forward in training (a router's jitter:
+Mixtral's ``empty_like(h).uniform_(1 - eps, 1 + eps)``, Phi-MoE's Gumbel sampling ``exponential_()`` and
+``rand_like``). The trace counts them (``infer/tracker.py``) and the runtime keys each by the same count,
+so both read them here.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# the random draws taken over, their values hashes of the key as dropout masks are. Only these:
+# the forwards of transformers' causal LMs draw with them (router jitter) and with nothing else but
+# ``torch.rand([])`` for LayerDrop (refused on more than one process: ``runtime/dropout.check_layerdrop``)
+RANDOM_DRAWS = (torch.rand_like, torch.Tensor.uniform_, torch.Tensor.exponential_)
+
+
+def is_random_draw(func) -> bool:
+    return any(func is draw for draw in RANDOM_DRAWS)
+
+
+def is_call_site(func) -> bool:
+    """Every call ``DeterministicDropout`` keys by its count: dropout and the random draws."""
+    return is_dropout_call(func) or is_random_draw(func)
 
 
 def is_dropout_call(func) -> bool:
@@ -34,7 +50,10 @@ def sdpa_args(args, kwargs) -> dict:
 
 
 def dropout_p(func, args, kwargs) -> float:
-    """The probability a dropout call was given (0 where it is the identity: not training)."""
+    """The probability a dropout call was given (0 where it is the identity: not training); 1 for a
+    random draw (it always draws)."""
+    if is_random_draw(func):
+        return 1.0
     if func is F.scaled_dot_product_attention:
         return float(sdpa_args(args, kwargs)["dropout_p"])
     _, p, training, _ = dropout_args(args, kwargs)

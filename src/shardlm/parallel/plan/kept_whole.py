@@ -4,8 +4,9 @@ next to 1/tp: the "kept whole" column of the compatibility matrix (``scripts/mat
 Norms, routers and the biases added after a row-parallel all-reduce are whole in every model and
 not listed; listed are what TP could have split and did not: sub-blocks kept replicated (with the
 reason the trace gave), projections stored whole of which each rank computes its rows (kv heads
-fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents), and
-per-channel parameters whose channels ranks share.
+fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
+per-channel parameters whose channels ranks share, and parameters of one value broadcast over the
+split heads (DiffLlama's lambdas).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def kept_whole(plan: Plan) -> list[str]:
         for pname in params:
             if param_rows(plan, fqn, pname) is not None:
                 found[f"{_any_block(fqn)}.{pname}: stored whole (its channels shared by ranks)"] = None
+    broadcast: dict[str, None] = {_any_block(fqn): None for fqn in plan.partial_grads}
+    if broadcast:
+        found[f"{', '.join(broadcast)}: stored whole (one value broadcast over the split heads)"] = None
     return list(found)
 
 

@@ -16,7 +16,8 @@ from shardlm.parallel.model.hf import (
 )
 from shardlm.parallel.plan.plan import Plan
 
-_WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
+# head-concatenation widths an attention module may read (divided by tp unless ``Plan.local_sizes`` sets them)
+WIDTH_ATTRS = ("split_size", "hidden_size", "embed_dim", "all_head_size", "head_size_total")
 
 
 def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
@@ -31,24 +32,12 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     config, heads = model.config, plan.geometry.heads
     if heads is None or not plan.attention:
         return  # attention-free, or every attention block kept replicated
-    kv, head_dim = plan.geometry.kv, plan.geometry.head_dim or 0
+    kv = plan.geometry.kv
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
-        if isinstance(getattr(module, "num_key_value_groups", None), int):
-            # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
-            # repeats k/v by it; sdpa packs by it)
-            module.num_key_value_groups = max(1, (heads // tp) // local_kv)
-        if not any(isinstance(getattr(module, a, None), int) for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+        if not localize_geometry_of(module, name, plan, tp):
             continue
-        for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + _WIDTH_ATTRS:
-            value = getattr(module, attr, None)
-            if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
-                continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes above
-            if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in _WIDTH_ATTRS and value == heads * head_dim):
-                setattr(module, attr, value // tp)
-            elif attr in MODULE_KV_ATTRS and value == kv:
-                setattr(module, attr, local_kv)
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
@@ -56,3 +45,25 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
                     value = getattr(config, attr)
                     setattr(local, attr, local_kv if attr in MODULE_KV_ATTRS and value == kv else value // tp)
             module.config = local
+
+
+def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> bool:
+    """Set the head counts and widths of attention module ``name`` (``module``) to their local values;
+    False where it owns no head-count attribute (its config, if it reads one, is left to the caller)."""
+    heads, kv, head_dim = plan.geometry.heads or 0, plan.geometry.kv, plan.geometry.head_dim or 0
+    local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    if isinstance(getattr(module, "num_key_value_groups", None), int):
+        # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
+        # repeats k/v by it; sdpa packs by it)
+        module.num_key_value_groups = max(1, (heads // tp) // local_kv)
+    if not any(isinstance(getattr(module, a, None), int) for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
+        return False
+    for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + WIDTH_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
+            continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes, as are kept widths
+        if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in WIDTH_ATTRS and value == heads * head_dim):
+            setattr(module, attr, value // tp)
+        elif attr in MODULE_KV_ATTRS and value == kv:
+            setattr(module, attr, local_kv)
+    return True

@@ -53,3 +53,7 @@ class Plan:
     # split attention module -> {its argument (position or name): the heads dim} of a per-head tensor
     # built outside it from the config's head count (BLOOM's ALiBi bias): each rank sees its heads' rows
     head_inputs: dict[str, dict[int | str, int]] = field(default_factory=dict)
+    # replicated parameters (of a ``replicate_own`` module) from which one whole tensor is computed and
+    # broadcast over split heads (DiffLlama's lambdas, ``parallel/infer/broadcast.py``): each rank's
+    # gradient comes from its heads only, summed over TP
+    partial_grads: list[str] = field(default_factory=list)

@@ -36,6 +36,12 @@ positions of the one-process mask: its tensor is ``[batch, s / tp, ...]`` (or th
 parallelism too, that slice is of the cp rank's tokens: shifted to this tp rank's slice, then mapped to
 its window positions.
 
+The random draws of a forward in training (``call_sites.RANDOM_DRAWS``: a router's jitter, Mixtral's
+``uniform_`` on its input, Phi-MoE's Gumbel sampling ``exponential_`` and ``rand_like``) are call sites
+too, counted with the dropout calls and traced alike: their values come from the same hashes
+(``hashed_draw``), so every TP rank draws the same noise for the replicated router, data-parallel
+ranks their samples' part, and one process the whole (torch's RNG would give each rank its own).
+
 Hence TP ranks agree on replicated activations, shards and dp ranks differ, and every layout
 reproduces one process; the masks depend on nothing that a checkpoint would have to carry (the
 step is part of the key), so a resumed run continues exactly. In evaluation (``training=False``)
@@ -56,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.plan.call_sites import dropout_args, is_dropout_call, sdpa_args
+from shardlm.parallel.plan.call_sites import dropout_args, is_call_site, is_random_draw, sdpa_args
 
 _BITS = 24  # resolution of the keep test: p is rounded to a multiple of 2**-24
 
@@ -176,26 +182,26 @@ def traced_dim(key: DropoutKey, site: int) -> int | str | None:
     return key.sites[site]
 
 
-def keep_mask(
+def element_hashes(
     shape: tuple[int, ...],
-    p: float,
     key: DropoutKey,
     site: int,
     device,
     dim: int | str | None,
     seq_dim: int | None = None,
 ) -> torch.Tensor:
-    """Bool mask of the elements kept, for a local tensor of ``shape`` at call ``site``, sharded
-    across TP along ``dim`` (None: replicated; ``SEQUENCE``: this rank's slice of every sample's
-    positions, the tensor seen as ``[batch, s / tp, last dim]``) and, under context parallelism,
-    holding this rank's tokens along ``seq_dim``."""
+    """int64 hash of (seed, step, site, sample, index) of every element of a local tensor of ``shape``
+    at call ``site``, sharded across TP along ``dim`` (None: replicated; ``SEQUENCE``: this rank's slice
+    of every sample's positions, the tensor seen as ``[batch, s / tp, last dim]``) and, under context
+    parallelism, holding this rank's tokens along ``seq_dim``: the one-process tensor's hashes at
+    the elements this rank holds."""
     if dim == SEQUENCE:
         batch, numel = key.positions.numel(), math.prod(shape)
         if batch == 0 or numel % (batch * shape[-1]):
             raise RuntimeError(f"dropout: a tensor of shape {list(shape)} is not [batch, sequence slice, ...]")
         sliced = (batch, numel // (batch * shape[-1]), shape[-1])
         # under context parallelism too: the slice is of this rank's window positions (dim 1 both)
-        return keep_mask(sliced, p, key, site, device, 1, None if key.sequence is None else 1).view(shape)
+        return element_hashes(sliced, key, site, device, 1, None if key.sequence is None else 1).view(shape)
     numel = math.prod(shape)
     flat = torch.arange(numel, device=device, dtype=torch.int64)
     total = numel
@@ -216,8 +222,21 @@ def keep_mask(
     per_sample = total // batch
     salt = _signed(_mix_int(_mix_int(_mix_int(key.seed) + key.step) + site))
     sample_keys = _mix(key.positions.to(device=device, dtype=torch.int64) * _GOLDEN + salt)
-    h = _mix(sample_keys[flat // per_sample] + (flat % per_sample) * _GOLDEN)
-    return (_srl(h, 64 - _BITS) >= round(p * (1 << _BITS))).view(shape)
+    return _mix(sample_keys[flat // per_sample] + (flat % per_sample) * _GOLDEN).view(shape)
+
+
+def keep_mask(
+    shape: tuple[int, ...],
+    p: float,
+    key: DropoutKey,
+    site: int,
+    device,
+    dim: int | str | None,
+    seq_dim: int | None = None,
+) -> torch.Tensor:
+    """Bool mask of the elements kept (``element_hashes``' arguments): a hash's top 24 bits against ``p``."""
+    h = element_hashes(shape, key, site, device, dim, seq_dim)
+    return _srl(h, 64 - _BITS) >= round(p * (1 << _BITS))
 
 
 def hashed_dropout(
@@ -247,6 +266,53 @@ def hashed_dropout(
     with torch.no_grad():
         scale = keep_mask(tuple(x.shape), p, key, site, x.device, dim, seq_dim).to(x.dtype) * (1.0 / (1.0 - p))
     return x.mul_(scale) if inplace else x * scale
+
+
+_MANTISSA = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+
+def _draw_view(shape: tuple[int, ...], key: DropoutKey, dim: int | str | None) -> tuple[tuple[int, ...], object]:
+    """The shape a draw is keyed in, and its TP dim there: under context parallelism a router's
+    ``[batch * tokens, ...]`` (the tokens flattened) is seen as ``[batch, tokens, rest]``."""
+    if key.sequence is None or not shape:
+        return shape, dim
+    batch, local = key.positions.numel(), key.sequence[0].numel()
+    if local in shape[1:] or shape[0] != batch * local:
+        return shape, dim
+    return (batch, local, math.prod(shape[1:])), (2 if isinstance(dim, int) else dim)
+
+
+def _unit(x: torch.Tensor, key: DropoutKey, site: int, dim: int | str | None, bits: int, half: bool) -> torch.Tensor:
+    """fp64 values of ``x``'s shape on a grid of ``2**-bits`` in [0, 1) (``half``: the grid's midpoints,
+    in (0, 1)) from the element hashes of call ``site``: each rank's part of the one-process draw."""
+    shape, view_dim = _draw_view(tuple(x.shape), key, dim)
+    seq_dim = sequence_dim(shape, key)
+    h = element_hashes(shape, key, site, x.device, view_dim, seq_dim)
+    return ((_srl(h, 64 - bits).to(torch.float64) + (0.5 if half else 0.0)) * 2.0**-bits).view(x.shape)
+
+
+def hashed_draw(func, args: tuple, kwargs: dict, key: DropoutKey, site: int, dim: int | str | None) -> torch.Tensor:
+    """A random draw of ``call_sites.RANDOM_DRAWS`` from the hashes of call ``site`` (``element_hashes``):
+    ``rand_like`` and ``uniform_(low, high)`` on the draw's dtype's grid, ``exponential_(lambd)`` as
+    ``-log(u) / lambd`` of fp64 midpoints (never 0, so Phi-MoE's Gumbel ``log`` stays finite)."""
+    x = args[0]
+    if isinstance(x, DTensor):
+        if not all(pl.is_replicate() for pl in x.placements):
+            raise RuntimeError(f"a random draw on a DTensor with placements {x.placements} is not supported")
+        local = hashed_draw(func, (x.to_local(), *args[1:]), kwargs, key, site, dim)
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    if func is torch.rand_like:
+        dtype = kwargs.get("dtype") or x.dtype
+        like = x if kwargs.get("device") is None else x.to(kwargs["device"])
+        return _unit(like, key, site, dim, _MANTISSA.get(dtype, 24), False).to(dtype)
+    with torch.no_grad():
+        if func is torch.Tensor.uniform_:
+            low = args[1] if len(args) > 1 else kwargs.get("from", 0.0)
+            high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
+            u = _unit(x, key, site, dim, _MANTISSA.get(x.dtype, 24), False)
+            return x.copy_(low + (high - low) * u)
+        lambd = args[1] if len(args) > 1 else kwargs.get("lambd", 1.0)
+        return x.copy_(-torch.log(_unit(x, key, site, dim, 53, True)) / lambd)
 
 
 def _attention(a: dict, drop) -> torch.Tensor:
@@ -294,7 +360,7 @@ class DeterministicDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not is_dropout_call(func):
+        if not is_call_site(func):
             return func(*args, **kwargs)
         if self.lora is not None and func is F.dropout:  # not counted: the trace ran without LoRA
             x, p, training, inplace = dropout_args(args, kwargs)
@@ -304,6 +370,9 @@ class DeterministicDropout(TorchFunctionMode):
             site, sharded = self.lora
             return hashed_dropout(x, p, self.key, site, x.dim() - 1 if sharded else None, inplace)
         site = self._next_site()
+        if is_random_draw(func):
+            self.used = True
+            return hashed_draw(func, args, kwargs, self.key, site, traced_dim(self.key, site))
         if func is F.dropout:
             x, p, training, inplace = dropout_args(args, kwargs)
             if not training or p == 0.0:

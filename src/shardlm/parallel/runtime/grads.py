@@ -2,7 +2,8 @@
 
 The one list of them (``tp_partial_grad_params``): the parameters whose gradients each rank computes
 from its own heads, rows or share only (``replicate_grad_allreduce``, sliced projections, ``per_channel``
-parameters stored whole, experts' parameters added once, and under LoRA the adapter matrices beside a
+parameters stored whole, experts' parameters added once, parameters broadcast over split heads
+(``Plan.partial_grads``: DiffLlama's lambdas), and under LoRA the adapter matrices beside a
 split base, and under sequence parallelism the norms between the sub-blocks);
 ``sum_tp_partial_grads`` sums them over TP once per step (the trainer calls it before
 clipping). The sums inside a forward or backward are ``regions.py``'s.
@@ -27,7 +28,7 @@ def tp_partial_grad_params(
 ) -> list[str]:
     """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
     the replicated parameters of sliced projections and of ``per_channel`` modules following
-    them, and experts' parameters added ``once``; ``with_lora``: and the adapters';
+    them, experts' parameters added ``once`` and ``Plan.partial_grads``; ``with_lora``: and the adapters';
     ``sequence_parallel``: and the norms computing on this rank's slice of the sequence)."""
     adapters = lora_partial_grads(model, plan) if with_lora else []
     adapters += sequence_norms(model, plan) if sequence_parallel else []
@@ -41,6 +42,7 @@ def tp_partial_grad_params(
             or fqn in plan.sliced
             or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
         ]
+        + plan.partial_grads
         + adapters
     )
 

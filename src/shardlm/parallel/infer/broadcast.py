@@ -1,0 +1,71 @@
+"""Whole tensors broadcast over split activations: parameters whose gradients are summed over TP.
+
+DiffLlama scales the second half of its heads by one learned scalar, ``lambda_full = exp(sum(lambda_q1 *
+lambda_k1)) - exp(sum(lambda_q2 * lambda_k2)) + lambda_init``, computed from its parameters alone. With the
+heads split, every rank computes that scalar whole and applies it to its own heads: the forward is
+exact, and each rank's gradient of the lambdas is the sum over its heads only, so the sum of the
+ranks' gradients over TP is the one-process gradient. Such a parameter stays replicated (its module
+``replicate_own``) and is listed in ``Plan.partial_grads`` (``runtime/grads.py`` sums it).
+
+Found by the trace: a tensor computed from parameters alone (or a parameter) meeting split activations in
+an elementwise op where it is broadcast over their split dim (one element, or size 1 / absent there).
+Not so where the same parameter also meets whole activations (its gradient from those would be
+counted tp times): then it is a violation as before (``checks.check``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# elementwise ops with a broadcast operand: each split position uses the one whole value
+_ELEMENTWISE = {
+    "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__", "__radd__", "add_", "__iadd__",
+    "sub", "__sub__", "__rsub__", "sub_", "__isub__", "div", "__truediv__", "__rtruediv__", "div_",
+}  # fmt: skip
+
+
+def declare_broadcast_records(tracker) -> None:
+    """The records this concept keeps on the ``ShardTracker`` (its ``__init__`` calls each concept's)."""
+    # id(parameter) -> (the sources of the split activations it met broadcast, its owner)
+    tracker.broadcast: dict[int, tuple[frozenset[str], str]] = {}
+    tracker.whole_uses: set[int] = set()  # ids of parameters met by whole (unsplit) activations
+
+
+def broadcast_over_split(tracker, name: str, t: torch.Tensor, sharded: list[torch.Tensor], sources) -> bool:
+    """Whether ``t`` (a parameter, or computed from parameters alone) meets the split ``sharded`` in
+    elementwise op ``name`` broadcast over their split dim; recorded if so."""
+    if name not in _ELEMENTWISE or tracker.owners(t) & tracker.legit.keys():
+        return False  # a split module's own parameters are placed by its style
+    for s in sharded:
+        layout = tracker.layouts.get(id(s))
+        if t.numel() == 1:
+            continue
+        if layout is None or -layout[0] <= t.dim() and t.shape[layout[0]] != 1:
+            return False
+    owner = sorted(tracker.owners(t))[0]
+    for pid in tracker.param_ids(t):
+        tracker.broadcast.setdefault(pid, (frozenset(sources), owner))
+    return True
+
+
+def record_whole_use(tracker, inputs: list[torch.Tensor]) -> None:
+    """An op with no split input: the parameters any of its inputs is (computed from) meet whole
+    activations there, unless every input is (from) parameters."""
+    if all(tracker.owners(t) for t in inputs):
+        return
+    for t in inputs:
+        tracker.whole_uses |= tracker.param_ids(t)
+
+
+def broadcast_violations(tracker, names: dict[int, str]) -> list[str]:
+    """The parameter FQNs (``names``: id -> fqn) whose gradients are summed over TP; a parameter met by
+    whole activations too is a violation instead (appended to ``tracker.violations``)."""
+    partial = []
+    for pid, (sources, owner) in tracker.broadcast.items():
+        if pid in tracker.whole_uses:
+            tracker.violations.append(
+                (sources, f"a parameter of {owner} meets both its split and whole activations (broadcast)")
+            )
+        else:
+            partial.append(names[pid])
+    return sorted(partial)
