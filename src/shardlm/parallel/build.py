@@ -196,8 +196,9 @@ def parallelize(
     plan = infer_plan(model, mesh.parallel.tp)
     pp, stage = mesh.parallel.pp, None
     if pp > 1:  # this rank's stage only, before anything is placed (``parallel/runtime/pipeline.py``)
-        keep_stage(model, stage_layout(model, pp), mesh.pp.get_local_rank())
-        stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
+        layout = stage_layout(model, pp)
+        keep_stage(model, layout, mesh.pp.get_local_rank())
+        stage = PipelineStageModule(model, layout, mesh.pp.get_local_rank())
     peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one

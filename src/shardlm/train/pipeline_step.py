@@ -9,6 +9,12 @@ backpropagates is its token-loss sum divided by the labelled-token count of the 
 averaging over micro-batches is off (``scale_grads=False``). The last stage's loss sum is broadcast
 to the other stages, so every rank logs the same loss; the gradient norm is summed over the stages
 by ``distributed/clip.py``. Evaluation sends each batch through the stages in turn (``logits_of``).
+
+Tied embeddings (``StageLayout.tied``): the first stage holds the input embedding and the last the head
+that shares its weight, each a copy. As Megatron does, the two copies' gradients (each already summed
+over the stage's data-parallel ranks by FSDP) are summed between the first and the last stage of the
+same data-parallel place, before clipping, so both copies get the one-process gradient and stay equal
+through identical optimizer steps; the norm counts the weight once (on the first stage).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from shardlm.config import ParallelConfig
 from shardlm.data.dataset import Batch
@@ -39,6 +46,20 @@ class PipelineStep:
         self.schedule = schedule(self.stage, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
         self.last = dist.get_global_rank(self.group, parallel.pp - 1)
         self.denom = 1.0
+        self.shared_group = _first_and_last(mesh) if module.tied else None
+
+    def _sum_shared(self) -> None:
+        """Sum the gradients of the tied weight's two copies (first and last stage), in place."""
+        module = self.stage.submod
+        for name in module.shared:
+            grad = module.model.get_parameter(name).grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.shared_group)
+
+    def counted_elsewhere(self) -> list[torch.Tensor]:
+        """This stage's parameters whose gradient another stage holds too and counts in the norm: the
+        tied weight's copy on the last stage (the first stage's copy is counted)."""
+        module = self.stage.submod
+        return [module.model.get_parameter(name) for name in module.shared] if module.last else []
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss on the last stage: its token-loss sum over the global count (the
@@ -58,6 +79,8 @@ class PipelineStep:
         self.denom, losses = denom, []
         args = (ids,) if self.stage.is_first else ()
         self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        if self.stage.submod.shared:
+            self._sum_shared()
         # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum
         total = torch.stack(losses).detach().sum() * denom if losses else torch.zeros((), device=ids.device)
         dist.broadcast(total, src=self.last, group=self.group)
@@ -85,3 +108,12 @@ class PipelineStep:
         hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=self.stage.device)
         dist.recv(hidden, src, group=self.group)
         return hidden
+
+
+def _first_and_last(mesh: Mesh) -> dist.ProcessGroup | None:
+    """Collective over the world: one group per data-parallel place of its first and last stage (the
+    ranks holding a tied weight's two copies); this rank's, None on a middle stage."""
+    ranks = mesh.world.mesh.reshape(mesh.parallel.pp, -1)
+    pairs = [[int(a), int(b)] for a, b in zip(ranks[0], ranks[-1])]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

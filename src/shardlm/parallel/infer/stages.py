@@ -50,11 +50,6 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None:
         raise ConfigError(f"parallel.pp: {name} has no output embedding for the last stage; {_NOT_YET}")
-    if getattr(head, "weight", None) is emb.weight:
-        raise ConfigError(
-            f"parallel.pp: {name} ties its input and output embeddings (tie_word_embeddings), which would live "
-            f"on the first and the last stage; {_NOT_YET}"
-        )
     names = {id(m): fqn for fqn, m in model.named_modules()}
     blocks = decoder_blocks(model)
     if not blocks:
@@ -90,8 +85,10 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
     counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     first = sum(p.numel() for p in emb.parameters())
-    split = balance(counts, first, total - sum(counts) - first, stages)
-    return StageLayout(split, container, names[id(emb)], after, names[id(head)])
+    # tied (held by the first and the last stage, kept equal): the head weighs on the last stage as if untied
+    tied = getattr(head, "weight", None) is emb.weight
+    split = balance(counts, first, total - sum(counts) - first + (first if tied else 0), stages)
+    return StageLayout(split, container, names[id(emb)], after, names[id(head)], tied)
 
 
 def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Module, ...]) -> None:

@@ -67,10 +67,13 @@ class StageLayout:
     """The stages of a model, its modules named by FQN: ``split`` (the blocks of each), ``blocks`` (the
     ModuleList holding them), ``embedding`` (first stage only), ``after`` (the base model's children
     that run after the last block: the final norm, last stage only) and ``head`` (the output
-    embedding, last stage only)."""
+    embedding, last stage only). ``tied``: the head's weight is the input embedding's
+    (``tie_word_embeddings``): the last stage holds the embedding too, and the two stages keep their
+    copies equal by summing their gradients (``train/pipeline_step.py``)."""
 
     split: StageSplit
     blocks: str
     embedding: str
     after: tuple[str, ...]
     head: str
+    tied: bool = False

@@ -10,7 +10,10 @@ packed documents) and the rotary embeddings are built by the model's code from t
 every stage is given. A stage keeps its blocks under their own indices (``StageBlocks``), so every
 parameter keeps the FQN it has in the whole model; the final norm is the identity before the last
 stage, and the config's list of per-block kinds (``layer_types``, read by block position in the
-forwards of Qwen3 or Gemma 3) is cut to the stage's.
+forwards of Qwen3 or Gemma 3) is cut to the stage's. Tied embeddings (``StageLayout.tied``): the last
+stage keeps the input embedding module too, holding the one weight it shares with the head under the
+same names as the first stage (``PipelineStageModule.shared`` names it on both; their gradients are
+summed between the two, ``train/pipeline_step.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
         config.layer_types = [config.layer_types[i] for i in indices]
     config.num_hidden_layers = len(indices)
     base.config = config
-    if not first:
+    if not first and not (last and layout.tied):  # the last stage's head uses a tied embedding's weight
         _set(model, layout.embedding, None)
     if not last:
         for fqn in layout.after:
@@ -72,13 +75,19 @@ class PipelineStageModule(nn.Module):
     ``position_ids`` reach every stage from the schedule's keyword arguments (each data-parallel
     rank's stages read the same batch), so only the hidden states travel between stages.
     ``autocast``: the device type to run the forward under bf16 autocast (``train.bf16`` where FSDP
-    does not cast, as the trainer's own forward does), or None."""
+    does not cast, as the trainer's own forward does), or None. ``shared``: the names of the parameters
+    this stage holds in a copy another stage holds too (a tied embedding's weight on the first and the
+    last stage), whose gradients the two sum."""
 
-    def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
+    def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
         self.model = model
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
+        self.tied = layout.tied
+        held = layout.tied and (self.first or self.last) and not (self.first and self.last)
+        emb = model.get_submodule(layout.embedding) if held else None
+        self.shared = tuple(f"{layout.embedding}.{n}" for n, _ in emb.named_parameters()) if held else ()
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids" if self.first else "inputs_embeds": x}

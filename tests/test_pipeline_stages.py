@@ -1,0 +1,110 @@
+"""Pipeline stages beyond one untied run of blocks a rank (``parallel.pp``, issue #29): tied embeddings
+held by the first and the last stage.
+
+The reference is the plain transformers + torch loop of ``helpers.plain_reference`` (fp32, 5 steps,
+global batch 4, clipping binding): the loss to 1e-5 and the gradient norm to 1e-4, relative, at every step.
+"""
+
+import pool
+import pytest
+import torch
+from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
+
+from shardlm.parallel.infer.stages import stage_layout
+from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.runtime.pipeline import keep_stage
+
+GLOBAL_BATCH = 4
+# name -> (layout, per-device batch, accumulation): the global batch is always 4
+LAYOUTS = {
+    "pp2": ({"pp": 2}, 2, 2),
+    "pp2_fsdp2": ({"pp": 2, "fsdp": 2}, 1, 2),
+    "one": ({}, 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Llama with tied embeddings (4 blocks), with its one-process reference."""
+    root = tmp_path_factory.mktemp("pp_stages")
+    tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
+    paths = {"llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied)}
+    return {name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}
+
+
+def test_tied_weight_on_first_and_last_stage(models):
+    """The first stage holds the embedding, the last the head and the embedding's module sharing its
+    weight, under the same name on both; a middle stage neither."""
+    path, _ = models["llama_tied"]
+    held = []
+    for stage in range(3):
+        model = build_meta_model(path)
+        layout = stage_layout(model, 3)
+        assert layout.tied
+        keep_stage(model, layout, stage)
+        held.append(dict(model.named_parameters(remove_duplicate=False)))
+    assert "model.embed_tokens.weight" in held[0] and "lm_head.weight" not in held[0]
+    assert not {"model.embed_tokens.weight", "lm_head.weight"} & set(held[1])
+    assert held[2]["model.embed_tokens.weight"] is held[2]["lm_head.weight"]
+
+
+def jobs_losses(jobs: list[tuple[str, str]]) -> list:
+    """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
+    return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
+
+
+@pytest.mark.ranks
+def test_tied_embeddings_match_one_process(models):
+    """pp=2 with tied embeddings: the two copies' gradients summed between the first and last stage,
+    the weight counted once in the norm; loss and grad_norm of every step as one process's."""
+    path, ref = models["llama_tied"]
+    (got,) = run_ranks(jobs_losses, 2, [(path, "pp2")])
+    assert_parity(got, ref, label="llama tied pp2")
+
+
+@pytest.mark.ranks
+def test_tied_embeddings_with_fsdp_in_stages(models):
+    """pp=2 x fsdp=2 with tied embeddings: FSDP reduces each copy's gradient over its stage's ranks first,
+    then the shards are summed between the stages (4 ranks)."""
+    path, ref = models["llama_tied"]
+    (got,) = run_ranks(jobs_losses, 4, [(path, "pp2_fsdp2")])
+    assert_parity(got, ref, label="llama tied pp2 x fsdp2")
+
+
+def train_and_save(path: str, layout: str, output_dir: str) -> list:
+    """Rank body: 5 steps of ``LAYOUTS[layout]`` saving at 5; the stages' copies of the tied weight equal."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 5, output_dir=output_dir, save_steps=5)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh)
+    history = Trainer(model, cfg, token_dataset(), mesh).train()
+    weight = dict(model.module.named_parameters()).get("model.embed_tokens.weight")
+    return [h["loss"] for h in history], None if weight is None else weight.detach().clone()
+
+
+@pytest.mark.ranks
+def test_tied_checkpoint_consolidates_to_one_weight(models, tmp_path):
+    """After 5 steps the first and last stage hold the same tied weight (bit for bit), and the pp=2
+    checkpoint consolidates to one tied tensor (no ``lm_head.weight``, as ``save_pretrained`` writes)
+    equal, with every other tensor, to the one-process run's."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint import export
+
+    path, _ = models["llama_tied"]
+    stages = pool.run(train_and_save, 2, path, "pp2", str(tmp_path / "pp2"))
+    assert torch.equal(stages[0][1], stages[1][1])
+    one = run_ranks(train_and_save, 1, path, "one", str(tmp_path / "one"))
+    assert stages[0][0] == stages[1][0] and all(abs(a - b) <= 1e-5 * b for a, b in zip(stages[0][0], one[0]))
+    weights = []
+    for run in ("pp2", "one"):
+        export.consolidate(str(tmp_path / run), str(tmp_path / f"hf-{run}"))
+        weights.append(load_file(str(tmp_path / f"hf-{run}" / "model.safetensors")))
+    assert "lm_head.weight" not in weights[0] and weights[0].keys() == weights[1].keys()
+    for key, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
