@@ -1,5 +1,6 @@
 """Pipeline stages beyond one untied run of blocks a rank (``parallel.pp``, issue #29): tied embeddings
-held by the first and the last stage.
+held by the first and the last stage; forwards that change the embeddings before the first block
+(GPT-2's learned positions), which the first stage runs and a later stage replaces at its first block.
 
 The reference is the plain transformers + torch loop of ``helpers.plain_reference`` (fp32, 5 steps,
 global batch 4, clipping binding): the loss to 1e-5 and the gradient norm to 1e-4, relative, at every step.
@@ -12,7 +13,7 @@ from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, w
 
 from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.meta import build_meta_model
-from shardlm.parallel.runtime.pipeline import keep_stage
+from shardlm.parallel.runtime.pipeline import Discarded, keep_stage
 
 GLOBAL_BATCH = 4
 # name -> (layout, per-device batch, accumulation): the global batch is always 4
@@ -25,10 +26,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Llama with tied embeddings (4 blocks), with its one-process reference."""
+    """Llama with tied embeddings, GPT-2 (learned positions, tied) and Granite (its forward scales the
+    embeddings by ``embedding_multiplier``), 4 blocks each, with their one-process references."""
     root = tmp_path_factory.mktemp("pp_stages")
     tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
-    paths = {"llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied)}
+    paths = {
+        "llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied),
+        "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
+        "granite": write_model_dir(str(root / "granite"), "granite", num_hidden_layers=4),
+    }
     return {name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}
 
 
@@ -56,10 +62,31 @@ def jobs_losses(jobs: list[tuple[str, str]]) -> list:
 @pytest.mark.ranks
 def test_tied_embeddings_match_one_process(models):
     """pp=2 with tied embeddings: the two copies' gradients summed between the first and last stage,
-    the weight counted once in the norm; loss and grad_norm of every step as one process's."""
-    path, ref = models["llama_tied"]
-    (got,) = run_ranks(jobs_losses, 2, [(path, "pp2")])
-    assert_parity(got, ref, label="llama tied pp2")
+    the weight counted once in the norm; GPT-2 also adds its learned position embedding before the
+    first block (on the first stage; the second replaces what its stand-in gives at its first block),
+    Granite scales them in its forward (the second stage must not scale again); loss and grad_norm of
+    every step as one process's."""
+    names = ["llama_tied", "gpt2", "granite"]
+    got = run_ranks(jobs_losses, 2, [(models[name][0], "pp2") for name in names])
+    for name, losses in zip(names, got):
+        assert_parity(losses, models[name][1], label=f"{name} pp2")
+
+
+def test_position_embedding_stays_on_the_first_stage(models):
+    """GPT-2's ``wpe`` runs before the first block: the first stage holds it, a later stage a stand-in
+    without parameters giving zeros of its output's shape (replaced at the first block)."""
+    path, _ = models["gpt2"]
+    model = build_meta_model(path)
+    layout = stage_layout(model, 2)
+    assert layout.before == ("transformer.wpe",) and layout.restarts and layout.tied
+    keep_stage(model, layout, 1)
+    assert not any(name.startswith("transformer.wpe.") for name, _ in model.named_parameters())
+    stand_in = model.get_submodule("transformer.wpe")
+    assert isinstance(stand_in, Discarded)
+    out = stand_in(torch.arange(5)[None])
+    assert out.shape == (1, 5, 32) and not out.any()
+    granite = stage_layout(build_meta_model(models["granite"][0]), 2)
+    assert granite.restarts and granite.before == () and not granite.tied
 
 
 @pytest.mark.ranks

@@ -69,7 +69,11 @@ class StageLayout:
     that run after the last block: the final norm, last stage only) and ``head`` (the output
     embedding, last stage only). ``tied``: the head's weight is the input embedding's
     (``tie_word_embeddings``): the last stage holds the embedding too, and the two stages keep their
-    copies equal by summing their gradients (``train/pipeline_step.py``)."""
+    copies equal by summing their gradients (``train/pipeline_step.py``). ``before``: the base model's
+    children with parameters that run before the first block (GPT-2's learned position embedding), the
+    first stage's; ``restarts``: the forward changes the embeddings before the first block (such a
+    module, Gemma's scale by sqrt(hidden), a dropout), so a later stage hands the hidden states it
+    receives to its first block itself."""
 
     split: StageSplit
     blocks: str
@@ -77,3 +81,5 @@ class StageLayout:
     after: tuple[str, ...]
     head: str
     tied: bool = False
+    before: tuple[str, ...] = ()
+    restarts: bool = False

@@ -4,10 +4,13 @@ the module ``torch.distributed.pipelining``'s ``PipelineStage`` runs.
 Why the model itself and not a traced graph: torch's ``pipeline()`` tracer fails on HF models with
 rotary embeddings (pytorch#184361), and a rewritten forward would drift from the model's. Here each
 stage calls the model's own forward: the first stage from ``input_ids``, a later one from the
-hidden states it received as ``inputs_embeds`` (``infer/stages.py`` checked that the forward hands
-them to the first block unchanged), so the masks (causal, sliding window, the block-diagonal mask of
+hidden states it received as ``inputs_embeds``, so the masks (causal, sliding window, the block-diagonal mask of
 packed documents) and the rotary embeddings are built by the model's code from the position ids
-every stage is given. A stage keeps its blocks under their own indices (``StageBlocks``), so every
+every stage is given. Where the forward changes the embeddings before the first block
+(``StageLayout.restarts``: GPT-2's position embedding added, a scale, a dropout), the first stage runs
+that part as the model does; a later stage runs it on what it received, through parameterless
+stand-ins (``Discarded``) of the modules with parameters there, and a hook hands its first block the
+hidden states received instead. A stage keeps its blocks under their own indices (``StageBlocks``), so every
 parameter keeps the FQN it has in the whole model; the final norm is the identity before the last
 stage, and the config's list of per-block kinds (``layer_types``, read by block position in the
 forwards of Qwen3 or Gemma 3) is cut to the stage's. Tied embeddings (``StageLayout.tied``): the last
@@ -23,6 +26,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardlm.parallel.plan.stages import StageLayout
 
@@ -53,10 +57,34 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
     base.config = config
     if not first and not (last and layout.tied):  # the last stage's head uses a tied embedding's weight
         _set(model, layout.embedding, None)
+    if not first:  # what the first stage ran before its first block: computed here only to be replaced
+        for fqn in layout.before:
+            _set(model, fqn, Discarded(model.get_submodule(fqn)))
     if not last:
         for fqn in layout.after:
             _set(model, fqn, nn.Identity())
         _set(model, layout.head, None)
+
+
+class Discarded(nn.Module):
+    """A later stage's stand-in for a module with parameters the model's forward runs before the first
+    block (GPT-2's position embedding): zeros of the shape and dtype the module gives (run on the meta
+    copy it keeps unregistered, so the stage holds none of its parameters). What the forward makes of
+    them before the first block is replaced there by the hidden states the stage received."""
+
+    def __init__(self, meta: nn.Module) -> None:
+        super().__init__()
+        self.meta = (meta,)  # a tuple: not a submodule, its parameters stay the first stage's
+
+    def forward(self, *args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+
+        def on_meta(a):
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+        out = self.meta[0](*map(on_meta, args), **{k: on_meta(v) for k, v in kwargs.items()})
+        return torch.zeros(out.shape, dtype=out.dtype, device=device)
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -85,11 +113,27 @@ class PipelineStageModule(nn.Module):
         self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
         self.tied = layout.tied
+        self.received: torch.Tensor | None = None  # the hidden states this forward started from
+        self.starts = WeakIdKeyDictionary()  # the first block's computed input -> the hidden states received
+        if layout.restarts and not self.first:
+            first_block = next(iter(model.get_submodule(layout.blocks)))
+            first_block.register_forward_pre_hook(self._restart, with_kwargs=True)
         held = layout.tied and (self.first or self.last) and not (self.first and self.last)
         emb = model.get_submodule(layout.embedding) if held else None
         self.shared = tuple(f"{layout.embedding}.{n}" for n, _ in emb.named_parameters()) if held else ()
 
+    def _restart(self, block: nn.Module, args: tuple, kwargs: dict):
+        """The first block's input replaced by the hidden states the stage received: those of this
+        forward, or, when an activation-checkpointed block recomputes in the backward (the same input
+        tensor handed again), of the forward that computed that input."""
+        computed = args[0] if args else kwargs["hidden_states"]
+        received = self.starts.setdefault(computed, self.received)
+        if args:
+            return (received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": received}
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self.received = x
         inputs = {"input_ids" if self.first else "inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
