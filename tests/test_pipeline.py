@@ -62,7 +62,7 @@ def test_stage_keeps_whole_model_names(tmp_path):
 
 
 def test_refusals_before_spawning(tmp_path):
-    """One line each, naming the key: a schedule needing virtual stages, fewer micro-batches than
+    """One line each, naming the key: a schedule not supported yet, fewer micro-batches than
     1F1B's stages, micro-batches not dividing the batch, combinations not supported yet, more stages
     than blocks, the router's load-balancing loss, a multimodal checkpoint's language model one level down."""
     (tmp_path / "d.txt").write_text("a b c\n")
@@ -77,7 +77,7 @@ def test_refusals_before_spawning(tmp_path):
     train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     cases = [
         (nested, {"pp": 2}, {}, r"decoder blocks \(model.language_model.layers\) are not a child of its base model"),
-        (llama, {"pp": 2, "pp_schedule": "Interleaved1F1B"}, {}, "parallel.pp_schedule 'Interleaved1F1B'"),
+        (llama, {"pp": 2, "pp_schedule": "DualPipeV"}, {}, "parallel.pp_schedule 'DualPipeV'"),
         (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
         (llama, {"pp": 2, "pp_microbatches": 3}, {}, "parallel.pp_microbatches=3 must divide"),

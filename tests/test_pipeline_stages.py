@@ -9,8 +9,9 @@ global batch 4, clipping binding): the loss to 1e-5 and the gradient norm to 1e-
 import pool
 import pytest
 import torch
-from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
+from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
 
+from shardlm import ConfigError
 from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.meta import build_meta_model
 from shardlm.parallel.runtime.pipeline import Discarded, keep_stage
@@ -20,6 +21,10 @@ GLOBAL_BATCH = 4
 LAYOUTS = {
     "pp2": ({"pp": 2}, 2, 2),
     "pp2_fsdp2": ({"pp": 2, "fsdp": 2}, 1, 2),
+    # two stages a rank (4 in all): stages 0 and 2 on rank 0 (loops) or 0 and 3 (a V)
+    "pp2_interleaved": ({"pp": 2, "pp_schedule": "Interleaved1F1B"}, 2, 2),
+    "pp2_interleaved_zb": ({"pp": 2, "pp_schedule": "InterleavedZeroBubble"}, 2, 2),
+    "pp2_zbv": ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 2, 2),
     "one": ({}, 2, 2),
 }
 
@@ -31,6 +36,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp_stages")
     tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
     paths = {
+        "llama": write_model_dir(str(root / "llama"), "llama", num_hidden_layers=4),
         "llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied),
         "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
         "granite": write_model_dir(str(root / "granite"), "granite", num_hidden_layers=4),
@@ -135,3 +141,110 @@ def test_tied_checkpoint_consolidates_to_one_weight(models, tmp_path):
     assert "lm_head.weight" not in weights[0] and weights[0].keys() == weights[1].keys()
     for key, tensor in weights[0].items():
         torch.testing.assert_close(tensor, weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.ranks
+def test_virtual_stages_match_one_process(models):
+    """Two stages a rank at pp=2 (one block each): Interleaved1F1B and InterleavedZeroBubble (rank 0 holds
+    stages 0 and 2) and ZBVZeroBubble (0 and 3, a V), whose backward is split into input and weight
+    gradients; GPT-2 (tied across ranks 0 and 1, learned positions) under Interleaved1F1B. Loss and
+    grad_norm of every step as one process's: the clipping sees whole gradients."""
+    runs = [
+        ("llama", "pp2_interleaved"),
+        ("llama", "pp2_interleaved_zb"),
+        ("llama", "pp2_zbv"),
+        ("gpt2", "pp2_interleaved"),
+    ]
+    got = run_ranks(jobs_losses, 2, [(models[name][0], layout) for name, layout in runs])
+    for (name, layout), losses in zip(runs, got):
+        assert_parity(losses, models[name][1], label=f"{name} {layout}")
+
+
+def rank_stage_names(path: str, layout: str) -> tuple[list[int], list[str], int]:
+    """Rank body: this rank's stage indices, the joined module's parameter names and the trainer's count."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 1)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh)
+    trainer = Trainer(model, cfg, token_dataset(), mesh)
+    return [part.index for part in model.stage], sorted(dict(model.module.named_parameters())), trainer.num_params
+
+
+@pytest.mark.ranks
+def test_virtual_stages_are_slices_of_the_model(models):
+    """Interleaved1F1B at pp=2: rank 0 holds stages 0 and 2 (blocks 0 and 2, the embedding), rank 1 stages 1
+    and 3 (blocks 1 and 3, the norm and head); ZBVZeroBubble: rank 0 holds 0 and 3 (blocks 0 and 3, the
+    embedding, norm and head). Each rank's joined module names its parameters as the whole model does,
+    together every one once; the trainer counts the whole model."""
+    path, _ = models["llama"]
+    whole = dict(build_meta_model(path).named_parameters())
+    for layout, expect in (("pp2_interleaved", ([0, 2], [1, 3])), ("pp2_zbv", ([0, 3], [1, 2]))):
+        got = pool.run(rank_stage_names, 2, path, layout)
+        assert (got[0][0], got[1][0]) == expect, layout
+        names = [set(got[r][1]) for r in range(2)]
+        assert not names[0] & names[1] and names[0] | names[1] == set(whole), layout
+        blocks = [{n.split(".")[2] for n in part if n.startswith("model.layers.")} for part in names]
+        assert blocks == [{str(i) for i in expect[0]}, {str(i) for i in expect[1]}], layout
+        assert got[0][2] == got[1][2] == sum(p.numel() for p in whole.values()), layout
+
+
+def test_virtual_stage_refusals(models, tmp_path):
+    """One line each before spawning, naming the key: a multi-stage schedule with one stage a rank, virtual
+    stages under a one-stage schedule, a V with other than 2, micro-batches that do not come in torch's
+    rounds, more stages than blocks, FSDP or activation checkpointing with several stages a rank (not
+    tested together), tied embeddings whose two stages a V puts on one rank."""
+    (tmp_path / "d.txt").write_text("a b c\n")
+    llama, tied = models["llama"][0], models["llama_tied"][0]
+    zbv = {"pp": 2, "pp_schedule": "ZBVZeroBubble"}
+    interleaved = {"pp": 2, "pp_schedule": "Interleaved1F1B"}
+    cases = [
+        (llama, {**interleaved, "pp_virtual_stages": 1}, {}, "runs several stages on each rank but parallel.pp_virt"),
+        (llama, {"pp": 2, "pp_virtual_stages": 2}, {}, "parallel.pp_virtual_stages=2 needs a schedule"),
+        (llama, {**zbv, "pp_virtual_stages": 3}, {}, "places exactly 2 stages on each rank"),
+        (llama, {**interleaved, "pp_microbatches": 5}, {"per_device_train_batch_size": 5}, "in rounds of"),
+        (llama, {**interleaved, "pp_virtual_stages": 4}, {}, "8 pipeline stages .* model has 4 decoder blocks"),
+        (llama, {**interleaved, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=Interleaved1F1B"),
+        (llama, interleaved, {"gradient_checkpointing": True}, "train.gradient_checkpointing with parallel.pp_sch"),
+        (tied, zbv, {}, "puts the first and the last stage on one rank"),
+    ]
+    for model, parallel, extra, match in cases:
+        raw = {"model": model, "data": {"path": str(tmp_path / "d.txt")}, "parallel": parallel}
+        raw["train"] = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **extra}
+        with pytest.raises(ConfigError, match=match) as info:
+            load_checked(raw=raw)
+        assert "\n" not in str(info.value), info.value
+    assert load_checked(raw={**raw, "model": llama}).parallel.pp_stages_per_rank == 2
+
+
+def eval_losses(path: str, layout: str) -> list:
+    """Rank body: the eval loss of ``layout`` before training and after 5 steps (13 eval samples)."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 5)
+    mesh = build_mesh(cfg.parallel)
+    trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh, eval_dataset=token_dataset(13, seed=5))
+    before = trainer.evaluate()
+    trainer.train()
+    return [(r["eval_loss"], r["eval_tokens"]) for r in [before, *trainer.eval_history]]
+
+
+@pytest.mark.ranks
+def test_eval_through_virtual_stages(models):
+    """Evaluation sends each batch through the four stages in stage order, under ZBVZeroBubble the last on
+    rank 0 (which then broadcasts the loss sums): before and after training, one process's eval loss (1e-5)
+    over the same labelled-token count."""
+    path, _ = models["llama"]
+    one = run_ranks(eval_losses, 1, path, "one")
+    got = run_ranks(eval_losses, 2, path, "pp2_zbv")
+    assert len(one) == 2 and one[0][0] != one[1][0]
+    for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
+        assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (got, one)

@@ -28,38 +28,48 @@ from torch.distributed.tensor import DTensor
 from shardlm.config import ParallelConfig
 from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
-from shardlm.parallel.runtime.pipeline import PipelineStageModule
+from shardlm.parallel.plan.stages import stage_owner
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages
 from shardlm.train.loss import loss_context, token_loss_sum
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what hidden states between stages can be
 
 
 class PipelineStep:
-    """Runs this rank's stage of every step's schedule (``forward_backward``); ``autocast``: the
-    trainer's choice of bf16 autocast (``train.bf16`` where FSDP does not cast)."""
+    """Runs this rank's stages of every step's schedule (``forward_backward``); ``module``: the stage, or
+    the ``RankStages`` of a schedule with several stages a rank; ``autocast``: the trainer's choice of
+    bf16 autocast (``train.bf16`` where FSDP does not cast)."""
 
-    def __init__(self, module: PipelineStageModule, mesh: Mesh, parallel: ParallelConfig, autocast: bool) -> None:
-        module.autocast = mesh.device.type if autocast else None
+    def __init__(
+        self, module: PipelineStageModule | RankStages, mesh: Mesh, parallel: ParallelConfig, autocast: bool
+    ) -> None:
+        self.parts = list(module) if isinstance(module, RankStages) else [module]
         self.group = mesh.pp.get_group()
-        self.stage = PipelineStage(module, mesh.pp.get_local_rank(), parallel.pp, mesh.device, group=self.group)
+        per_rank, v_shaped = parallel.pp_stages_per_rank, parallel.pp_v_shaped
+        total = parallel.pp * per_rank
+        self.stages = []
+        for part in self.parts:
+            part.autocast = mesh.device.type if autocast else None
+            self.stages.append(PipelineStage(part, part.index, total, mesh.device, group=self.group))
+        self.owner = [stage_owner(i, parallel.pp, per_rank, v_shaped) for i in range(total)]  # pp rank of stage i
         schedule = get_schedule_class(parallel.pp_schedule)
-        self.schedule = schedule(self.stage, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
-        self.last = dist.get_global_rank(self.group, parallel.pp - 1)
+        stages = self.stages if per_rank > 1 else self.stages[0]
+        self.schedule = schedule(stages, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
+        self.last = dist.get_global_rank(self.group, self.owner[-1])
         self.denom = 1.0
-        self.shared_group = _first_and_last(mesh) if module.tied else None
+        self.shared_group = _first_and_last(mesh) if self.parts[0].tied else None
 
     def _sum_shared(self) -> None:
         """Sum the gradients of the tied weight's two copies (first and last stage), in place."""
-        module = self.stage.submod
-        for name in module.shared:
-            grad = module.model.get_parameter(name).grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.shared_group)
+        for part in self.parts:
+            for name in part.shared:
+                grad = part.model.get_parameter(name).grad
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.shared_group)
 
     def counted_elsewhere(self) -> list[torch.Tensor]:
-        """This stage's parameters whose gradient another stage holds too and counts in the norm: the
+        """This rank's parameters whose gradient another stage holds too and counts in the norm: the
         tied weight's copy on the last stage (the first stage's copy is counted)."""
-        module = self.stage.submod
-        return [module.model.get_parameter(name) for name in module.shared] if module.last else []
+        return [part.model.get_parameter(name) for part in self.parts if part.last for name in part.shared]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss on the last stage: its token-loss sum over the global count (the
@@ -77,9 +87,9 @@ class PipelineStep:
         if batches[0].position_ids is not None:
             kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
         self.denom, losses = denom, []
-        args = (ids,) if self.stage.is_first else ()
+        args = (ids,) if self.parts[0].first else ()
         self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        if self.stage.submod.shared:
+        if self.shared_group is not None:
             self._sum_shared()
         # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum
         total = torch.stack(losses).detach().sum() * denom if losses else torch.zeros((), device=ids.device)
@@ -89,23 +99,32 @@ class PipelineStep:
     @torch.no_grad()
     def logits_of(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Collective over the stages, for evaluation (batches of any size, so no schedule): the batch
-        through every stage in turn; the logits on the last stage, None on the others."""
-        module, index = self.stage.submod, self.stage.stage_index
-        x = input_ids if module.first else self._recv(dist.get_global_rank(self.group, index - 1))
-        out = module(x, position_ids)
-        if module.last:
-            return out
-        header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
-        dist.send(header, dist.get_global_rank(self.group, index + 1), group=self.group)
-        dist.send(out.contiguous(), dist.get_global_rank(self.group, index + 1), group=self.group)
+        through every stage in turn; the logits on the rank of the last stage, None on the others."""
+        me, out = self.group.rank(), None
+        for part in self.parts:
+            i = part.index
+            if part.first:
+                x = input_ids
+            elif self.owner[i - 1] == me:  # the previous stage is this rank's too
+                x = out
+            else:
+                x = self._recv(dist.get_global_rank(self.group, self.owner[i - 1]))
+            out = part(x, position_ids)
+            if part.last:
+                return out
+            if self.owner[i + 1] != me:
+                header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
+                dist.send(header, dist.get_global_rank(self.group, self.owner[i + 1]), group=self.group)
+                dist.send(out.contiguous(), dist.get_global_rank(self.group, self.owner[i + 1]), group=self.group)
         return None
 
     def _recv(self, src: int) -> torch.Tensor:
         """The previous stage's hidden states, ``[batch, seq, hidden]``, shape and dtype sent ahead."""
-        header = torch.empty(4, dtype=torch.long, device=self.stage.device)
+        device = self.stages[0].device
+        header = torch.empty(4, dtype=torch.long, device=device)
         dist.recv(header, src, group=self.group)
         *shape, dtype = header.tolist()
-        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=self.stage.device)
+        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
         dist.recv(hidden, src, group=self.group)
         return hidden
 

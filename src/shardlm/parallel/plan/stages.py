@@ -34,7 +34,8 @@ def balance(block_params: list[int], first_extra: int, last_extra: int, stages: 
     n = len(block_params)
     if stages > n:
         raise ConfigError(
-            f"parallel.pp={stages} stages but the model has {n} decoder blocks; set parallel.pp to at most {n}"
+            f"parallel.pp: {stages} pipeline stages (pp x the stages a rank holds) but the model has {n} decoder "
+            f"blocks; set parallel.pp (or parallel.pp_virtual_stages) so that there are at most {n}"
         )
     prefix = [0]
     for count in block_params:
@@ -83,3 +84,17 @@ class StageLayout:
     tied: bool = False
     before: tuple[str, ...] = ()
     restarts: bool = False
+
+
+def rank_stages(rank: int, pp: int, per_rank: int, v_shaped: bool) -> list[int]:
+    """The stage indices rank ``rank`` of ``pp`` holds, ``per_rank`` of them, in order: in loops (``rank``,
+    ``rank + pp``, ...) or, for the V-shaped schedules, ``rank`` and ``2 pp - 1 - rank`` (torch's
+    ``generate_stage_to_rank_mapping``, whose placement the schedules check)."""
+    if v_shaped:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def stage_owner(stage: int, pp: int, per_rank: int, v_shaped: bool) -> int:
+    """The pipeline rank that holds stage ``stage`` (the inverse of ``rank_stages``)."""
+    return next(r for r in range(pp) if stage in rank_stages(r, pp, per_rank, v_shaped))

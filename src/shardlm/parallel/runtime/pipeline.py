@@ -22,6 +22,7 @@ summed between the two, ``train/pipeline_step.py``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -36,7 +37,7 @@ class StageBlocks(nn.ModuleList):
     ``layers.3``): FQNs, checkpoints and the seeded init see the whole model's names. Iteration and
     slicing (what the models' forwards do) give the stage's blocks in order."""
 
-    def __init__(self, modules=None, indices: range | None = None) -> None:
+    def __init__(self, modules=None, indices: Sequence[int] | None = None) -> None:
         super().__init__()
         for i, module in zip(indices or range(len(modules or [])), modules or []):
             self.add_module(str(i), module)
@@ -110,6 +111,7 @@ class PipelineStageModule(nn.Module):
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
         self.model = model
+        self.index = stage
         self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
         self.tied = layout.tied
@@ -141,3 +143,44 @@ class PipelineStageModule(nn.Module):
             if self.last:
                 return self.model(**inputs).logits
             return self.model.base_model(**inputs).last_hidden_state
+
+
+class RankStages(nn.ModuleList):
+    """The stage modules one rank runs under a schedule with several stages a rank (``parallel.pp_schedule``
+    Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble), in stage order: each an unmodified slice of
+    its own copy of the model (``keep_stage``), as torchtitan builds its model chunks."""
+
+
+def join_stages(stages: RankStages, layout: StageLayout) -> nn.Module:
+    """One module holding every parameter of ``stages`` under the whole model's names, for what sees this
+    rank's part of the model as one (the optimizer, checkpoints, clipping, the parameter count): the first
+    stage module's model with its base model's block list holding all the stages' blocks, and the
+    embedding (and the modules before the blocks) of the first stage, the modules after the blocks and
+    the head of the last, where this rank holds them. It shares the stages' modules and is never run."""
+    models = [stage.model for stage in stages]
+    first = next((s.model for s in stages if s.first), models[0])
+    last = next((s.model for s in stages if s.last), models[0])
+    top = _shallow(models[0])
+    base_fqn, _, list_name = layout.blocks.rpartition(".")
+    base = _shallow(models[0].get_submodule(base_fqn)) if base_fqn else top
+    if base_fqn:
+        _set(top, base_fqn, base)
+    blocks = [(int(i), b) for m in models for i, b in m.get_submodule(layout.blocks).named_children()]
+    setattr(base, list_name, StageBlocks([b for _, b in blocks], [i for i, _ in blocks]))
+    for fqns, source in (((layout.embedding, *layout.before), first), ((*layout.after, layout.head), last)):
+        for fqn in fqns:  # from the stage that runs it, else any that holds it (a tied embedding on the last)
+            held = next((m for m in (source, *models) if _present(m, fqn)), None)
+            _set(top, fqn, held.get_submodule(fqn) if held is not None else None)
+    return top
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters and children, with a children's table of its own."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)  # noqa: SLF001 - torch's own table of children, copied
+    return clone
+
+
+def _present(model: nn.Module, fqn: str) -> bool:
+    parent, name = _parent(model, fqn)
+    return getattr(parent, name, None) is not None
