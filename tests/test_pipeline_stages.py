@@ -17,6 +17,7 @@ from shardlm.parallel.model.meta import build_meta_model
 from shardlm.parallel.runtime.pipeline import Discarded, keep_stage
 
 GLOBAL_BATCH = 4
+GPT2_DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}  # GPT-2's published dropout
 # name -> (layout, per-device batch, accumulation): the global batch is always 4
 LAYOUTS = {
     "pp2": ({"pp": 2}, 2, 2),
@@ -31,8 +32,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Llama with tied embeddings, GPT-2 (learned positions, tied) and Granite (its forward scales the
-    embeddings by ``embedding_multiplier``), 4 blocks each, with their one-process references."""
+    """Llama (untied, and tied), GPT-2 (learned positions, tied), Granite (its forward scales the
+    embeddings by ``embedding_multiplier``) and GPT-2 with its published dropout 0.1, 4 blocks each, with
+    their one-process references (the dropout masks drawn as shardlm keys them, by sample and call)."""
     root = tmp_path_factory.mktemp("pp_stages")
     tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
     paths = {
@@ -40,8 +42,10 @@ def models(tmp_path_factory):
         "llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied),
         "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
         "granite": write_model_dir(str(root / "granite"), "granite", num_hidden_layers=4),
+        "gpt2_dropout": write_model_dir(str(root / "gpt2_dropout"), "gpt2", n_layer=4, **GPT2_DROPOUT),
     }
-    return {name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}
+    drop = {name: name == "gpt2_dropout" for name in paths}
+    return {name: (path, plain_reference(path, GLOBAL_BATCH, dropout=drop[name])) for name, path in paths.items()}
 
 
 def test_tied_weight_on_first_and_last_stage(models):
@@ -248,3 +252,65 @@ def test_eval_through_virtual_stages(models):
     assert len(one) == 2 and one[0][0] != one[1][0]
     for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
         assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (got, one)
+
+
+def resume_losses(path: str, layout: str, output_dir: str, steps: int, resume: str | bool = False) -> list:
+    """Rank body: ``steps`` steps of ``LAYOUTS[layout]`` saving at 5 (or the steps after ``resume``); the losses."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, steps, output_dir=output_dir, save_steps=5, resume=resume)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+@pytest.mark.ranks
+def test_virtual_stage_checkpoint_resumes_in_one_process(models, tmp_path):
+    """Under Interleaved1F1B each rank saves its two stages' part of one DCP checkpoint under the whole
+    model's names: its step-5 checkpoint resumed in one process gives steps 6-10 of the uninterrupted
+    interleaved run (1e-5)."""
+    path, _ = models["llama"]
+    full = run_ranks(resume_losses, 2, path, "pp2_interleaved", str(tmp_path / "pp2"), 10)
+    step5 = str(tmp_path / "pp2" / "checkpoints" / "step-5")
+    resumed = run_ranks(resume_losses, 1, path, "one", str(tmp_path / "one"), 10, step5)
+    assert len(resumed) == 5, resumed
+    for step, (a, b) in enumerate(zip(resumed, full[5:]), start=6):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+
+
+def checkpointed_losses(path: str, layout: str) -> list:
+    """Rank body: ``layout`` with every block recomputed in the backward; (loss, grad_norm) per step."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 5, gradient_checkpointing=True)
+    mesh = build_mesh(cfg.parallel)
+    return [(h["loss"], h["grad_norm"]) for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+@pytest.mark.ranks
+def test_restarted_stage_recomputes_from_what_it_received(models):
+    """GPT-2 at pp=2 with activation checkpointing: the second stage's first block, handed the hidden states
+    it received by a module hook (outside transformers' checkpoint of the block's forward), recomputes
+    from them in the backward."""
+    path, ref = models["gpt2"]
+    assert_parity(run_ranks(checkpointed_losses, 2, path, "pp2"), ref, label="gpt2 pp2 checkpointed")
+
+
+@pytest.mark.ranks
+def test_dropout_on_stages_matches_one_process(models):
+    """GPT-2 with dropout 0.1 (embedding, attention probabilities, residuals) at pp=2 under 1F1B and
+    Interleaved1F1B: each micro-batch's masks keyed by its samples' positions in the global batch, and a
+    later stage's calls numbered from where one process's count is at its first block, so the masks are
+    one process's (and differ from no dropout)."""
+    path, ref = models["gpt2_dropout"]
+    assert abs(ref[0][0] - models["gpt2"][1][0][0]) > 1e-3 * ref[0][0]  # the dropout really changes the loss
+    runs = ["pp2", "pp2_interleaved"]
+    for layout, losses in zip(runs, run_ranks(jobs_losses, 2, [(path, layout) for layout in runs])):
+        assert_parity(losses, ref, label=f"gpt2 dropout {layout}")

@@ -29,6 +29,7 @@ from shardlm.config import ParallelConfig
 from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
 from shardlm.parallel.plan.stages import stage_owner
+from shardlm.parallel.runtime.dropout import DropoutKey
 from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages
 from shardlm.train.loss import loss_context, token_loss_sum
 
@@ -77,18 +78,27 @@ class PipelineStep:
         with loss_context(False):
             return token_loss_sum(logits, labels) / self.denom
 
-    def forward_backward(self, batches: list[Batch], denom: float) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], denom: float, dropout: DropoutKey | None = None) -> torch.Tensor:
         """Collective over the stages: run the schedule over this rank's ``batches`` of the step, the
         gradients of ``sum of token losses / denom`` accumulated; this rank's token-loss sum (the same
-        on every stage)."""
+        on every stage). ``dropout``: the step's dropout key, ``positions`` those of every sample of
+        ``batches`` in the global batch, cut into micro-batches with them."""
         ids = torch.cat([b.input_ids for b in batches])
         labels = torch.cat([b.labels for b in batches])
         kwargs = {}
         if batches[0].position_ids is not None:
             kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
+        if dropout is not None and self.parts[0].draws_dropout:
+            kwargs["samples"] = dropout.positions.to(ids.device)
+        for part in self.parts:
+            part.dropout = dropout if "samples" in kwargs else None
         self.denom, losses = denom, []
         args = (ids,) if self.parts[0].first else ()
-        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        try:
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            for part in self.parts:
+                part.dropout = None
         if self.shared_group is not None:
             self._sum_shared()
         # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum

@@ -222,6 +222,14 @@ class Trainer:
         sequence = None if shard is None else (shard.index, shard.positions.shape[1])  # this cp rank's tokens
         return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites, sequence))
 
+    def _pipeline_dropout(self, micros: int) -> DropoutKey | None:
+        """Under ``parallel.pp``: the step's dropout key over this rank's ``micros`` micro-batches joined (the
+        schedule cuts them, and the positions with them, into its own micro-batches)."""
+        modes = [self.dropout_mode(micro) for micro in range(micros)]
+        if modes[0] is None:
+            return None
+        return dataclasses.replace(modes[0].key, positions=torch.cat([mode.key.positions for mode in modes]))
+
     def context_shard(self, batch: Batch) -> tuple[Batch, ContextShard | None]:
         """This rank's tokens of ``batch`` and the shard its attention gathers the others' over
         (``parallel/runtime/context.py``); the batch itself and None without context parallelism."""
@@ -269,7 +277,7 @@ class Trainer:
         denom = max(float(count), 1.0)
         loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
         if self.pipeline is not None:  # every micro-batch through the stages; the last stage's loss sum
-            loss_sum = self.pipeline.forward_backward(batches, denom)
+            loss_sum = self.pipeline.forward_backward(batches, denom, self._pipeline_dropout(len(batches)))
         for micro, batch in enumerate(batches if self.pipeline is None else []):
             micro_loss, router_total = self._micro_step(micro, batch, denom)
             loss_sum += micro_loss

@@ -16,7 +16,7 @@ the parameters the stages are balanced by (``plan/stages.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -32,20 +32,22 @@ _NOT_YET = "not supported yet (docs/pipeline.md); set parallel.pp: 1"
 
 
 class _DropoutCount(TorchFunctionMode):
-    """Counts dropout calls with p > 0 (``plan/call_sites.py``); answers the data-dependent questions
+    """Counts dropout calls, and those with p > 0 (``plan/call_sites.py``); answers the data-dependent questions
     a modeling file asks of meta tensors as the trace does (``meta_answers.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
+        self.calls = 0  # every dropout call, whatever its p: what ``DeterministicDropout`` numbers its sites by
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if asks_data(name, args):
             return meta_answer(name, args, kwargs)
-        if is_dropout_call(func) and dropout_p(func, args, kwargs) > 0:
-            self.live += 1
+        if is_dropout_call(func):
+            self.calls += 1
+            self.live += dropout_p(func, args, kwargs) > 0
         return func(*args, **kwargs)
 
 
@@ -79,7 +81,9 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
     tied = getattr(head, "weight", None) is emb.weight
     last = total - sum(counts) - first + (sum(p.numel() for p in emb.parameters()) if tied else 0)
     split = balance(counts, first, last, stages)
-    return StageLayout(split, container, names[id(emb)], after, names[id(head)], tied, before, not seen.unchanged)
+    sites = _dropout_sites(build_meta(model)) if seen.dropouts else ()  # where each stage's masks resume
+    layout = StageLayout(split, container, names[id(emb)], after, names[id(head)], tied, before, not seen.unchanged)
+    return replace(layout, sites=sites)
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -106,12 +110,23 @@ def _read_forward(model: nn.Module) -> _Forward:
             f"embeddings or a parameter, which a later stage could not rebuild from the hidden states it receives; "
             f"{_NOT_YET}"
         )
-    if seen.dropouts:
-        raise ConfigError(
-            f"parallel.pp: {name} draws dropout ({seen.dropouts} calls with p > 0 in one forward), whose masks the "
-            f"stages do not key yet; set the model's dropout probabilities to 0 in its config.json or parallel.pp: 1"
-        )
     return seen
+
+
+def _dropout_sites(meta: nn.Module) -> tuple[int, ...]:
+    """The dropout calls (``DeterministicDropout``'s site count) one process's training forward from
+    ``input_ids`` has made when it enters each decoder block: where a later stage's count resumes."""
+    blocks, count = decoder_blocks(meta), _DropoutCount()
+    sites: list[int] = []
+    hooks = [block.register_forward_pre_hook(lambda m, a: sites.append(count.calls)) for block in blocks]
+    try:
+        meta.train()
+        with count, torch.no_grad():
+            meta(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tuple(sites)
 
 
 def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Module, ...]) -> None:

@@ -74,7 +74,9 @@ class StageLayout:
     children with parameters that run before the first block (GPT-2's learned position embedding), the
     first stage's; ``restarts``: the forward changes the embeddings before the first block (such a
     module, Gemma's scale by sqrt(hidden), a dropout), so a later stage hands the hidden states it
-    receives to its first block itself."""
+    receives to its first block itself. ``sites``: where the model draws dropout, the count of dropout
+    calls one process's forward has made on entering each block (empty: it draws none), from which a
+    later stage's masks resume (``runtime/dropout.py`` numbers them in call order)."""
 
     split: StageSplit
     blocks: str
@@ -84,6 +86,7 @@ class StageLayout:
     tied: bool = False
     before: tuple[str, ...] = ()
     restarts: bool = False
+    sites: tuple[int, ...] = ()
 
 
 def rank_stages(rank: int, pp: int, per_rank: int, v_shaped: bool) -> list[int]:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from shardlm.parallel.plan.stages import StageLayout
+from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, resume_at
 
 
 class StageBlocks(nn.ModuleList):
@@ -115,31 +116,40 @@ class PipelineStageModule(nn.Module):
         self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
         self.tied = layout.tied
+        self.draws_dropout = bool(layout.sites)
         self.received: torch.Tensor | None = None  # the hidden states this forward started from
-        self.starts = WeakIdKeyDictionary()  # the first block's computed input -> the hidden states received
+        first_block = next(iter(model.get_submodule(layout.blocks)))
         if layout.restarts and not self.first:
-            first_block = next(iter(model.get_submodule(layout.blocks)))
             first_block.register_forward_pre_hook(self._restart, with_kwargs=True)
+        self.dropout: DropoutKey | None = None  # the step's dropout key while the schedule runs (positions: per call)
+        if layout.sites and not self.first:  # the masks resume where one process's count is at this block
+            site = layout.sites[layout.split.blocks[stage].start]
+            first_block.register_forward_pre_hook(lambda module, args: resume_at(site))
         held = layout.tied and (self.first or self.last) and not (self.first and self.last)
         emb = model.get_submodule(layout.embedding) if held else None
         self.shared = tuple(f"{layout.embedding}.{n}" for n, _ in emb.named_parameters()) if held else ()
 
     def _restart(self, block: nn.Module, args: tuple, kwargs: dict):
-        """The first block's input replaced by the hidden states the stage received: those of this
-        forward, or, when an activation-checkpointed block recomputes in the backward (the same input
-        tensor handed again), of the forward that computed that input."""
-        computed = args[0] if args else kwargs["hidden_states"]
-        received = self.starts.setdefault(computed, self.received)
+        """The first block's input replaced by the hidden states the stage received. Module hooks run
+        outside an activation-checkpointed block's checkpoint (transformers' ``GradientCheckpointingLayer``
+        checkpoints ``forward``, not ``__call__``), so its recompute gets the same input again."""
         if args:
-            return (received, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": received}
+            return (self.received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.received}
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, samples: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``samples``: the micro-batch's positions in the global batch, which its dropout masks are keyed by
+        (``runtime/dropout.py``), while ``dropout`` holds the step's key."""
         self.received = x
         inputs = {"input_ids" if self.first else "inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
-        with torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext():
+        drop = self.dropout is not None and samples is not None
+        mode = DeterministicDropout(replace(self.dropout, positions=samples)) if drop else nullcontext()
+        autocast = torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with mode, autocast:
             if self.last:
                 return self.model(**inputs).logits
             return self.model.base_model(**inputs).last_hidden_state
