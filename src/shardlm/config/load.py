@@ -18,7 +18,15 @@ import yaml
 
 from shardlm.config.paths import check_model_dir, check_output_dir
 from shardlm.config.ranges import check_ranges
-from shardlm.config.schema import SCHEDULERS, Config, DataConfig, EvalConfig, ParallelConfig, TrainConfig
+from shardlm.config.schema import (
+    PP_MULTI_STAGE,
+    SCHEDULERS,
+    Config,
+    DataConfig,
+    EvalConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from shardlm.errors import ConfigError
 
 
@@ -223,8 +231,8 @@ def _validate_compile(t: TrainConfig, p: ParallelConfig) -> None:
         )
 
 
-# schedules of torch.distributed.pipelining that run one stage per rank (the others need virtual stages)
-PP_SCHEDULES = ("1F1B", "GPipe")
+# schedules of torch.distributed.pipelining this version runs: one stage a rank, or several (PP_MULTI_STAGE)
+PP_SCHEDULES = ("1F1B", "GPipe", *PP_MULTI_STAGE)
 
 
 def _validate_pp(cfg: Config) -> None:
@@ -236,8 +244,8 @@ def _validate_pp(cfg: Config) -> None:
         return
     if p.pp_schedule.lower() not in (name.lower() for name in PP_SCHEDULES):
         raise ConfigError(
-            f"parallel.pp_schedule '{p.pp_schedule}': this version runs {' and '.join(PP_SCHEDULES)} (one stage per "
-            "rank); the interleaved, looped and zero-bubble schedules need virtual stages, not supported yet"
+            f"parallel.pp_schedule '{p.pp_schedule}': this version runs {', '.join(PP_SCHEDULES)}; "
+            "set one of them (LoopedBFS and DualPipeV are not supported yet)"
         )
     rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
     if rows % p.pp_chunks:
@@ -250,6 +258,7 @@ def _validate_pp(cfg: Config) -> None:
             f"parallel.pp_microbatches={p.pp_chunks} is fewer than the {p.pp} stages ({p.pp_schedule} needs at "
             f"least one micro-batch per stage); set parallel.pp_microbatches to {p.pp} or more"
         )
+    _validate_virtual_stages(p)
     unsupported = {
         "parallel.ep": p.ep > 1,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
@@ -264,6 +273,47 @@ def _validate_pp(cfg: Config) -> None:
         raise ConfigError(
             f"lora.dropout={cfg.lora.dropout} with parallel.pp={p.pp}: the stages do not key the adapters' dropout "
             "masks yet (docs/pipeline.md); set lora.dropout: 0 or parallel.pp: 1"
+        )
+    virtual_untested = {
+        "parallel.fsdp/dp_replicate": p.dp_size > 1,
+        "train.gradient_checkpointing": t.gradient_checkpointing,
+        "parallel.tp": p.tp > 1,
+        "lora": cfg.lora is not None,
+    }
+    for key, on in virtual_untested.items():
+        if on and p.pp_stages_per_rank > 1:
+            raise ConfigError(
+                f"{key} with parallel.pp_schedule={p.pp_schedule} (several stages a rank) is not supported yet "
+                f"(not tested together); turn it off or set parallel.pp_schedule: 1F1B"
+            )
+
+
+def _validate_virtual_stages(p: ParallelConfig) -> None:
+    """A schedule that runs several stages a rank gets at least two, one that runs one gets one; the V-shaped
+    ones exactly two; interleaved micro-batches come in equal rounds of ``pp`` (torch's rule)."""
+    multi = p.pp_schedule.lower() in (name.lower() for name in PP_MULTI_STAGE)
+    v = p.pp_stages_per_rank
+    if multi and v < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule} runs several stages on each rank but parallel.pp_virtual_stages="
+            f"{v}; set parallel.pp_virtual_stages to 2 or more (or null)"
+        )
+    if not multi and v != 1:
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={v} needs a schedule that runs several stages a rank "
+            f"({', '.join(PP_MULTI_STAGE)}), not {p.pp_schedule}; set parallel.pp_virtual_stages: 1 or such a schedule"
+        )
+    if p.pp_v_shaped and v != 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages on each rank (a V) but "
+            f"parallel.pp_virtual_stages={v}; set parallel.pp_virtual_stages: 2 (or null)"
+        )
+    rounds = max(1, p.pp_chunks // p.pp)
+    if multi and p.pp_chunks % rounds:
+        raise ConfigError(
+            f"parallel.pp_microbatches={p.pp_chunks}: {p.pp_schedule} runs the micro-batches in rounds of "
+            f"parallel.pp={p.pp} and needs a multiple of {rounds} rounds' worth; set parallel.pp_microbatches to a "
+            f"multiple of {p.pp}"
         )
 
 

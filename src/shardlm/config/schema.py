@@ -58,6 +58,12 @@ class DataConfig:
             raise ConfigError("data.messages_field excludes data.prompt_field/response_field: set one kind of row")
 
 
+# the schedules of torch.distributed.pipelining that run several (virtual) stages on each rank, the V-shaped
+# ones (stage ``s`` and ``2 pp - 1 - s`` on rank ``s``) named by PP_V_SHAPED; the others loop (``s``, ``s + pp``, ...)
+PP_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+PP_V_SHAPED = ("ZBVZeroBubble",)
+
+
 @dataclass
 class ParallelConfig:
     """How the world is split: ``pp x dp_replicate x fsdp x cp x tp`` processes (outermost first).
@@ -91,11 +97,26 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None  # None: ``pp``
+    # stages each rank holds under a multi-stage schedule (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble)
+    pp_virtual_stages: int | None = None  # None: 2 under those, 1 under 1F1B and GPipe
     cp: int = 1
 
     @property
     def world_size(self) -> int:
         return self.pp * self.tp * self.cp * self.fsdp * self.dp_replicate
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds: ``pp_virtual_stages``, by default 2 under a schedule that runs
+        several a rank (``PP_MULTI_STAGE``), else 1."""
+        if self.pp_virtual_stages is not None:
+            return self.pp_virtual_stages
+        return 2 if self.pp_schedule.lower() in (name.lower() for name in PP_MULTI_STAGE) else 1
+
+    @property
+    def pp_v_shaped(self) -> bool:
+        """Whether the schedule places the stages in a V (``PP_V_SHAPED``) rather than in loops."""
+        return self.pp_schedule.lower() in (name.lower() for name in PP_V_SHAPED)
 
     @property
     def pp_chunks(self) -> int:

@@ -49,11 +49,17 @@ def total_norm(grads: list[torch.Tensor], stages: int = 1) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, stages: int = 1) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, stages: int = 1, elsewhere: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
     """Clip gradients in place to global norm ``max_norm`` (no-op if <= 0); return the norm before.
-    ``stages``: pipeline stages (``parallel.pp``) over which the parameters are divided."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(grads, stages)
+    ``stages``: pipeline stages (``parallel.pp``) over which the parameters are divided; ``elsewhere``:
+    parameters whose identical copy another stage holds and counts (a tied embedding's on the last stage),
+    clipped here but left out of the norm."""
+    skip = {id(p) for p in elsewhere}
+    held = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in held]
+    norm = total_norm([p.grad for p in held if id(p) not in skip], stages)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:

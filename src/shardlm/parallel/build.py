@@ -11,7 +11,7 @@ modeling code is never rewritten.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,12 @@ from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import scattered_rows
+from shardlm.parallel.plan.stages import rank_stages
 from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
-from shardlm.parallel.runtime.pipeline import PipelineStageModule, keep_stage, stage_plan
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages, join_stages, keep_stage, stage_plan
 from shardlm.parallel.runtime.plan_styles import plan_styles
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -156,7 +157,8 @@ class ParallelModel:
     ``expert_grads``: under EP, the experts' parameters, whose gradients are summed over
     ``expert_dp_group`` (the data-parallel ranks holding the same experts; None: none).
     ``stage``: under pipeline parallelism, what this rank's pipeline stage runs (``module`` then holds
-    only that stage's parameters, under the whole model's names; ``parallel/runtime/pipeline.py``).
+    only that stage's parameters, under the whole model's names; ``parallel/runtime/pipeline.py``), or
+    the ``RankStages`` it runs under a schedule with several stages a rank (``module`` then joins them).
     """
 
     module: nn.Module
@@ -166,25 +168,38 @@ class ParallelModel:
     lora: PeftLoraConfig | None = None
     expert_grads: list[str] | None = None
     expert_dp_group: dist.ProcessGroup | None = None
-    stage: PipelineStageModule | None = None
+    stage: PipelineStageModule | RankStages | None = None
+
+
+def _rank_stages(model_path: str, mesh: Mesh, args: tuple) -> ParallelModel:
+    """This rank's stages under a schedule with several a rank (``parallel.pp_virtual_stages``), each built
+    by ``parallelize`` from a model of its own, joined into one module under the whole model's names
+    (``runtime/pipeline.py: join_stages``) for the optimizer and checkpoints; ``stage`` holds them all."""
+    p = mesh.parallel
+    indices = rank_stages(mesh.pp.get_local_rank(), p.pp, p.pp_stages_per_rank, p.pp_v_shaped)
+    parts = [parallelize(model_path, mesh, *args, stage_index=i) for i in indices]
+    stages = RankStages([part.stage for part in parts])
+    layout = stage_layout(build_meta_model(model_path), p.pp * p.pp_stages_per_rank)
+    return replace(parts[0], module=join_stages(stages, layout), stage=stages)
 
 
 def _stage_and_adapters(
-    model: nn.Module, mesh: Mesh, plan: Plan, lora_config: LoraConfig | None
+    model: nn.Module, mesh: Mesh, plan: Plan, lora_config: LoraConfig | None, stage_index: int | None
 ) -> tuple[Plan, PipelineStageModule | None, PeftLoraConfig | None, list[tuple[str, torch.Size]]]:
     """The LoRA adapters injected (``lora_config``), then, under ``parallel.pp``, the model cut to this rank's
     stage before anything is placed (``parallel/runtime/pipeline.py``) and the plan narrowed to it: (the
     plan, the stage or None, the peft config or None, the whole model's trainable parameters in order).
     The stages are balanced on the model without adapters (what ``shardlm plan --pp`` shows); the adapters
     of the whole model are listed before the cut, so a stage draws or reads its own as one process would."""
-    pp = mesh.parallel.pp
-    layout = stage_layout(model, pp) if pp > 1 else None
+    p = mesh.parallel
+    layout = stage_layout(model, p.pp * p.pp_stages_per_rank) if p.pp > 1 else None
     peft_cfg = lora.inject(model, lora_config) if lora_config is not None else None
     adapters = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad] if peft_cfg else []
     if layout is None:
         return plan, None, peft_cfg, adapters
-    keep_stage(model, layout, mesh.pp.get_local_rank())
-    stage = PipelineStageModule(model, mesh.pp.get_local_rank(), pp)
+    index = mesh.pp.get_local_rank() if stage_index is None else stage_index  # ``stage_index``: ``parallelize``'s
+    keep_stage(model, layout, index)
+    stage = PipelineStageModule(model, layout, index)
     return stage_plan(plan, model), stage, peft_cfg, adapters
 
 
@@ -196,6 +211,7 @@ def parallelize(
     lora_config: LoraConfig | None = None,
     frozen_dtype: torch.dtype | None = None,
     train_towers: bool = False,
+    stage_index: int | None = None,
 ) -> ParallelModel:
     """Build, parallelize and fill the model at ``model_path`` for ``mesh``.
 
@@ -206,14 +222,19 @@ def parallelize(
     ``frozen_dtype``: storage dtype of parameters that do not train (a bf16 base under LoRA).
     ``train_towers``: a multimodal checkpoint's vision/audio tower and projector train too
     (``train.train_vision_tower``); by default they are frozen (``hf.tower_parameters``).
+    ``stage_index``: under pipeline parallelism, the stage to build (default: this rank's; with several
+    stages a rank, each is built by a call of its own and joined, ``_rank_stages``).
     """
+    p = mesh.parallel
+    if p.pp > 1 and p.pp_stages_per_rank > 1 and stage_index is None:
+        return _rank_stages(model_path, mesh, (seed, mp_policy, lora_config, frozen_dtype, train_towers))
     model = build_meta_model(model_path)
     if not train_towers:
         for name in tower_parameters(model):
             model.get_parameter(name).requires_grad_(False)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     plan = infer_plan(model, mesh.parallel.tp)
-    plan, stage, peft_cfg, adapters = _stage_and_adapters(model, mesh, plan, lora_config)
+    plan, stage, peft_cfg, adapters = _stage_and_adapters(model, mesh, plan, lora_config, stage_index)
     if frozen_dtype is not None:
         for name, param in model.named_parameters():  # each tensor once: tied parameters stay one
             # a modules_to_save original stays fp32: its trained copy starts from it (lora.copy_modules_to_save)

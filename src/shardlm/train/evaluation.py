@@ -21,6 +21,7 @@ from shardlm.data.dataset import Batch, TokenDataset
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import as_local
+from shardlm.parallel.plan.stages import stage_owner
 from shardlm.parallel.runtime.context import ContextShard, context_parallel
 from shardlm.train.loss import loss_context, token_loss_sum
 
@@ -79,7 +80,8 @@ def eval_loss(
             if isinstance(sub, FSDPModule):
                 sub.reshard()
     mesh.sum_over_tokens(totals)
-    if p.pp > 1:  # the loss sums are the last stage's
-        dist.broadcast(totals, group_src=p.pp - 1, group=mesh.pp.get_group())
+    if p.pp > 1:  # the loss sums are the last stage's (on rank 0 of the pipeline under a V-shaped schedule)
+        last = stage_owner(p.pp * p.pp_stages_per_rank - 1, p.pp, p.pp_stages_per_rank, p.pp_v_shaped)
+        dist.broadcast(totals, group_src=last, group=mesh.pp.get_group())
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, int(totals[1])

@@ -9,6 +9,12 @@ backpropagates is its token-loss sum divided by the labelled-token count of the 
 averaging over micro-batches is off (``scale_grads=False``). The last stage's loss sum is broadcast
 to the other stages, so every rank logs the same loss; the gradient norm is summed over the stages
 by ``distributed/clip.py``. Evaluation sends each batch through the stages in turn (``logits_of``).
+
+Tied embeddings (``StageLayout.tied``): the first stage holds the input embedding and the last the head
+that shares its weight, each a copy. As Megatron does, the two copies' gradients (each already summed
+over the stage's data-parallel ranks by FSDP) are summed between the first and the last stage of the
+same data-parallel place, before clipping, so both copies get the one-process gradient and stay equal
+through identical optimizer steps; the norm counts the weight once (on the first stage).
 """
 
 from __future__ import annotations
@@ -17,51 +23,88 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from shardlm.config import ParallelConfig
 from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import as_local
-from shardlm.parallel.runtime.pipeline import PipelineStageModule
+from shardlm.parallel.plan.stages import stage_owner
+from shardlm.parallel.runtime.dropout import DropoutKey
+from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages
 from shardlm.train.loss import loss_context, token_loss_sum
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what hidden states between stages can be
 
 
 class PipelineStep:
-    """Runs this rank's stage of every step's schedule (``forward_backward``); ``autocast``: the
-    trainer's choice of bf16 autocast (``train.bf16`` where FSDP does not cast)."""
+    """Runs this rank's stages of every step's schedule (``forward_backward``); ``module``: the stage, or
+    the ``RankStages`` of a schedule with several stages a rank; ``autocast``: the trainer's choice of
+    bf16 autocast (``train.bf16`` where FSDP does not cast)."""
 
-    def __init__(self, module: PipelineStageModule, mesh: Mesh, parallel: ParallelConfig, autocast: bool) -> None:
-        module.autocast = mesh.device.type if autocast else None
+    def __init__(
+        self, module: PipelineStageModule | RankStages, mesh: Mesh, parallel: ParallelConfig, autocast: bool
+    ) -> None:
+        self.parts = list(module) if isinstance(module, RankStages) else [module]
         self.group = mesh.pp.get_group()
-        self.stage = PipelineStage(module, mesh.pp.get_local_rank(), parallel.pp, mesh.device, group=self.group)
+        per_rank, v_shaped = parallel.pp_stages_per_rank, parallel.pp_v_shaped
+        total = parallel.pp * per_rank
+        self.stages = []
+        for part in self.parts:
+            part.autocast = mesh.device.type if autocast else None
+            self.stages.append(PipelineStage(part, part.index, total, mesh.device, group=self.group))
+        self.owner = [stage_owner(i, parallel.pp, per_rank, v_shaped) for i in range(total)]  # pp rank of stage i
         schedule = get_schedule_class(parallel.pp_schedule)
-        self.schedule = schedule(self.stage, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
-        self.last = dist.get_global_rank(self.group, parallel.pp - 1)
+        stages = self.stages if per_rank > 1 else self.stages[0]
+        self.schedule = schedule(stages, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
+        self.last = dist.get_global_rank(self.group, self.owner[-1])
         self.denom = 1.0
         # under TP the head's logits are vocabulary shards (a ``Shard(-1)`` DTensor): the loss's forward and
         # its backward, which the schedule runs later, are both inside the step, so ``loss_parallel`` covers it
         self.vocab_sharded = parallel.tp > 1
+        self.shared_group = _first_and_last(mesh) if self.parts[0].tied else None
+
+    def _sum_shared(self) -> None:
+        """Sum the gradients of the tied weight's two copies (first and last stage), in place."""
+        for part in self.parts:
+            for name in part.shared:
+                grad = part.model.get_parameter(name).grad
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.shared_group)
+
+    def counted_elsewhere(self) -> list[torch.Tensor]:
+        """This rank's parameters whose gradient another stage holds too and counts in the norm: the
+        tied weight's copy on the last stage (the first stage's copy is counted)."""
+        return [part.model.get_parameter(name) for part in self.parts if part.last for name in part.shared]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss on the last stage: its token-loss sum over the global count (the
         schedule also calls it once on its first step to learn the shapes of the backward)."""
         return token_loss_sum(logits, labels) / self.denom
 
-    def forward_backward(self, batches: list[Batch], denom: float) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], denom: float, dropout: DropoutKey | None = None) -> torch.Tensor:
         """Collective over the stages: run the schedule over this rank's ``batches`` of the step, the
         gradients of ``sum of token losses / denom`` accumulated; this rank's token-loss sum (the same
-        on every stage)."""
+        on every stage). ``dropout``: the step's dropout key, ``positions`` those of every sample of
+        ``batches`` in the global batch, cut into micro-batches with them."""
         ids = torch.cat([b.input_ids for b in batches])
         labels = torch.cat([b.labels for b in batches])
         kwargs = {}
         if batches[0].position_ids is not None:
             kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
+        if dropout is not None and self.parts[0].draws_dropout:
+            kwargs["samples"] = dropout.positions.to(ids.device)
+        for part in self.parts:
+            part.dropout = dropout if "samples" in kwargs else None
         self.denom, losses = denom, []
-        args = (ids,) if self.stage.is_first else ()
-        with loss_context(self.vocab_sharded):
-            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        args = (ids,) if self.parts[0].first else ()
+        try:
+            with loss_context(self.vocab_sharded):
+                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            for part in self.parts:
+                part.dropout = None
+        if self.shared_group is not None:
+            self._sum_shared()
         # the micro-batches' losses, as the schedule reports them: the last stage's token-loss sum
         losses = [as_local(loss).detach() for loss in losses]
         total = torch.stack(losses).sum() * denom if losses else torch.zeros((), device=ids.device)
@@ -71,22 +114,40 @@ class PipelineStep:
     @torch.no_grad()
     def logits_of(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Collective over the stages, for evaluation (batches of any size, so no schedule): the batch
-        through every stage in turn; the logits on the last stage, None on the others."""
-        module, index = self.stage.submod, self.stage.stage_index
-        x = input_ids if module.first else self._recv(dist.get_global_rank(self.group, index - 1))
-        out = module(x, position_ids)
-        if module.last:
-            return out
-        header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
-        dist.send(header, dist.get_global_rank(self.group, index + 1), group=self.group)
-        dist.send(out.contiguous(), dist.get_global_rank(self.group, index + 1), group=self.group)
+        through every stage in turn; the logits on the rank of the last stage, None on the others."""
+        me, out = self.group.rank(), None
+        for part in self.parts:
+            i = part.index
+            if part.first:
+                x = input_ids
+            elif self.owner[i - 1] == me:  # the previous stage is this rank's too
+                x = out
+            else:
+                x = self._recv(dist.get_global_rank(self.group, self.owner[i - 1]))
+            out = part(x, position_ids)
+            if part.last:
+                return out
+            if self.owner[i + 1] != me:
+                header = torch.tensor([*out.shape, _DTYPES.index(out.dtype)], device=out.device)
+                dist.send(header, dist.get_global_rank(self.group, self.owner[i + 1]), group=self.group)
+                dist.send(out.contiguous(), dist.get_global_rank(self.group, self.owner[i + 1]), group=self.group)
         return None
 
     def _recv(self, src: int) -> torch.Tensor:
         """The previous stage's hidden states, ``[batch, seq, hidden]``, shape and dtype sent ahead."""
-        header = torch.empty(4, dtype=torch.long, device=self.stage.device)
+        device = self.stages[0].device
+        header = torch.empty(4, dtype=torch.long, device=device)
         dist.recv(header, src, group=self.group)
         *shape, dtype = header.tolist()
-        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=self.stage.device)
+        hidden = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
         dist.recv(hidden, src, group=self.group)
         return hidden
+
+
+def _first_and_last(mesh: Mesh) -> dist.ProcessGroup | None:
+    """Collective over the world: one group per data-parallel place of its first and last stage (the
+    ranks holding a tied weight's two copies); this rank's, None on a middle stage."""
+    ranks = mesh.world.mesh.reshape(mesh.parallel.pp, -1)
+    pairs = [[int(a), int(b)] for a, b in zip(ranks[0], ranks[-1])]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

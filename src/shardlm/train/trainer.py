@@ -165,8 +165,12 @@ class Trainer:
         if self.eval_dataset is None and self.config.eval.path:
             self.eval_dataset = build_eval_dataset(self.config)
         self._check_ids()
+        # parallel.pp: the schedule runs this rank's stage over the step's micro-batches (train/pipeline_step.py)
+        stage = self.model.stage
+        self.pipeline = PipelineStep(stage, self.mesh, self.mesh.parallel, self.autocast) if stage is not None else None
         self.num_params = count_params(self.module)
-        if self.mesh.parallel.pp > 1:  # a stage holds its own blocks (``parallel.pp``): the model is their sum
+        if self.pipeline is not None:  # a stage holds its own blocks (``parallel.pp``): the model is their sum
+            self.num_params -= sum(p.numel() for p in self.pipeline.counted_elsewhere())  # a tied weight once
             total = torch.tensor(float(self.num_params), dtype=torch.float64, device=self.mesh.device)
             dist.all_reduce(total, group=self.mesh.pp.get_group())
             self.num_params = int(total)
@@ -179,9 +183,6 @@ class Trainer:
             self.module, self.optimizer, self.scheduler, len(self.dataset), lora=self.model.lora
         )
         self.guard = faults.StepGuard(t.max_bad_steps)  # SIGTERM and non-finite steps (faults.py)
-        # parallel.pp: the schedule runs this rank's stage over the step's micro-batches (train/pipeline_step.py)
-        stage = self.model.stage
-        self.pipeline = PipelineStep(stage, self.mesh, self.mesh.parallel, self.autocast) if stage is not None else None
 
     def _check_ids(self) -> None:
         """Every sample's ids inside the model's vocabulary (``data/fit.py``): once over the whole data
@@ -220,6 +221,14 @@ class Trainer:
         tp_rank = self.mesh.tp.get_local_rank() if p.tp > 1 else 0
         sequence = None if shard is None else (shard.index, shard.positions.shape[1])  # this cp rank's tokens
         return DeterministicDropout(DropoutKey(t.seed, self.step, positions, tp_rank, p.tp, sites, sequence))
+
+    def _pipeline_dropout(self, micros: int) -> DropoutKey | None:
+        """Under ``parallel.pp``: the step's dropout key over this rank's ``micros`` micro-batches joined (the
+        schedule cuts them, and the positions with them, into its own micro-batches)."""
+        modes = [self.dropout_mode(micro) for micro in range(micros)]
+        if modes[0] is None:
+            return None
+        return dataclasses.replace(modes[0].key, positions=torch.cat([mode.key.positions for mode in modes]))
 
     def context_shard(self, batch: Batch) -> tuple[Batch, ContextShard | None]:
         """This rank's tokens of ``batch`` and the shard its attention gathers the others' over
@@ -268,7 +277,7 @@ class Trainer:
         denom = max(float(count), 1.0)
         loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
         if self.pipeline is not None:  # every micro-batch through the stages; the last stage's loss sum
-            loss_sum = self.pipeline.forward_backward(batches, denom)
+            loss_sum = self.pipeline.forward_backward(batches, denom, self._pipeline_dropout(len(batches)))
         for micro, batch in enumerate(batches if self.pipeline is None else []):
             micro_loss, router_total = self._micro_step(micro, batch, denom)
             loss_sum += micro_loss
@@ -278,7 +287,8 @@ class Trainer:
             sum_tp_partial_grads(self.module, self.model.tp_partial_grads, self.mesh.tp.get_group())
         if self.model.expert_grads:  # EP: over the data-parallel ranks holding the same experts
             sum_expert_grads(self.module, self.model.expert_grads, self.model.expert_dp_group)
-        grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm, stages=p.pp)
+        elsewhere = self.pipeline.counted_elsewhere() if self.pipeline is not None else ()  # a tied copy
+        grad_norm = clip_grad_norm_(self.module.parameters(), t.max_grad_norm, stages=p.pp, elsewhere=elsewhere)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.guard.check(loss, grad_norm, self.step + 1)  # collective: same answer on every rank
         if not skipped:

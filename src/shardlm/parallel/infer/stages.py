@@ -3,14 +3,20 @@
 A stage is the model itself with the blocks of other stages removed (``runtime/pipeline.py``): a
 later stage calls the base model's forward with ``inputs_embeds`` set to the hidden states the
 previous stage sent, so the model's own code builds the masks and the rotary embeddings from the
-position ids on every stage. That is right only where the forward hands ``inputs_embeds`` to the
-first block unchanged: one meta forward checks it (a learned position embedding added, a scale or
-a dropout there, as in GPT-2, is refused). The same forward tells which of the base model's
-children run after the last block (the final norm: the identity on every stage but the last), and
-counts the parameters the stages are balanced by (``plan/stages.py``).
+position ids on every stage. Where the forward changes the embeddings before the first block (GPT-2
+adds its learned position embedding, Granite scales, an embedding dropout), the first stage runs that
+part of the forward as the model does and a later stage replaces the first block's input by the
+hidden states it received; the modules with parameters that run there are the first stage's (a later
+one gets stand-ins). One meta forward from ``inputs_embeds`` tells which children run before the first
+block and after the last (the final norm: the identity on every stage but the last), whether the
+first block gets ``inputs_embeds`` unchanged, and that no other input of the first block is computed
+from the embeddings or a parameter (which a later stage could not rebuild: refused). It also counts
+the parameters the stages are balanced by (``plan/stages.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -26,20 +32,22 @@ _NOT_YET = "not supported yet (docs/pipeline.md); set parallel.pp: 1"
 
 
 class _DropoutCount(TorchFunctionMode):
-    """Counts dropout calls with p > 0 (``plan/call_sites.py``); answers the data-dependent questions
+    """Counts dropout calls, and those with p > 0 (``plan/call_sites.py``); answers the data-dependent questions
     a modeling file asks of meta tensors as the trace does (``meta_answers.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
+        self.calls = 0  # every dropout call, whatever its p: what ``DeterministicDropout`` numbers its sites by
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if asks_data(name, args):
             return meta_answer(name, args, kwargs)
-        if is_dropout_call(func) and dropout_p(func, args, kwargs) > 0:
-            self.live += 1
+        if is_dropout_call(func):
+            self.calls += 1
+            self.live += dropout_p(func, args, kwargs) > 0
         return func(*args, **kwargs)
 
 
@@ -50,48 +58,75 @@ def stage_layout(model: nn.Module, stages: int) -> StageLayout:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None:
         raise ConfigError(f"parallel.pp: {name} has no output embedding for the last stage; {_NOT_YET}")
-    if getattr(head, "weight", None) is emb.weight:
-        raise ConfigError(
-            f"parallel.pp: {name} ties its input and output embeddings (tie_word_embeddings), which would live "
-            f"on the first and the last stage; {_NOT_YET}"
-        )
     names = {id(m): fqn for fqn, m in model.named_modules()}
     blocks = decoder_blocks(model)
     if not blocks:
         raise ConfigError(f"parallel.pp: {name} has no list of repeated decoder blocks to cut into stages; {_NOT_YET}")
-    meta = build_meta(model)
+    seen = _read_forward(model)
+    base = model.base_model
+    prefix = names[id(base)] + "." if names[id(base)] else ""
+    children = dict(base.named_children())
+    # the base model's children with parameters run before the first block (GPT-2's position embedding):
+    # the first stage's; a later one gets a stand-in, its output replaced at its first block (runtime/pipeline.py)
+    before = [c for c in seen.calls[: seen.calls.index("first")] if c in children and _has_params(children[c])]
+    after = [c for c in seen.calls[seen.calls.index("block") :] if c in children]
+    before, after = tuple(prefix + c for c in before), tuple(prefix + c for c in after)
+    container = next(fqn for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and list(m) == blocks)
+    ends = (emb, *(model.get_submodule(f) for f in before), *(model.get_submodule(f) for f in after), head)
+    _check_cut(model, container, names[id(base)], (*blocks, *ends))
+    counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    first = sum(p.numel() for m in (emb, *(model.get_submodule(f) for f in before)) for p in m.parameters())
+    # tied (held by the first and the last stage, kept equal): the head weighs on the last stage as if untied
+    tied = getattr(head, "weight", None) is emb.weight
+    last = total - sum(counts) - first + (sum(p.numel() for p in emb.parameters()) if tied else 0)
+    split = balance(counts, first, last, stages)
+    sites = _dropout_sites(build_meta(model)) if seen.dropouts else ()  # where each stage's masks resume
+    layout = StageLayout(split, container, names[id(emb)], after, names[id(head)], tied, before, not seen.unchanged)
+    return replace(layout, sites=sites)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _read_forward(model: nn.Module) -> _Forward:
+    """One meta forward of ``model`` from ``inputs_embeds`` (``_probe``); a ``ConfigError`` where a later
+    stage could not start from the hidden states it receives."""
+    name = type(model).__name__
     try:
-        calls, first_input, dropouts = _probe(meta)
+        seen = _probe(build_meta(model))
     except Exception as exc:  # noqa: BLE001 - whatever the model's forward says about inputs_embeds
         detail = " ".join(str(exc).split())[:200]
         why = f"its forward cannot start from inputs_embeds ({type(exc).__name__}: {detail})"
         raise ConfigError(
             f"parallel.pp: a later stage of {name} starts from hidden states, but {why}; {_NOT_YET}"
         ) from None
-    if "block" not in calls:
+    if "block" not in seen.calls:
         raise ConfigError(f"parallel.pp: {name}'s forward from inputs_embeds never reached its last block; {_NOT_YET}")
-    if first_input is not True:
+    if seen.derived is not None:
         raise ConfigError(
-            f"parallel.pp: {name}'s forward changes the embeddings before its first decoder block (a learned "
-            f"position embedding, a scale or a dropout), so a later stage cannot start from the hidden states "
-            f"it receives; {_NOT_YET}"
+            f"parallel.pp: {name}'s first decoder block is handed {seen.derived}, computed before it from the "
+            f"embeddings or a parameter, which a later stage could not rebuild from the hidden states it receives; "
+            f"{_NOT_YET}"
         )
-    if dropouts:
-        raise ConfigError(
-            f"parallel.pp: {name} draws dropout ({dropouts} calls with p > 0 in one forward), whose masks the "
-            f"stages do not key yet; set the model's dropout probabilities to 0 in its config.json or parallel.pp: 1"
-        )
-    base = model.base_model
-    children = [fqn for fqn, _ in meta.base_model.named_children()]
-    prefix = names[id(base)] + "." if names[id(base)] else ""
-    after = tuple(prefix + c for c in calls[calls.index("block") :] if c in children)
-    container = next(fqn for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and list(m) == blocks)
-    _check_cut(model, container, names[id(base)], (emb, *blocks, *(model.get_submodule(f) for f in after), head))
-    counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    total = sum({id(p): p.numel() for p in model.parameters()}.values())
-    first = sum(p.numel() for p in emb.parameters())
-    split = balance(counts, first, total - sum(counts) - first, stages)
-    return StageLayout(split, container, names[id(emb)], after, names[id(head)])
+    return seen
+
+
+def _dropout_sites(meta: nn.Module) -> tuple[int, ...]:
+    """The dropout calls (``DeterministicDropout``'s site count) one process's training forward from
+    ``input_ids`` has made when it enters each decoder block: where a later stage's count resumes."""
+    blocks, count = decoder_blocks(meta), _DropoutCount()
+    sites: list[int] = []
+    hooks = [block.register_forward_pre_hook(lambda m, a: sites.append(count.calls)) for block in blocks]
+    try:
+        meta.train()
+        with count, torch.no_grad():
+            meta(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tuple(sites)
 
 
 def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Module, ...]) -> None:
@@ -116,35 +151,65 @@ def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Modul
         )
 
 
-def _probe(meta: nn.Module) -> tuple[list[str], bool | None, int]:
-    """One training-mode forward of ``meta``'s base model from ``inputs_embeds``: the base model's
-    children in call order (every block called as ``"block"``, once, after the last one), whether the
-    first block received ``inputs_embeds`` itself, and the dropout calls with p > 0."""
+@dataclass
+class _Forward:
+    """What one meta forward of the base model from ``inputs_embeds`` showed: ``calls``, the base
+    model's children in call order (``"first"`` at the first block's entry, ``"block"`` after the last
+    block); ``unchanged``, whether the first block received ``inputs_embeds`` itself; ``derived``, an
+    input of the first block other than the hidden states that depends on ``inputs_embeds`` or a
+    parameter (None: none does); ``dropouts``, the dropout calls with p > 0."""
+
+    calls: list[str] = field(default_factory=list)
+    unchanged: bool | None = None
+    derived: str | None = None
+    dropouts: int = 0
+
+
+def _tensors(value):
+    """The tensors in ``value`` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _probe(meta: nn.Module) -> _Forward:
+    """One training-mode forward of ``meta``'s base model from ``inputs_embeds`` (which, like every
+    parameter, requires grad, so what is computed from them shows it), read by module hooks."""
     base, blocks = meta.base_model, decoder_blocks(meta)
-    calls: list[str] = []
-    seen: dict[str, bool | None] = {"first": None}
+    seen = _Forward()
     hooks = [
-        child.register_forward_pre_hook(lambda m, a, fqn=fqn: calls.append(fqn))
+        child.register_forward_pre_hook(lambda m, a, fqn=fqn: seen.calls.append(fqn))
         for fqn, child in base.named_children()
         if not isinstance(child, nn.ModuleList)
     ]
-    hidden = torch.zeros(1, 4, meta.get_input_embeddings().weight.shape[1], device="meta")
+    width = meta.get_input_embeddings().weight.shape[1]
+    hidden = torch.zeros(1, 4, width, device="meta", requires_grad=True).clone()  # not a leaf: in-place ops work
 
     def first_block(module, args, kwargs):
         got = args[0] if args else kwargs.get("hidden_states")
-        seen["first"] = got is hidden
+        seen.calls.append("first")
+        seen.unchanged = got is hidden
+        others = {f"argument {i}": a for i, a in enumerate(args[1:], start=1)} if args else {}
+        others.update({k: v for k, v in kwargs.items() if args or k != "hidden_states"})
+        seen.derived = next((k for k, v in others.items() if any(t.requires_grad for t in _tensors(v))), None)
 
     def last_block(module, args, output):
-        calls.append("block")
+        seen.calls.append("block")
 
     hooks.append(blocks[0].register_forward_pre_hook(first_block, with_kwargs=True))
     hooks.append(blocks[-1].register_forward_hook(last_block))
     count = _DropoutCount()
     try:
         meta.train()
-        with count, torch.no_grad():
+        with count, torch.enable_grad():
             base(inputs_embeds=hidden)
     finally:
         for hook in hooks:
             hook.remove()
-    return calls, seen["first"], count.live
+    seen.dropouts = count.live
+    return seen

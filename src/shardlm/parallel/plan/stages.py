@@ -34,7 +34,8 @@ def balance(block_params: list[int], first_extra: int, last_extra: int, stages: 
     n = len(block_params)
     if stages > n:
         raise ConfigError(
-            f"parallel.pp={stages} stages but the model has {n} decoder blocks; set parallel.pp to at most {n}"
+            f"parallel.pp: {stages} pipeline stages (pp x the stages a rank holds) but the model has {n} decoder "
+            f"blocks; set parallel.pp (or parallel.pp_virtual_stages) so that there are at most {n}"
         )
     prefix = [0]
     for count in block_params:
@@ -67,10 +68,36 @@ class StageLayout:
     """The stages of a model, its modules named by FQN: ``split`` (the blocks of each), ``blocks`` (the
     ModuleList holding them), ``embedding`` (first stage only), ``after`` (the base model's children
     that run after the last block: the final norm, last stage only) and ``head`` (the output
-    embedding, last stage only)."""
+    embedding, last stage only). ``tied``: the head's weight is the input embedding's
+    (``tie_word_embeddings``): the last stage holds the embedding too, and the two stages keep their
+    copies equal by summing their gradients (``train/pipeline_step.py``). ``before``: the base model's
+    children with parameters that run before the first block (GPT-2's learned position embedding), the
+    first stage's; ``restarts``: the forward changes the embeddings before the first block (such a
+    module, Gemma's scale by sqrt(hidden), a dropout), so a later stage hands the hidden states it
+    receives to its first block itself. ``sites``: where the model draws dropout, the count of dropout
+    calls one process's forward has made on entering each block (empty: it draws none), from which a
+    later stage's masks resume (``runtime/dropout.py`` numbers them in call order)."""
 
     split: StageSplit
     blocks: str
     embedding: str
     after: tuple[str, ...]
     head: str
+    tied: bool = False
+    before: tuple[str, ...] = ()
+    restarts: bool = False
+    sites: tuple[int, ...] = ()
+
+
+def rank_stages(rank: int, pp: int, per_rank: int, v_shaped: bool) -> list[int]:
+    """The stage indices rank ``rank`` of ``pp`` holds, ``per_rank`` of them, in order: in loops (``rank``,
+    ``rank + pp``, ...) or, for the V-shaped schedules, ``rank`` and ``2 pp - 1 - rank`` (torch's
+    ``generate_stage_to_rank_mapping``, whose placement the schedules check)."""
+    if v_shaped:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def stage_owner(stage: int, pp: int, per_rank: int, v_shaped: bool) -> int:
+    """The pipeline rank that holds stage ``stage`` (the inverse of ``rank_stages``)."""
+    return next(r for r in range(pp) if stage in rank_stages(r, pp, per_rank, v_shaped))

@@ -407,6 +407,13 @@ def dropout_active() -> bool:
     return bool(_active)
 
 
+def resume_at(site: int) -> None:
+    """Number the active mode's next dropout call ``site``: a later pipeline stage entering its first block
+    resumes the count one process's forward has there (``runtime/pipeline.py``); nothing without a mode."""
+    if _active:
+        _active[-1].site = site
+
+
 def checkpoint_context_fn():
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the recompute of a block runs
     under a ``DeterministicDropout`` restarted at the site count the block's forward started from."""

@@ -4,26 +4,35 @@ the module ``torch.distributed.pipelining``'s ``PipelineStage`` runs.
 Why the model itself and not a traced graph: torch's ``pipeline()`` tracer fails on HF models with
 rotary embeddings (pytorch#184361), and a rewritten forward would drift from the model's. Here each
 stage calls the model's own forward: the first stage from ``input_ids``, a later one from the
-hidden states it received as ``inputs_embeds`` (``infer/stages.py`` checked that the forward hands
-them to the first block unchanged), so the masks (causal, sliding window, the block-diagonal mask of
+hidden states it received as ``inputs_embeds``, so the masks (causal, sliding window, the block-diagonal mask of
 packed documents) and the rotary embeddings are built by the model's code from the position ids
-every stage is given. A stage keeps its blocks under their own indices (``StageBlocks``), so every
+every stage is given. Where the forward changes the embeddings before the first block
+(``StageLayout.restarts``: GPT-2's position embedding added, a scale, a dropout), the first stage runs
+that part as the model does; a later stage runs it on what it received, through parameterless
+stand-ins (``Discarded``) of the modules with parameters there, and a hook hands its first block the
+hidden states received instead. A stage keeps its blocks under their own indices (``StageBlocks``), so every
 parameter keeps the FQN it has in the whole model; the final norm is the identity before the last
 stage, and the config's list of per-block kinds (``layer_types``, read by block position in the
-forwards of Qwen3 or Gemma 3) is cut to the stage's.
+forwards of Qwen3 or Gemma 3) is cut to the stage's. Tied embeddings (``StageLayout.tied``): the last
+stage keeps the input embedding module too, holding the one weight it shares with the head under the
+same names as the first stage (``PipelineStageModule.shared`` names it on both; their gradients are
+summed between the two, ``train/pipeline_step.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.stages import StageLayout
+from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, resume_at
 
 
 class StageBlocks(nn.ModuleList):
@@ -31,7 +40,7 @@ class StageBlocks(nn.ModuleList):
     ``layers.3``): FQNs, checkpoints and the seeded init see the whole model's names. Iteration and
     slicing (what the models' forwards do) give the stage's blocks in order."""
 
-    def __init__(self, modules=None, indices: range | None = None) -> None:
+    def __init__(self, modules=None, indices: Sequence[int] | None = None) -> None:
         super().__init__()
         for i, module in zip(indices or range(len(modules or [])), modules or []):
             self.add_module(str(i), module)
@@ -50,8 +59,11 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
         config.layer_types = [config.layer_types[i] for i in indices]
     config.num_hidden_layers = len(indices)
     base.config = config
-    if not first:
+    if not first and not (last and layout.tied):  # the last stage's head uses a tied embedding's weight
         _set(model, layout.embedding, None)
+    if not first:  # what the first stage ran before its first block: computed here only to be replaced
+        for fqn in layout.before:
+            _set(model, fqn, Discarded(model.get_submodule(fqn)))
     if not last:
         for fqn in layout.after:
             _set(model, fqn, nn.Identity())
@@ -71,7 +83,7 @@ def stage_plan(plan: Plan, model: nn.Module) -> Plan:
     whole model would) narrowed to the modules and parameters ``model``'s stage holds: the styles, the
     geometry and the gradient sums read its entries by name, and another stage's modules are not here (the
     final norm before the last stage is the identity ``keep_stage`` put in its place)."""
-    here = {name for name, m in model.named_modules() if not isinstance(m, nn.Identity)}
+    here = {name for name, m in model.named_modules() if not isinstance(m, (nn.Identity, Discarded))}
     here |= {name for name, _ in model.named_parameters()}
     narrowed = {}
     for name in _FQN_FIELDS:
@@ -81,6 +93,27 @@ def stage_plan(plan: Plan, model: nn.Module) -> Plan:
         else:
             narrowed[name] = [fqn for fqn in value if fqn in here]
     return dataclasses.replace(plan, **narrowed)
+
+
+class Discarded(nn.Module):
+    """A later stage's stand-in for a module with parameters the model's forward runs before the first
+    block (GPT-2's position embedding): zeros of the shape and dtype the module gives (run on the meta
+    copy it keeps unregistered, so the stage holds none of its parameters). What the forward makes of
+    them before the first block is replaced there by the hidden states the stage received."""
+
+    def __init__(self, meta: nn.Module) -> None:
+        super().__init__()
+        self.meta = (meta,)  # a tuple: not a submodule, its parameters stay the first stage's
+
+    def forward(self, *args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+
+        def on_meta(a):
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+        out = self.meta[0](*map(on_meta, args), **{k: on_meta(v) for k, v in kwargs.items()})
+        return torch.zeros(out.shape, dtype=out.dtype, device=device)
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -99,19 +132,92 @@ class PipelineStageModule(nn.Module):
     ``position_ids`` reach every stage from the schedule's keyword arguments (each data-parallel
     rank's stages read the same batch), so only the hidden states travel between stages.
     ``autocast``: the device type to run the forward under bf16 autocast (``train.bf16`` where FSDP
-    does not cast, as the trainer's own forward does), or None."""
+    does not cast, as the trainer's own forward does), or None. ``shared``: the names of the parameters
+    this stage holds in a copy another stage holds too (a tied embedding's weight on the first and the
+    last stage), whose gradients the two sum."""
 
-    def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
+    def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
         self.model = model
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.index = stage
+        self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
+        self.tied = layout.tied
+        self.draws_dropout = bool(layout.sites)
+        self.received: torch.Tensor | None = None  # the hidden states this forward started from
+        first_block = next(iter(model.get_submodule(layout.blocks)))
+        if layout.restarts and not self.first:
+            first_block.register_forward_pre_hook(self._restart, with_kwargs=True)
+        self.dropout: DropoutKey | None = None  # the step's dropout key while the schedule runs (positions: per call)
+        if layout.sites and not self.first:  # the masks resume where one process's count is at this block
+            site = layout.sites[layout.split.blocks[stage].start]
+            first_block.register_forward_pre_hook(lambda module, args: resume_at(site))
+        held = layout.tied and (self.first or self.last) and not (self.first and self.last)
+        emb = model.get_submodule(layout.embedding) if held else None
+        self.shared = tuple(f"{layout.embedding}.{n}" for n, _ in emb.named_parameters()) if held else ()
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _restart(self, block: nn.Module, args: tuple, kwargs: dict):
+        """The first block's input replaced by the hidden states the stage received. Module hooks run
+        outside an activation-checkpointed block's checkpoint (transformers' ``GradientCheckpointingLayer``
+        checkpoints ``forward``, not ``__call__``), so its recompute gets the same input again."""
+        if args:
+            return (self.received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.received}
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, samples: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``samples``: the micro-batch's positions in the global batch, which its dropout masks are keyed by
+        (``runtime/dropout.py``), while ``dropout`` holds the step's key."""
+        self.received = x
         inputs = {"input_ids" if self.first else "inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
-        with torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext():
+        drop = self.dropout is not None and samples is not None
+        mode = DeterministicDropout(replace(self.dropout, positions=samples)) if drop else nullcontext()
+        autocast = torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with mode, autocast:
             if self.last:
                 return self.model(**inputs).logits
             return self.model.base_model(**inputs).last_hidden_state
+
+
+class RankStages(nn.ModuleList):
+    """The stage modules one rank runs under a schedule with several stages a rank (``parallel.pp_schedule``
+    Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble), in stage order: each an unmodified slice of
+    its own copy of the model (``keep_stage``), as torchtitan builds its model chunks."""
+
+
+def join_stages(stages: RankStages, layout: StageLayout) -> nn.Module:
+    """One module holding every parameter of ``stages`` under the whole model's names, for what sees this
+    rank's part of the model as one (the optimizer, checkpoints, clipping, the parameter count): the first
+    stage module's model with its base model's block list holding all the stages' blocks, and the
+    embedding (and the modules before the blocks) of the first stage, the modules after the blocks and
+    the head of the last, where this rank holds them. It shares the stages' modules and is never run."""
+    models = [stage.model for stage in stages]
+    first = next((s.model for s in stages if s.first), models[0])
+    last = next((s.model for s in stages if s.last), models[0])
+    top = _shallow(models[0])
+    base_fqn, _, list_name = layout.blocks.rpartition(".")
+    base = _shallow(models[0].get_submodule(base_fqn)) if base_fqn else top
+    if base_fqn:
+        _set(top, base_fqn, base)
+    blocks = [(int(i), b) for m in models for i, b in m.get_submodule(layout.blocks).named_children()]
+    setattr(base, list_name, StageBlocks([b for _, b in blocks], [i for i, _ in blocks]))
+    for fqns, source in (((layout.embedding, *layout.before), first), ((*layout.after, layout.head), last)):
+        for fqn in fqns:  # from the stage that runs it, else any that holds it (a tied embedding on the last)
+            held = next((m for m in (source, *models) if _present(m, fqn)), None)
+            _set(top, fqn, held.get_submodule(fqn) if held is not None else None)
+    return top
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters and children, with a children's table of its own."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)  # noqa: SLF001 - torch's own table of children, copied
+    return clone
+
+
+def _present(model: nn.Module, fqn: str) -> bool:
+    parent, name = _parent(model, fqn)
+    return getattr(parent, name, None) is not None
