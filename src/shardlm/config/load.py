@@ -270,6 +270,11 @@ def _validate_cp(cfg: Config) -> None:
     ``seq_len / cp`` tokens are then sliced over tp. What the model decides (its attention, its mixers)
     is checked by ``shardlm.preflight``."""
     p, seq = cfg.parallel, cfg.data.seq_len
+    if p.cp_attention not in p.CP_ATTENTIONS:
+        raise ConfigError(
+            f"parallel.cp_attention must be one of {', '.join(p.CP_ATTENTIONS)}, got '{p.cp_attention}'; "
+            "set parallel.cp_attention: all_gather (the default) or ulysses"
+        )
     if p.cp > 1 and seq % (2 * p.cp):
         raise ConfigError(
             f"parallel.cp={p.cp} splits each window into 2*cp={2 * p.cp} equal chunks but data.seq_len={seq} is not "
