@@ -90,3 +90,14 @@ def test_ulysses_saved_bytes_at_4096_match_estimate(tmp_path):
     mask_growth = 4 * LONG * LONG // 2  # the mask's other half of the rows, fp32
     kv_saving = 2 * 2 * (4 * LONG * 8 * 32 // 2)  # 2 layers x k, v: half the window's repeated heads, fp32
     assert abs(got["ulysses"] - got["all_gather"] - (mask_growth - kv_saving)) <= 0.2 * mask_growth, got
+
+
+@pytest.mark.ranks
+def test_ulysses_tp2_cp2_equals_one_process(tmp_path):
+    """tp=2 x cp=2 with Ulysses (4 ranks), packed windows: a Llama with 4 query and 4 key/value heads
+    (2 of each per tp rank, 1 per cp rank after the all-to-all) equals one process over 3 steps
+    (loss 1e-5, grad_norm 1e-4 relative)."""
+    path = str(tmp_path / "llama")
+    write_model_dir(path, "llama", max_position_embeddings=2 * SEQ, initializer_range=0.2, num_key_value_heads=4)
+    got = run_ranks(cp_runs, 4, [(path, {"tp": 2, **ULYSSES}, 2, 2, True, {"steps": 3})], str(tmp_path / "out"))
+    assert_parity(got[0], plain(path, cp_data(True), steps=3), label="llama tp=2 x cp=2 ulysses")
