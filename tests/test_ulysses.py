@@ -45,6 +45,13 @@ def test_ulysses_refusals_before_spawning(tmp_path):
         assert "\n" not in message and why in message, message
         assert message.startswith(f"parallel.cp={layout['cp']} with parallel.cp_attention=ulysses: LlamaForCausalLM")
         assert message.endswith("; set parallel.cp_attention: all_gather")
+    for extra, key in (
+        ({"parallel": {**ULYSSES, "tp": 2, "sequence_parallel": True}}, "parallel.sequence_parallel"),
+        ({"parallel": ULYSSES, "lora": {}}, "lora"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_checked(raw={**raw, **extra})
+        assert str(err.value).startswith(f"parallel.cp_attention=ulysses with {key} is not supported yet"), err.value
     gpt2 = write_model_dir(str(tmp_path / "gpt2"), "gpt2", attn_pdrop=0.1)
     with pytest.raises(ConfigError, match=r"attention dropout \(attn_pdrop=0.1\)"):
         load_checked(raw={**raw, "model": gpt2, "parallel": ULYSSES})

@@ -290,6 +290,12 @@ def _validate_cp(cfg: Config) -> None:
             f"parallel.cp={p.cp} with parallel.sequence_parallel=true slices each rank's {seq // p.cp} tokens over "
             f"parallel.tp={p.tp}; set data.seq_len to a multiple of cp*tp={p.cp * p.tp} (and of 2*cp={2 * p.cp})"
         )
+    for key, on in (("parallel.sequence_parallel", p.sequence_parallel), ("lora", cfg.lora is not None)):
+        if p.cp > 1 and p.cp_attention == "ulysses" and on:
+            raise ConfigError(
+                f"parallel.cp_attention=ulysses with {key} is not supported yet (not tested together, "
+                f"docs/long_sequences.md); set parallel.cp_attention: all_gather or turn {key} off"
+            )
     unsupported = {
         "train.compile": cfg.train.compile,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
