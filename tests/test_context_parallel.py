@@ -351,10 +351,11 @@ def test_sequence_parallel_with_cp_equals_one_process_and_resumes_onto_fsdp(tmp_
 LONG = 4096  # tokens a window in the memory check
 
 
-def saved_bytes_per_rank(path: str, batch: int) -> int:
+def saved_bytes_per_rank(path: str, batch: int, attention: str = "all_gather") -> int:
     """Rank body (world = cp): the largest, over the ranks, of the bytes autograd saves for backward
     in one forward of this rank's chunks of ``batch`` windows of ``LONG`` tokens (distinct storages,
-    parameters left out), the plain model routed through ``context_attention``."""
+    parameters left out), the plain model routed through ``context_attention`` (``attention``:
+    ``parallel.cp_attention``)."""
     import torch.distributed as dist
 
     from shardlm.distributed.mesh import init_distributed
@@ -367,7 +368,7 @@ def saved_bytes_per_rank(path: str, batch: int) -> int:
     model.config.use_cache = False
     enable_context_parallel(model)
     ids = torch.randint(0, VOCAB, (batch, LONG), generator=torch.Generator().manual_seed(0))
-    shard = ContextShard(torch.arange(LONG).expand(batch, LONG), cp, rank, dist.group.WORLD)
+    shard = ContextShard(torch.arange(LONG).expand(batch, LONG), cp, rank, dist.group.WORLD, attention)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 

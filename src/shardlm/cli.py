@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--dp-replicate", type=int, default=1)
     est.add_argument("--ep", type=int, default=1, help="expert parallelism (carved out of the data-parallel ranks)")
     est.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split between cp ranks")
+    est.add_argument("--cp-attention", default="all_gather", help="parallel.cp_attention: all_gather or ulysses")
     est.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step (default 4)")
     est.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128 or the positions)")
     est.add_argument("--bf16", action="store_true", help="mixed precision: bf16 activations, fp32 master state")
@@ -278,6 +279,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.pp,
         args.pp_schedule,
         args.pp_microbatches,
+        args.cp_attention,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

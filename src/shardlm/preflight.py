@@ -61,7 +61,8 @@ def check_run(cfg: Config) -> str | None:
     # one meta model for every check that needs it (LoRA adapts it last)
     needs_model = traced or weights or router or saves or ckpt or packed or p.ep > 1 or p.pp > 1 or p.cp > 1
     model = build_meta_model(cfg.model) if needs_model else None
-    check_context_parallel(model, p.cp)  # attention the cp ranks can split (parallel/runtime/context.py)
+    # attention the cp ranks can split, heads the Ulysses variant can (parallel/runtime/context.py)
+    check_context_parallel(model, p.cp, p.cp_attention, p.tp)
     if ckpt:  # else every rank refuses it when the Trainer is built (exit 1 at tp > 1)
         check_activation_checkpointing(model)
     if p.ep > 1:  # the model has experts, as many as ep divides

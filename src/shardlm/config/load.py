@@ -323,6 +323,11 @@ def _validate_cp(cfg: Config) -> None:
     ``seq_len / cp`` tokens are then sliced over tp. What the model decides (its attention, its mixers)
     is checked by ``shardlm.preflight``."""
     p, seq = cfg.parallel, cfg.data.seq_len
+    if p.cp_attention not in p.CP_ATTENTIONS:
+        raise ConfigError(
+            f"parallel.cp_attention must be one of {', '.join(p.CP_ATTENTIONS)}, got '{p.cp_attention}'; "
+            "set parallel.cp_attention: all_gather (the default) or ulysses"
+        )
     if p.cp > 1 and seq % (2 * p.cp):
         raise ConfigError(
             f"parallel.cp={p.cp} splits each window into 2*cp={2 * p.cp} equal chunks but data.seq_len={seq} is not "
@@ -338,6 +343,12 @@ def _validate_cp(cfg: Config) -> None:
             f"parallel.cp={p.cp} with parallel.sequence_parallel=true slices each rank's {seq // p.cp} tokens over "
             f"parallel.tp={p.tp}; set data.seq_len to a multiple of cp*tp={p.cp * p.tp} (and of 2*cp={2 * p.cp})"
         )
+    for key, on in (("parallel.sequence_parallel", p.sequence_parallel), ("lora", cfg.lora is not None)):
+        if p.cp > 1 and p.cp_attention == "ulysses" and on:
+            raise ConfigError(
+                f"parallel.cp_attention=ulysses with {key} is not supported yet (not tested together, "
+                f"docs/long_sequences.md); set parallel.cp_attention: all_gather or turn {key} off"
+            )
     unsupported = {
         "train.compile": cfg.train.compile,
         "parallel.fsdp_offload": p.fsdp_offload != "none",

@@ -81,10 +81,13 @@ class ParallelConfig:
 
     ``cp``: context parallelism, each sample's sequence split between ``cp`` ranks that see the same
     samples, attention gathering the keys and values of the others (``parallel/runtime/context.py``);
-    it adds processes, and FSDP shards over ``fsdp x cp``.
+    it adds processes, and FSDP shards over ``fsdp x cp``. ``cp_attention``: how those ranks meet in
+    attention: ``all_gather`` of the keys and values (the default), or ``ulysses`` (DeepSpeed Ulysses /
+    ALST: all-to-all exchanging tokens for heads, ``parallel/runtime/ulysses.py``).
     """
 
     OFFLOADS: ClassVar[tuple[str, ...]] = ("none", "cpu")
+    CP_ATTENTIONS: ClassVar[tuple[str, ...]] = ("all_gather", "ulysses")
 
     tp: int = 1
     fsdp: int = 1
@@ -100,6 +103,7 @@ class ParallelConfig:
     # stages each rank holds under a multi-stage schedule (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble)
     pp_virtual_stages: int | None = None  # None: 2 under those, 1 under 1F1B and GPipe
     cp: int = 1
+    cp_attention: str = "all_gather"  # all_gather | ulysses
 
     @property
     def world_size(self) -> int:

@@ -85,6 +85,9 @@ the keys and values of the whole window, repeated to every query head where the 
 repeated, else ``kd/t``), and the additive mask of the rank's rows, ``batch*seq/cp*seq`` in the
 activations' dtype, once for every full-attention layer and once for the sliding-window ones
 (``context_attention_elements``, ``context_mask_elements``; ``parallel/runtime/context.py``). With
+``cp_attention="ulysses"`` (``parallel/runtime/ulysses.py``) a rank attends the whole window for
+``a/cp`` of its heads: the same ``T*(2ad/t + a/t)`` for queries, output and logsumexp, keys and values
+``2*T*w`` (``seq x w/cp``), and the mask has every row, ``batch*seq*seq``. With
 sequence parallelism too, the norms' terms above are on the slices of those ``T`` tokens (measured
 within 0.5% at tp=2 x cp=2, seq 8768: ``benchmarks/long_sequence_tables.py``).
 
@@ -143,6 +146,8 @@ from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.sequence import sequence_refusal
 from shardlm.parallel.plan.styles import Style, local_shape, lora_dims, sharded_dim
 from shardlm.parallel.runtime.ep import check_ep
+from shardlm.parallel.runtime.ulysses import ATTENTION as ULYSSES
+from shardlm.parallel.runtime.ulysses import ulysses_refusal
 
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (fewer when the model has fewer positions)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -308,14 +313,16 @@ def activation_elements(
     cp: int = 1,
     in_flight: int = 1,
     final_norm: bool = True,
+    cp_attention: str = "all_gather",
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
     the elements of each recurrent mixer (``mixers.mixer_elements``), in place of attention
     in as many layers; ``sequence_parallel``: the norms on sequence slices; ``cp``: context
-    parallelism, ``tokens`` this rank's (``context_elements``). A pipeline stage (``estimate/stages.py``):
-    ``config`` its own (its blocks), ``in_flight`` micro-batches of ``tokens`` held at once (with
-    activation checkpointing their inputs, and one block recomputed), ``final_norm`` on the last stage only."""
+    parallelism, ``tokens`` this rank's, ``cp_attention`` its variant (``context_attention_elements``). A
+    pipeline stage (``estimate/stages.py``): ``config`` its own (its blocks), ``in_flight`` micro-batches of
+    ``tokens`` held at once (with activation checkpointing their inputs, and one block recomputed),
+    ``final_norm`` on the last stage only."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
@@ -324,7 +331,7 @@ def activation_elements(
     inputs = g["L"] * tokens * h // (t if sequence_parallel else 1)  # kept by activation checkpointing
     attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
     if cp > 1:
-        attention = context_attention_elements(tokens, cp, a // t, local_kv, d)
+        attention = context_attention_elements(tokens, cp, a // t, local_kv, d, cp_attention == ULYSSES)
     if lora_r:
         attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
@@ -333,24 +340,27 @@ def activation_elements(
     return stack + (in_flight * tokens * (3 * h + 1) if final_norm else 0)
 
 
-def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int) -> int:
+def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int, ulysses: bool = False) -> int:
     """One attention layer's saved elements on a context-parallel rank of ``tokens`` tokens
     (``parallel/runtime/context.py``): its queries, output and logsumexp, and the keys and values
     of the whole window (``cp x tokens``), repeated to every query head where the kv heads are
-    fewer (SDPA given a mask runs no GQA kernel: transformers repeats them)."""
+    fewer (SDPA given a mask runs no GQA kernel: transformers repeats them). ``ulysses``: the whole
+    window for ``1/cp`` of the heads instead (``parallel/runtime/ulysses.py``), as many queries and
+    outputs, keys and values ``tokens x width``."""
     width = heads * d if kv_heads < heads else kv_heads * d
-    return tokens * (2 * heads * d + heads) + 2 * cp * tokens * width
+    return tokens * (2 * heads * d + heads) + 2 * (1 if ulysses else cp) * tokens * width
 
 
-def context_mask_elements(config, batch: int, seq: int, cp: int) -> int:
+def context_mask_elements(config, batch: int, seq: int, cp: int, cp_attention: str = "all_gather") -> int:
     """The additive masks a context-parallel rank holds for a micro-batch, ``batch x seq/cp x seq``
-    each, in the activations' dtype: one for full attention, one for a sliding window (shared by
-    every layer of its kind)."""
+    each (``seq x seq`` under Ulysses: its queries are the whole window), in the activations' dtype:
+    one for full attention, one for a sliding window (shared by every layer of its kind)."""
     if cp == 1:
         return 0
     text = config.get_text_config()
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"]) & {"full_attention", "sliding_attention"}
-    return max(len(kinds), 1) * batch * (seq // cp) * seq
+    rows = seq if cp_attention == ULYSSES else seq // cp
+    return max(len(kinds), 1) * batch * rows * seq
 
 
 def row_copies(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -493,6 +503,18 @@ def _check_layout(
         raise ConfigError(f"--memory must be a positive number of GiB, got {memory_gib}")
 
 
+def _check_cp_attention(model: nn.Module, cp: int, cp_attention: str, tp: int) -> None:
+    """``--cp-attention`` as ``parallel.cp_attention`` would take it (``parallel/runtime/ulysses.py``)."""
+    if cp_attention not in ParallelConfig.CP_ATTENTIONS:
+        raise ConfigError(
+            f"--cp-attention must be one of {', '.join(ParallelConfig.CP_ATTENTIONS)}, got '{cp_attention}'"
+        )
+    geometry = read_geometry(model.config.get_text_config())
+    why = ulysses_refusal(geometry.heads or 0, geometry.kv or 0, tp, cp) if cp_attention == ULYSSES else None
+    if why is not None:
+        raise ConfigError(f"--cp-attention {ULYSSES} at --cp {cp}: {why}; use --cp-attention all_gather")
+
+
 def _check_offload(fsdp_offload: bool, dp_size: int, ep: int) -> None:
     """``--fsdp-offload`` where ``parallel.fsdp_offload=cpu`` would be refused (``config/load.py``)."""
     if fsdp_offload and dp_size == 1:
@@ -532,14 +554,15 @@ def estimate(
     pp: int = 1,
     pp_schedule: str = "1F1B",
     pp_microbatches: int | None = None,
+    cp_attention: str = "all_gather",
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
     carved out of the data-parallel ranks; ``sequence_parallel``: ``parallel.sequence_parallel``;
     ``fsdp_offload``: the model state in host memory; ``cp``: context parallelism, each sequence
-    split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``; ``pp``: pipeline stages run by
-    ``pp_schedule`` over ``pp_microbatches`` (default ``pp``) micro-batches of ``batch`` sequences,
-    see ``pipeline_estimate``)."""
+    split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``; ``cp_attention``: its variant,
+    ``parallel.cp_attention``; ``pp``: pipeline stages run by ``pp_schedule`` over ``pp_microbatches``
+    (default ``pp``) micro-batches of ``batch`` sequences, see ``pipeline_estimate``)."""
     check_model_dir(model_path)
     _check_offload(fsdp_offload, fsdp * dp_replicate, ep)
     if seq is None:
@@ -549,7 +572,7 @@ def estimate(
     check_value("parallel.pp", pp, "--pp")
     layout = {"tp": tp, "fsdp": fsdp, "cp": cp, "ep": ep, "dp_replicate": dp_replicate, "batch": batch, "seq": seq}
     layout |= {"bf16": bf16, "lora_r": lora_r, "gradient_checkpointing": gradient_checkpointing}
-    layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload}
+    layout |= {"sequence_parallel": sequence_parallel, "fsdp_offload": fsdp_offload, "cp_attention": cp_attention}
     if pp > 1:
         schedule = schedule_name(pp_schedule)
         check_microbatches(pp, schedule, pp_microbatches or pp)
@@ -559,6 +582,7 @@ def estimate(
     check_seq_len(model_config(model_path), seq, "--seq")
     model = build_meta_model(model_path)
     check_ep(model, ep)
+    _check_cp_attention(model, cp, cp_attention, tp)
     plan = infer_plan(model, tp)
     if sequence_parallel:
         _check_sequence_parallel(model, plan, tp, seq, cp)
@@ -593,9 +617,10 @@ def model_estimate(
     tokens = batch * seq // cp  # this rank's
     copies = row_copies(model, plan).values()
     mixers = _mixers(model, plan, styles, batch, seq, tp, act_bytes)
+    cp_attention = layout.get("cp_attention", "all_gather")
     stack = activation_elements(
         config, tokens, tp, checkpointing, lora_r, moe_sizes(model), mixers, layout["sequence_parallel"], cp,
-        held, last,
+        held, last, cp_attention,
     )  # fmt: skip
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
@@ -605,7 +630,7 @@ def model_estimate(
         "activations": act_bytes
         * (
             stack
-            + held * context_mask_elements(config, batch, seq, cp)
+            + held * context_mask_elements(config, batch, seq, cp, cp_attention)
             # with gradient checkpointing one layer's at a time: the largest
             + (max(copies, default=0) if checkpointing else held * sum(copies))
         ),
@@ -690,6 +715,7 @@ def format_table(est: Estimate) -> str:
             f"layout tp={lay['tp']} fsdp={lay['fsdp']} dp_replicate={lay['dp_replicate']}"
             f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''}"
             f"{' cp=' + str(lay['cp']) if lay.get('cp', 1) > 1 else ''}"
+            f"{' (ulysses)' if lay.get('cp', 1) > 1 and lay.get('cp_attention') == ULYSSES else ''}"
             f"{' pp=' + str(lay['pp']) if lay.get('pp', 1) > 1 else ''}, per rank: "
             f"batch {lay['batch']} x seq {lay['seq']}{', bf16' if lay['bf16'] else ', fp32'}"
             f"{', LoRA r=' + str(lay['lora_r']) if lay['lora_r'] else ''}"

@@ -246,7 +246,7 @@ def parallelize(
         apply_tp(model, mesh, plan, with_lora=peft_cfg is not None)
     experts = apply_ep(model, mesh.experts, plan.experts) if mesh.parallel.ep > 1 else []
     if mesh.parallel.cp > 1:  # attention over the sequence split between the cp ranks
-        check_context_parallel(model, mesh.parallel.cp)
+        check_context_parallel(model, mesh.parallel.cp, mesh.parallel.cp_attention, mesh.parallel.tp)
         enable_context_parallel(model)
     parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
     if mesh.shards_parameters:

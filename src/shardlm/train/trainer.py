@@ -236,7 +236,8 @@ class Trainer:
         p = self.mesh.parallel
         if p.cp == 1:
             return batch, None
-        shard = ContextShard(window_positions(batch), p.cp, self.mesh.cp.get_local_rank(), self.mesh.cp.get_group())
+        cp_rank, group = self.mesh.cp.get_local_rank(), self.mesh.cp.get_group()
+        shard = ContextShard(window_positions(batch), p.cp, cp_rank, group, p.cp_attention)
         return split_batch(batch, shard.index), shard
 
     def _micro_step(self, micro: int, batch: Batch, denom: float) -> tuple[torch.Tensor, torch.Tensor]:

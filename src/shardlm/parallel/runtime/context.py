@@ -23,6 +23,10 @@ the step (this rank's positions, the window's position ids, the cp group) is set
 micro-step's forward *and* backward by ``context_parallel``, so the recompute of an activation-
 checkpointed block finds it too. torch's own ``context_parallel()`` is not the base: it runs only
 CUDA SDPA kernels and takes no mask.
+
+``parallel.cp_attention: ulysses`` runs the same attention the other way round (``ulysses.py``):
+heads instead of keys exchanged, by all-to-all, each rank attending whole windows for ``heads / cp``
+of the heads with the window's whole mask.
 """
 
 from __future__ import annotations
@@ -41,40 +45,50 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardlm.data.context_split import chunk_index
 from shardlm.errors import ConfigError
+from shardlm.parallel.model.geometry import read_geometry
 from shardlm.parallel.model.hf import is_depthwise_conv
+from shardlm.parallel.runtime.ulysses import ATTENTION as ULYSSES
+from shardlm.parallel.runtime.ulysses import heads_to_window, ulysses_refusal, window_to_heads
 
 IMPLEMENTATION = "shardlm_context_parallel"
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # config names
 
 
 @dataclass
 class ContextShard:
     """One micro-batch as rank ``rank`` of the ``cp`` ranks of ``group`` holds it. ``positions``: the
-    window's global position ids ``[batch, seq_len]``; ``masks``: built once per micro-batch, per
-    sliding window (the recompute of a checkpointed block reuses them)."""
+    window's global position ids ``[batch, seq_len]``; ``attention``: ``parallel.cp_attention``;
+    ``masks``: built once per micro-batch, per sliding window (the recompute of a checkpointed block
+    reuses them)."""
 
     positions: torch.Tensor
     cp: int
     rank: int
     group: dist.ProcessGroup
+    attention: str = "all_gather"
     masks: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seq_len, device = self.positions.shape[1], self.positions.device
         self.index = chunk_index(seq_len, self.cp, self.rank, device)  # this rank's window positions
-        gathered = torch.cat([chunk_index(seq_len, self.cp, r, device) for r in range(self.cp)])
-        self.order = torch.argsort(gathered)  # the all-gathered rows -> window order
+        # the window positions of every rank's tokens, rank by rank (the order collectives concatenate them in)
+        self.gathered = torch.cat([chunk_index(seq_len, self.cp, r, device) for r in range(self.cp)])
+        self.order = torch.argsort(self.gathered)  # the gathered rows -> window order
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive ``[batch, 1, local, seq_len]`` in ``dtype`` (0 where this rank's query attends to
         the key, the dtype's min elsewhere), built once and shared by every layer: handed a bool mask,
         SDPA converts it to a float one in each layer and saves that for the backward, one
-        ``local x seq_len`` matrix a layer; this one is saved once."""
-        if (sliding_window, dtype) not in self.masks:
-            allowed = document_mask(self.positions, self.index, sliding_window)
+        ``local x seq_len`` matrix a layer; this one is saved once. Under Ulysses: every row,
+        ``[batch, 1, seq_len, seq_len]`` (its queries are the whole window)."""
+        whole = self.attention == ULYSSES
+        if (sliding_window, dtype, whole) not in self.masks:
+            rows = torch.arange(self.positions.shape[1], device=self.positions.device) if whole else self.index
+            allowed = document_mask(self.positions, rows, sliding_window)
             additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self.masks[sliding_window, dtype] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return self.masks[sliding_window, dtype]
+            self.masks[sliding_window, dtype, whole] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return self.masks[sliding_window, dtype, whole]
 
 
 def document_mask(positions: torch.Tensor, index: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -125,12 +139,34 @@ def context_attention(module: nn.Module, query, key, value, attention_mask, **kw
     shard = _active[-1]
     if kwargs.get("s_aux") is not None:  # refused before spawning (``context_parallel_refusal``); never dropped
         raise RuntimeError(f"{IMPLEMENTATION}: attention sinks (s_aux) are not supported under context parallelism")
+    if shard.attention == ULYSSES:
+        return ulysses_attention(module, query, key, value, shard, **kwargs)
     key, value = gather_sequence(key, shard), gather_sequence(value, shard)
-    mask = shard.mask(kwargs.get("sliding_window"), query.dtype)
+    return model_attention(module, query, key, value, shard.mask(kwargs.get("sliding_window"), query.dtype), **kwargs)
+
+
+def model_attention(module: nn.Module, query, key, value, mask: torch.Tensor, **kwargs):
+    """The model's own attention with ``mask``: transformers' SDPA function, or the modeling file's eager
+    one where the layer passes a logit ``softcap`` SDPA cannot express."""
     if kwargs.get("softcap") is None:
         return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
     eager = sys.modules[type(module).__module__].eager_attention_forward
     return eager(module, query, key, value, mask, **kwargs)
+
+
+def ulysses_attention(module: nn.Module, query, key, value, shard: ContextShard, **kwargs):
+    """Attention with heads exchanged for tokens (``ulysses.py``): whole windows, ``heads / cp`` heads.
+    Attention dropout (refused before spawning) would need masks keyed by whole-window queries of a
+    head slice; per-head extras (``position_bias``) would need slicing to the head group: both refused."""
+    if kwargs.get("dropout"):
+        raise RuntimeError(f"{IMPLEMENTATION}: attention dropout is not supported with cp_attention={ULYSSES}")
+    if kwargs.get("position_bias") is not None:
+        raise RuntimeError(f"{IMPLEMENTATION}: a per-head position_bias is not supported with cp_attention={ULYSSES}")
+    cp, group = shard.cp, shard.group
+    query, key, value = (heads_to_window(x, cp, shard.order, group) for x in (query, key, value))
+    mask = shard.mask(kwargs.get("sliding_window"), query.dtype)  # every row: the queries are the whole window
+    output, _ = model_attention(module, query, key, value, mask, **kwargs)
+    return window_to_heads(output, cp, shard.gathered, group), None
 
 
 AttentionInterface.register(IMPLEMENTATION, context_attention)
@@ -188,10 +224,32 @@ def _class_named(model: nn.Module, name: str) -> type:
     return next(type(m) for m in model.modules() if type(m).__name__ == name)
 
 
-def check_context_parallel(model: nn.Module, cp: int) -> None:
-    """Refuse ``parallel.cp`` > 1 for a model it cannot split (``shardlm.preflight``, and ``parallelize``)."""
+def ulysses_model_refusal(model: nn.Module, cp: int, tp: int) -> str | None:
+    """Why ``model`` cannot run ``parallel.cp_attention: ulysses`` at ``cp`` x ``tp``, or None: its
+    heads after TP's split divide by cp (``ulysses.py``), and no attention dropout (its masks would be
+    drawn on a head slice of whole windows, which ``DeterministicDropout`` does not key yet)."""
+    config = model.config.get_text_config()
+    geometry = read_geometry(config)
+    why = ulysses_refusal(geometry.heads or 0, geometry.kv or 0, tp, cp)
+    if why is not None:
+        return f"{type(model).__name__}: {why}"
+    dropout = next((name for name in ATTENTION_DROPOUTS if getattr(config, name, 0) or 0), None)
+    if dropout is not None:
+        value = getattr(config, dropout)
+        return f"{type(model).__name__}'s attention dropout ({dropout}={value}) is not drawn per head slice yet"
+    return None
+
+
+def check_context_parallel(model: nn.Module, cp: int, attention: str = "all_gather", tp: int = 1) -> None:
+    """Refuse ``parallel.cp`` > 1 for a model it cannot split (``shardlm.preflight``, and ``parallelize``);
+    ``attention``: ``parallel.cp_attention``, whose Ulysses variant also needs heads dividing by cp."""
     if cp == 1:
         return
     why = context_parallel_refusal(model)
     if why is not None:
         raise ConfigError(f"parallel.cp={cp}: {why}; set parallel.cp: 1 (use parallel.tp or parallel.fsdp instead)")
+    why = ulysses_model_refusal(model, cp, tp) if attention == ULYSSES else None
+    if why is not None:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.cp_attention={ULYSSES}: {why}; set parallel.cp_attention: all_gather"
+        )
