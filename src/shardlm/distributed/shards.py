@@ -44,14 +44,14 @@ class PartsShard(Shard):
     propagation and FSDP's chunking of the TP-local tensor are the same); only which global rows
     the local piece holds differs, and every place that asks reads ``local_index``.
 
-    The price of that equality: DTensor caches sharding propagation per process (its C++ dispatch
-    cache and the Python one), keyed by the input specs, and specs that compare equal are one
-    entry. So an op on a tensor of the same mesh, shape and dtype can be answered with the output
-    spec of an earlier op on the other kind, in both directions: a ``Shard(dim)`` tensor's
-    ``detach`` (``nn.Parameter``, ``state_dict``), ``zeros_like`` (AdamW's states) or in-place op
-    comes back ``PartsShard`` with another tensor's parts (Qwen3.5's in_proj_qkv.lora_B [128, 4]
+    The price of that equality: DTensor caches sharding propagation per process, keyed by the input
+    specs, and its C++ fast-path cache finds an entry by hash bucket and equality (``NativeOpSchema``'s
+    ``==`` does not compare hashes). So an op on a tensor of the same mesh, shape and dtype can be
+    answered with the output spec of an earlier op on the other kind, in both directions: a
+    ``Shard(dim)`` tensor's ``detach`` (``nn.Parameter``, ``state_dict``), ``zeros_like`` (AdamW's
+    states) or in-place op comes back ``PartsShard`` with another tensor's parts (Qwen3.5's in_proj_qkv.lora_B [128, 4]
     gave Kimi-Linear's gate_proj.lora_B its parts (32, 32, 64)), and a ``PartsShard`` one comes
-    back a plain ``Shard``. When two specs meet in the cache depends on their hashes, which differ
+    back a plain ``Shard``. Whether two specs share a bucket depends on their hashes, which differ
     per process (the mesh hashes its thread id): it happens on one rank and not the other, which
     DCP then refuses as overlapping chunks. The values are right, the positions are wrong; so
     shardlm records the placement each style gave a parameter (``parameter``, ``tp_placements``)
@@ -65,7 +65,7 @@ class PartsShard(Shard):
         self.parts = tuple(parts)
 
     def __hash__(self) -> int:  # not one entry with Shard(dim) in DTensor's Python-level propagation cache
-        return hash((self.dim, self.parts))  # (its C++ one compares the C++ base: ``keep_parts``)
+        return hash((self.dim, self.parts))  # (its C++ one compares a bucket by ==: ``keep_placement``)
 
     def __repr__(self) -> str:
         return f"PartsShard(dim={self.dim}, parts={self.parts})"
