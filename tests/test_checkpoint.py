@@ -103,24 +103,32 @@ def test_hybrid_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process, mod
     assert_close(one, tp2_runs[f"{model}_full"][5:], 1e-5)
 
 
-def test_state_dicts_get_their_parameters_parts_back(one_process):
-    """A state dict value a DTensor op handed back with a plain ``Shard`` (``shards.PartsShard``: the
-    C++ dispatch cache) gets its parameter's ``PartsShard`` again, by key, model and flattened
-    optimizer state alike, so DCP saves it by its parts' rows; other values are left alone."""
+def test_state_dicts_get_their_parameters_placements_back(one_process):
+    """A state dict value a DTensor op handed back with its equal-comparing twin (``shards.PartsShard``:
+    DTensor's sharding propagation cache) gets its parameter's placement again, by key, model and
+    flattened optimizer state alike, in both directions: a packed parameter's plain ``Shard`` gets its
+    parts back, a plain parameter's ``PartsShard`` (another tensor's parts) becomes ``Shard`` again,
+    so DCP saves each at its own rows; other values are left alone."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from shardlm.distributed.shards import PartsShard, is_packed, keep_parts_in
+    from shardlm.distributed.shards import PartsShard, is_packed, keep_placements_in
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    parts = {"m.in_proj.weight": PartsShard(0, (2, 2, 4))}
-    plain = {
-        key: DTensor.from_local(torch.zeros(8, 3), mesh, [Shard(0)], run_check=False)
-        for key in ("m.in_proj.weight", "state.m.in_proj.weight.exp_avg", "state.m.out_proj.weight.exp_avg")
+    placements = {"m.in_proj.weight": PartsShard(0, (2, 2, 4)), "m.gate.weight": Shard(0), "m.norm": Replicate()}
+    given = {
+        "m.in_proj.weight": Shard(0),
+        "state.m.in_proj.weight.exp_avg": Shard(0),
+        "state.m.out_proj.weight.exp_avg": Shard(0),
+        "m.gate.weight": PartsShard(0, (4, 4)),
+        "state.m.gate.weight.exp_avg_sq": PartsShard(0, (2, 6)),
+        "m.norm": Replicate(),
     }
-    keep_parts_in(plain, parts)
-    assert [is_packed(v) for v in plain.values()] == [True, True, False]
-    assert plain["state.m.in_proj.weight.exp_avg"].placements[0].parts == (2, 2, 4)
+    state = {k: DTensor.from_local(torch.zeros(8, 3), mesh, [p], run_check=False) for k, p in given.items()}
+    keep_placements_in(state, placements)
+    assert [is_packed(v) for v in state.values()] == [True, True, False, False, False, False]
+    assert state["state.m.in_proj.weight.exp_avg"].placements[0].parts == (2, 2, 4)
+    assert [type(state[k].placements[0]) for k in ("m.gate.weight", "state.m.gate.weight.exp_avg_sq")] == [Shard] * 2
 
 
 def test_load_restores_state_and_refuses_a_different_run(tp2_runs, one_process):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+import pool
 import pytest
 import torch
 from families import write_tiny_dir
@@ -237,6 +238,75 @@ def test_lora_under_cp_matches_one_process_peft(lora_models, tmp_path):
     wrap = lambda model: PeftModel.from_pretrained(model, adapter, is_trainable=True)  # noqa: E731
     ref = plain_reference(gpt2, GLOBAL_BATCH, wrap=wrap, dropout=True)
     assert_parity(run_ranks(sp_run, 2, gpt2, {"cp": 2}, adapter), ref, label="gpt2 lora_dropout cp=2")
+
+
+COLLIDING_STEPS = 3
+
+
+def colliding_cache_rank(runs: list[tuple[str, str]]) -> dict:
+    """Rank body: LoRA training at tp=2 of each (model, adapter) in turn, saved at the last step,
+    with rank 1's DTensor sharding propagation caches made to answer a ``Shard`` spec with an equal
+    ``PartsShard`` one's entry every time they meet (``PartsShard`` hashed as ``Shard``): what their
+    per-process hashes make happen now and then (``shards.PartsShard``). Losses, grad norms and each
+    trainable parameter's placements on this rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.distributed.shards import PartsShard
+
+    init_distributed()
+    _clear_sharding_prop_cache()  # this job's entries only: the order below poisons, deterministically
+    own_hash = PartsShard.__hash__
+    if dist.get_rank() == 1:
+        PartsShard.__hash__ = lambda self: hash(self.dim)  # Shard's
+    out = {}
+    try:
+        for path, adapter in runs:
+            saves = {"save_steps": COLLIDING_STEPS, "output_dir": os.path.join(path, "colliding")}
+            cfg = train_config(path, {"tp": 2}, GLOBAL_BATCH, 1, COLLIDING_STEPS, **saves)
+            cfg.lora = LoraConfig(adapter=adapter)
+            mesh = build_mesh(cfg.parallel)
+            model = parallelize(path, mesh, seed=0, lora_config=cfg.lora)
+            history = Trainer(model, cfg, token_dataset(), mesh).train()
+            placed = {n: repr(p.placements) for n, p in model.module.named_parameters() if isinstance(p, DTensor)}
+            out[path] = {"steps": [(h["loss"], h["grad_norm"]) for h in history], "placements": placed}
+    finally:
+        PartsShard.__hash__ = own_hash
+        _clear_sharding_prop_cache()  # no entry made with the colliding hash outlives the job
+    return out
+
+
+@pytest.mark.ranks
+def test_placements_confused_by_dtensor_cache_are_put_back(lora_models):
+    """Phi-3 with GQA (qkv_proj.lora_B [64, 4]: ``PartsShard`` (32, 16, 16)) then Llama (gate_proj and
+    up_proj lora_B [64, 4]: ``Shard(0)``) in the same processes, rank 1's DTensor cache confusing the
+    two (``colliding_cache_rank``): before the placements were recorded and put back, Llama's adapter
+    took Phi-3's parts on rank 1 only and DCP refused its save (overlapping chunks, as in CI). Now both
+    ranks hold the same placements, train as one-process peft does, and the saved adapter is peft's."""
+    from helpers import assert_parity
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.export import consolidate
+
+    runs = [lora_models["phi3_gqa"], lora_models["llama"]]
+    got = pool.run(colliding_cache_rank, 2, runs)  # {rank: result}
+    for path, adapter in runs:
+        family = os.path.basename(path)
+        assert got[0][path]["placements"] == got[1][path]["placements"], family
+        ref_steps, ref_adapter, _ = peft_reference(path, adapter, COLLIDING_STEPS)
+        assert_parity(got[0][path]["steps"], ref_steps, label=family)
+        out = os.path.join(path, "colliding-adapter")
+        consolidate(os.path.join(path, "colliding", "checkpoints", f"step-{COLLIDING_STEPS}"), out)
+        ours = load_file(os.path.join(out, "adapter_model.safetensors"))
+        assert ours.keys() == ref_adapter.keys(), family
+        for key, value in ref_adapter.items():
+            assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), (family, key)
+    placed = got[1][runs[1][0]]["placements"]
+    assert placed["model.layers.0.mlp.gate_proj.lora_B.default.weight"] == "(Shard(dim=0),)"
+    qkv_b = got[1][runs[0][0]]["placements"]["model.layers.0.self_attn.qkv_proj.lora_B.default.weight"]
+    assert qkv_b == "(PartsShard(dim=0, parts=(32, 16, 16)),)"
 
 
 RESUME_LORA = LoraConfig(

@@ -48,7 +48,7 @@ from shardlm.checkpoint.layout import (
 )
 from shardlm.checkpoint.manifest import check_model, verify
 from shardlm.config import Config
-from shardlm.distributed.shards import PackedShards, SavePlanner, keep_parts_in, packed_view, parts_placements
+from shardlm.distributed.shards import PackedShards, SavePlanner, keep_placements_in, packed_view, tp_placements
 from shardlm.errors import ConfigError, OutOfSpace
 
 log = logging.getLogger("shardlm")
@@ -81,9 +81,9 @@ class TrainState:
         """Model and optimizer state to save or fill. In a LoRA run only what trains: torch's
         ``ignore_frozen_params`` misses the second name of a tied frozen weight (GPT-2's lm_head)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options())
-        parts = parts_placements(self.model)  # positions DTensor ops may have dropped (``shards.PartsShard``)
-        keep_parts_in(model_sd, parts)
-        keep_parts_in(optim_sd, parts)
+        placements = tp_placements(self.model)  # positions DTensor ops may have changed (``shards.PartsShard``)
+        keep_placements_in(model_sd, placements)
+        keep_placements_in(optim_sd, placements)
         if self.lora is not None:
             trains = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
             model_sd = {k: v for k, v in model_sd.items() if k in trains}

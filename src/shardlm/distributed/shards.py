@@ -42,13 +42,22 @@ class PartsShard(Shard):
 
     To DTensor and FSDP2 it is ``Shard(dim)`` (it compares equal to it: shapes, sharding
     propagation and FSDP's chunking of the TP-local tensor are the same); only which global rows
-    the local piece holds differs, and every place that asks reads ``local_index``. But a tensor a
-    DTensor op makes from one may come back with a plain ``Shard``: DTensor's C++ dispatch caches
-    sharding propagation with placements compared as their C++ base, so an earlier op on a
-    ``Shard(dim)`` tensor of the same shape answers (seen intermittently: ``nn.Parameter``'s detach
-    on one rank). The values are right, the positions are lost; so shardlm puts the placement back
-    (``keep_parts``) where it reads positions: on parameters once built, and on the state dicts of
-    a checkpoint. ``DTensor.full_tensor()`` gives the rows in rank order: use ``shards.full_tensor``.
+    the local piece holds differs, and every place that asks reads ``local_index``.
+
+    The price of that equality: DTensor caches sharding propagation per process, keyed by the input
+    specs, and its C++ fast-path cache finds an entry by hash bucket and equality (``NativeOpSchema``'s
+    ``==`` does not compare hashes). So an op on a tensor of the same mesh, shape and dtype can be
+    answered with the output spec of an earlier op on the other kind, in both directions: a
+    ``Shard(dim)`` tensor's ``detach`` (``nn.Parameter``, ``state_dict``), ``zeros_like`` (AdamW's
+    states) or in-place op comes back ``PartsShard`` with another tensor's parts (Qwen3.5's in_proj_qkv.lora_B [128, 4]
+    gave Kimi-Linear's gate_proj.lora_B its parts (32, 32, 64)), and a ``PartsShard`` one comes
+    back a plain ``Shard``. Whether two specs share a bucket depends on their hashes, which differ
+    per process (the mesh hashes its thread id): it happens on one rank and not the other, which
+    DCP then refuses as overlapping chunks. The values are right, the positions are wrong; so
+    shardlm records the placement each style gave a parameter (``parameter``, ``tp_placements``)
+    and puts it back (``keep_placement``) wherever positions are read: on the parameters once built
+    (``keep_placements``) and on the state dicts of a checkpoint (``keep_placements_in``).
+    ``DTensor.full_tensor()`` gives the rows in rank order: use ``shards.full_tensor``.
     """
 
     def __init__(self, dim: int, parts: tuple[int, ...]):
@@ -56,7 +65,7 @@ class PartsShard(Shard):
         self.parts = tuple(parts)
 
     def __hash__(self) -> int:  # not one entry with Shard(dim) in DTensor's Python-level propagation cache
-        return hash((self.dim, self.parts))  # (its C++ one compares the C++ base: ``keep_parts``)
+        return hash((self.dim, self.parts))  # (its C++ one compares a bucket by ==: ``keep_placement``)
 
     def __repr__(self) -> str:
         return f"PartsShard(dim={self.dim}, parts={self.parts})"
@@ -82,41 +91,73 @@ def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, sr
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
+# the attribute on a parameter holding the TP placement a style gave it (``parameter``, ``keep_placements``)
+STYLE_PLACEMENT = "_shardlm_tp_placement"
+
+
 def parameter(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> nn.Parameter:
-    """``tensor`` distributed by ``placement`` (``_distribute``) as a parameter that keeps it."""
+    """``tensor`` distributed by ``placement`` (``_distribute``) as a parameter that keeps it: its
+    ``detach`` may come back with another placement (``PartsShard``), so it is put back and recorded."""
     param = nn.Parameter(_distribute(tensor, mesh, placement, src), requires_grad=tensor.requires_grad)
-    if isinstance(placement, PartsShard):
-        keep_parts(param, placement)
+    keep_placement(param, placement)
+    setattr(param, STYLE_PLACEMENT, placement)
     return param
 
 
-def parts_placements(model: nn.Module) -> dict[str, PartsShard]:
-    """The ``PartsShard`` TP placement of each parameter of ``model`` that has one, by fqn."""
+def _tp_dim(t: torch.Tensor) -> int | None:
+    """The index of the TP mesh dim among ``t``'s placements (None: not a DTensor on a TP mesh)."""
+    if not isinstance(t, DTensor) or "tp" not in (t.device_mesh.mesh_dim_names or ()):
+        return None
+    return t.device_mesh.mesh_dim_names.index("tp")
+
+
+def tp_placements(model: nn.Module) -> dict[str, Placement]:
+    """The TP placement each DTensor parameter of ``model`` was given, by fqn (every name of a tied one).
+
+    The one recorded on it (``parameter``, ``keep_placements``), else its own; an unrecorded
+    ``PartsShard`` is read as the ``Shard`` it was (only ``parameter`` makes those: torch's own
+    styles create plain ``Shard`` parameters, whose ``detach`` may have come back with parts)."""
     found = {}
-    for fqn, param in model.named_parameters():
-        if isinstance(param, DTensor) and "tp" in param.device_mesh.mesh_dim_names:
-            placement = param.placements[param.device_mesh.mesh_dim_names.index("tp")]
-            if isinstance(placement, PartsShard):
-                found[fqn] = placement
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if (mesh_dim := _tp_dim(param)) is None:
+            continue
+        placement = getattr(param, STYLE_PLACEMENT, None)
+        if placement is None:
+            placement = param.placements[mesh_dim]
+            placement = Shard(placement.dim) if isinstance(placement, PartsShard) else placement
+        found[fqn] = placement
     return found
 
 
-def keep_parts(t: DTensor, placement: PartsShard) -> None:
+def keep_placement(t: torch.Tensor, placement: Placement) -> None:
     """Put ``placement`` back on the TP mesh dim of ``t`` (in place; the local tensor is unchanged)
-    where a DTensor op replaced it by a plain ``Shard`` (see ``PartsShard``)."""
-    names = t.device_mesh.mesh_dim_names
-    placements = tuple(placement if name == "tp" else p for name, p in zip(names, t.placements))
-    if any(type(a) is not type(b) for a, b in zip(placements, t.placements)):
+    where a DTensor op gave it one that compares equal but holds other rows (``PartsShard``)."""
+    if (mesh_dim := _tp_dim(t)) is None:
+        return
+    now = t.placements[mesh_dim]
+    if now == placement and (
+        type(now) is not type(placement) or getattr(now, "parts", None) != getattr(placement, "parts", None)
+    ):
+        placements = (*t.placements[:mesh_dim], placement, *t.placements[mesh_dim + 1 :])
         t._spec = dataclasses.replace(t._spec, placements=placements)  # DTensor keeps its spec in this slot
 
 
-def keep_parts_in(state: dict, parts: dict[str, PartsShard]) -> None:
-    """``keep_parts`` on a state dict's values: a model's (``{fqn: tensor}``) or a flattened
-    optimizer state dict's (``{"state.<fqn>.<name>": tensor}``), ``parts`` by parameter fqn."""
+def keep_placements(model: nn.Module, placements: dict[str, Placement]) -> None:
+    """``keep_placement`` on each parameter of ``model`` named in ``placements`` (``tp_placements``
+    read before FSDP2 and ``to_empty`` made new tensors), and recorded on it for later reads."""
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if fqn in placements:
+            keep_placement(param, placements[fqn])
+            setattr(param, STYLE_PLACEMENT, placements[fqn])
+
+
+def keep_placements_in(state: dict, placements: dict[str, Placement]) -> None:
+    """``keep_placement`` on a state dict's values: a model's (``{fqn: tensor}``) or a flattened
+    optimizer state dict's (``{"state.<fqn>.<name>": tensor}``), ``placements`` by parameter fqn."""
     for key, value in state.items():
         fqn = key.removeprefix("state.").rpartition(".")[0] if key.startswith("state.") else key
-        if fqn in parts and isinstance(value, DTensor):
-            keep_parts(value, parts[fqn])
+        if fqn in placements:
+            keep_placement(value, placements[fqn])
 
 
 def _tp_parts(param: DTensor, mesh_dim: int) -> tuple[int, ...] | None:

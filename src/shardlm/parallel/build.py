@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlm.config import LoraConfig
 from shardlm.distributed.mesh import Mesh
-from shardlm.distributed.shards import keep_parts_in, parts_placements
+from shardlm.distributed.shards import keep_placements, tp_placements
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.infer.stages import stage_layout
@@ -248,13 +248,13 @@ def parallelize(
     if mesh.parallel.cp > 1:  # attention over the sequence split between the cp ranks
         check_context_parallel(model, mesh.parallel.cp, mesh.parallel.cp_attention, mesh.parallel.tp)
         enable_context_parallel(model)
-    parts = parts_placements(model)  # FSDP's parameters and to_empty's are new tensors: see PartsShard
+    placements = tp_placements(model)  # as the styles placed them: FSDP's and to_empty's are new tensors (PartsShard)
     if mesh.shards_parameters:
         # under pp the stage is FSDP's root: its forward unshards what the stage holds outside the blocks,
         # and torch's schedules then reduce the gradients once per step (``PipelineStage`` knows FSDPModule)
         apply_fsdp(stage if stage is not None else model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
     _materialize(model, mesh)
-    keep_parts_in(dict(model.named_parameters()), parts)
+    keep_placements(model, placements)
     with torch.no_grad():
         restore_buffers(model, buffers)
     if has_weights(model_path):
