@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.parallel.plan.channels import local_views
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style
 from shardlm.parallel.runtime.channels import PerChannel
+from shardlm.parallel.runtime.embedding import VocabParallelEmbedding
 from shardlm.parallel.runtime.experts import ExpertsParallel
 from shardlm.parallel.runtime.linear import (
     Colwise,
@@ -53,9 +54,8 @@ def make_style(
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(parts)
         case Style.EMBEDDING:
-            # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
-            # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
-            return Rowwise(input_layouts=Replicate())
+            # vocab rows sharded; each rank looks up its rows on local tensors, the partial sums all-reduced
+            return VocabParallelEmbedding()
         case Style.LM_HEAD:
             # logits stay sharded over the vocabulary: the loss runs under loss_parallel
             return Colwise(output_layouts=Shard(-1), use_local_output=False)
