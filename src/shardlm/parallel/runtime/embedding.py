@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from shardlm.distributed.shards import LocalParams, local_index
-from shardlm.parallel.runtime.linear import Rowwise, shard_params
+from shardlm.parallel.runtime.linear import shard_params
 from shardlm.parallel.runtime.regions import reduce_from_region
 
 
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         plain = isinstance(module, nn.Embedding) and module.max_norm is None
         if not plain or module.scale_grad_by_freq or module.sparse:
-            return Rowwise(input_layouts=Replicate())._apply(module, device_mesh)
+            return _dtensor_embedding(module, device_mesh)
         shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
         rows = local_index(module.weight, 0)
         start, end = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
@@ -62,3 +62,11 @@ class VocabParallelEmbedding(ParallelStyle):
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)
         return module
+
+
+def _dtensor_embedding(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """torch's DTensor style for an embedding the local lookup cannot serve; its output a tensor of its own
+    (models scale the embeddings in place: CTRL's ``*= sqrt(d)``)."""
+    RowwiseParallel(input_layouts=Replicate())._apply(module, mesh)
+    module.register_forward_hook(lambda mod, args, out: out.clone())
+    return module

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.parallel.plan.channels import local_views
@@ -18,9 +17,7 @@ from shardlm.parallel.runtime.linear import (
     LatentColwise,
     PackedColwiseParallel,
     Rowwise,
-    SequenceRowwise,
     SlicedColwise,
-    SummedRowwise,
 )
 from shardlm.parallel.runtime.replicate import LocalReplicate, ReplicateParallel, ShardedRMSNorm
 
@@ -49,8 +46,8 @@ def make_style(
             return LatentColwise() if latent_input else Colwise()
         case Style.ROWWISE:
             if sequence_parallel:
-                return SequenceRowwise()
-            return SummedRowwise() if summed else Rowwise()
+                return Rowwise("scattered")
+            return Rowwise("summed") if summed else Rowwise()
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(parts)
         case Style.EMBEDDING:
@@ -58,7 +55,7 @@ def make_style(
             return VocabParallelEmbedding()
         case Style.LM_HEAD:
             # logits stay sharded over the vocabulary: the loss runs under loss_parallel
-            return Colwise(output_layouts=Shard(-1), use_local_output=False)
+            return Colwise(sharded_output=True)
         case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
             return ReplicateParallel()
         case Style.REPLICATE_LOCAL:

@@ -22,7 +22,7 @@ rank's slice of the sequence (``sequence_dim``), and three more regions, Megatro
 
 ``reduce_scatter_to_sequence_region``  forward: a row-parallel layer's partial sums added over TP and
                                 scattered to the slices (a reduce-scatter); backward: the slices' gradients
-                                all-gathered (``linear.SequenceRowwise``).
+                                all-gathered (``linear.Rowwise("scattered")``).
 
 The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``.
 Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded LM head
