@@ -16,7 +16,7 @@ rounds; the number to trust on a shared machine), best tokens/s, and memory: the
 timed step (``VmHWM`` reset before it, nothing trimmed), whose first and last values show creep,
 and the peak over the run. Ratios are new over the other side.
 
-    python benchmarks/against.py [--against REV] [--layouts tp2,fsdp2] [--steps 6] [--rounds 2]
+    python benchmarks/against.py [--against REV] [--layouts tp2,fsdp2] [--steps 6] [--rounds 2] [--sides new,old]
 """
 
 from __future__ import annotations
@@ -127,12 +127,16 @@ def main() -> None:
     parser.add_argument("--layouts", default="tp2,fsdp2,tp2_fsdp2", help="subset of bench.py's dense layouts")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per side and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of new, old, transformers")
+    parser.add_argument("--sides", default=",".join(SIDES), help="a subset of new,old,transformers")
     parser.add_argument("--hidden", type=int, default=bench.MODEL["hidden_size"], help="the Llama's width")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         return _side_main(args.side)
     names = [n for n in args.layouts.split(",") if n]
+    sides = [s for s in SIDES if s in args.sides.split(",")]
+    if "new" not in sides:
+        sys.exit(f"error: --sides {args.sides}: needs new (the ratios are over it), e.g. new,old")
     if any(bench.LAYOUTS.get(n, ("",))[0] != "llama" for n in names):
         sys.exit(f"error: --layouts takes {', '.join(n for n, v in bench.LAYOUTS.items() if v[0] == 'llama')}")
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", args.against], capture_output=True, text=True)
@@ -150,9 +154,9 @@ def main() -> None:
         path = bench.write_model(os.path.join(tmp, "llama"))
         for name in names:
             layout = bench.LAYOUTS[name][1]
-            runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+            runs: dict[str, list[dict]] = {s: [] for s in sides}
             for _ in range(args.rounds):
-                for side in SIDES:
+                for side in sides:
                     runs[side].append(run_side(side, srcs[side] or srcs["new"], path, layout, args.steps))
             results["layouts"][name] = {s: summary(r) for s, r in runs.items()}
     results["wall_s"] = time.perf_counter() - start

@@ -14,8 +14,8 @@ from helpers import run_ranks, tiny_config, token_dataset, train_config, write_m
 from shardlm.config import LoraConfig
 from shardlm.estimate.memory import LORA_TARGETS, activation_elements, estimate
 
-# vocab 256 makes the embedding a large share of the model, so the TP embedding's replicated
-# gradient (estimate.replicated_embedding_grad) moves the total by more than the tolerance
+# vocab 256 makes the embedding a large share of the model: a TP embedding gradient held whole on
+# every rank (torch's DTensor style did that) would move the total by more than the tolerance
 MODEL = {"vocab_size": 256}
 LAYOUTS = [{"tp": 2}, {"fsdp": 2}, {"tp": 2, "lora_r": 4, "bf16": True}]  # LoRA: bf16 frozen base
 

@@ -10,8 +10,8 @@ applies (``autotp.infer_plan``), so the model-state numbers are what the ranks r
   ``sliced`` projections (k/v when kv heads < tp, Phi-3's GQA qkv_proj).
 * FSDP2 then chunks dim 0 of each TP-local tensor over ``fsdp`` (the largest chunk, rank 0's,
   is reported). ``dp_replicate`` holds full copies: it divides nothing.
-* Gradients: one per trainable parameter, same local shape and dtype (fp32 master weights),
-  except the TP embedding's (``replicated_embedding_grad``). AdamW: two fp32 states per
+* Gradients: one per trainable parameter, same local shape and dtype (fp32 master weights; the
+  TP embedding's too: its rows only, ``parallel/runtime/embedding.py``). AdamW: two fp32 states per
   trainable parameter. With ``lora_r``, only the adapters train:
   ``r*(in+out)`` per targeted linear, A/B placed like their base (colwise base: B sharded;
   rowwise base: A sharded); under ``bf16`` the frozen base is stored in 2 bytes.
@@ -268,21 +268,6 @@ def count_params(
             f"--lora-r: no linear layer of this model is named {'/'.join(LORA_TARGETS)}; LoRA has no target"
         )
     return full, local, trainable, tensors
-
-
-def replicated_embedding_grad(model: nn.Module, tp: int, dp_size: int) -> int:
-    """Extra gradient elements of a vocab-parallel embedding trained with TP and no FSDP wrapping.
-
-    torch's sharding rule for the embedding backward yields a ``Replicate`` gradient: the whole
-    ``[vocab, hidden]`` on every TP rank, not its ``Shard(0)`` piece. FSDP2 (any dp > 1) reshards
-    it, and a tied LM head's sharded gradient absorbs it; otherwise it costs ``(1 - 1/tp)`` of the
-    embedding. Measured in ``tests/test_estimate.py``; drop this term when ``parallel/runtime/linear.py`` shards it.
-    """
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if emb is None or tp == 1 or dp_size > 1 or (head is not None and head.weight is emb.weight):  # emb: a stage's
-        return 0
-    full = emb.weight.numel()
-    return full - local_numel(tuple(emb.weight.shape), 0, tp, 1)
 
 
 def _dims(config) -> dict[str, int]:
@@ -612,7 +597,6 @@ def model_estimate(
     shards = fsdp * cp  # FSDP2 shards over fsdp x cp (``distributed/mesh.py``)
     full, local, trainable, tensors = count_params(model, styles, tp, shards, lora_r, plan.experts, ep)
     ep_casts = _ep_casts(model, styles, plan, skip, tp, ep) if bf16 else 0
-    grads = trainable + (0 if lora_r else replicated_embedding_grad(model, tp, shards * layout["dp_replicate"]))
     act_bytes = 2 if bf16 else 4
     tokens = batch * seq // cp  # this rank's
     copies = row_copies(model, plan).values()
@@ -625,7 +609,7 @@ def model_estimate(
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
         "parameters": 4 * local if not (lora_r and bf16) else 2 * local + 2 * trainable,
-        "gradients": 4 * grads,
+        "gradients": 4 * trainable,
         "optimizer": 8 * trainable + 4 * tensors,  # exp_avg, exp_avg_sq, and AdamW's fp32 ``step`` per tensor
         "activations": act_bytes
         * (

@@ -7,7 +7,7 @@ sums them into whole dt, B and C (its output all-reduced, like any row-parallel 
 back into the split channels: ``dt_proj`` (dt_rank -> I, column-parallel again) turns dt into per-
 channel time steps, and B and C meet each channel's state in the scan. Each rank's backward then
 gives dt, B and C the gradient of its own channels only, a partial one. Summed over TP once, at
-x_proj's output (the backward of its all-reduce is an all-reduce too: ``linear.SummedRowwise``), it is
+x_proj's output (the backward of its all-reduce is an all-reduce too: ``linear.Rowwise("summed")``), it is
 whole again for x_proj's weight and input. In between, a module with parameters reading the region
 (Jamba's RMSNorms of dt, B and C) computes gradients from partial ones: it is
 ``replicate_grad_allreduce`` (summed with the other TP-partial gradients after backward); a

@@ -78,6 +78,14 @@ def scattered_rows(model: nn.Module, plan: Plan) -> set[str]:
     return {f for f, s in plan.styles.items() if s == Style.ROWWISE and f not in plan.sliced and not _under(f, whole)}
 
 
+def scattered_biases(model: nn.Module, plan: Plan) -> list[str]:
+    """The biases of ``scattered_rows``: added to this rank's slice of the reduce-scattered output (as
+    Megatron's row-parallel layers add theirs under sequence parallelism), so their gradients cover the
+    slice and are summed over TP with the norms' (a LoRA base layer's is frozen: not its wrapper's own)."""
+    rows = sorted(scattered_rows(model, plan))
+    return [f"{f}.bias" for f in rows if "bias" in dict(model.get_submodule(f).named_parameters(recurse=False))]
+
+
 def sequence_refusal(model: nn.Module, plan: Plan) -> str | None:
     """Why ``plan`` cannot run with sequence parallelism (None: it can): what it holds that the
     sequence-sharded stream does not serve yet."""

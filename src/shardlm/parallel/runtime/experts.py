@@ -64,8 +64,7 @@ class ExpertsParallel(ParallelStyle):
             params.restore()
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
-            # a tensor of its own (Rowwise's reason: models add into the output in place)
-            return reduce_from_region(out, device_mesh).clone()
+            return reduce_from_region(out, device_mesh)  # a tensor of its own: models add into it in place
 
         module.register_forward_pre_hook(to_local, with_kwargs=True)
         module.register_forward_hook(restore)

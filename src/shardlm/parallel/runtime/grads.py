@@ -4,7 +4,7 @@ The one list of them (``tp_partial_grad_params``): the parameters whose gradient
 from its own heads, rows or share only (``replicate_grad_allreduce``, sliced projections, ``per_channel``
 parameters stored whole, experts' parameters added once, parameters broadcast over split heads
 (``Plan.partial_grads``: DiffLlama's lambdas), and under LoRA the adapter matrices beside a
-split base, and under sequence parallelism the norms between the sub-blocks);
+split base, and under sequence parallelism the norms between the sub-blocks and the row-parallel biases);
 ``sum_tp_partial_grads`` sums them over TP once per step (the trainer calls it before
 clipping). The sums inside a forward or backward are ``regions.py``'s.
 """
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.sequence import sequence_norms
+from shardlm.parallel.plan.sequence import scattered_biases, sequence_norms
 from shardlm.parallel.plan.styles import Style
 
 
@@ -29,9 +29,10 @@ def tp_partial_grad_params(
     """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
     the replicated parameters of sliced projections and of ``per_channel`` modules following
     them, experts' parameters added ``once`` and ``Plan.partial_grads``; ``with_lora``: and the adapters';
-    ``sequence_parallel``: and the norms computing on this rank's slice of the sequence)."""
+    ``sequence_parallel``: and the norms and row-parallel biases computing on this rank's slice of the
+    sequence)."""
     adapters = lora_partial_grads(model, plan) if with_lora else []
-    adapters += sequence_norms(model, plan) if sequence_parallel else []
+    adapters += sequence_norms(model, plan) + scattered_biases(model, plan) if sequence_parallel else []
     return (
         channel_partial_grads(model, plan)
         + [

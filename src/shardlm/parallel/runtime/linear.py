@@ -1,10 +1,14 @@
-"""The linear DTensor styles (``Colwise``, ``Rowwise``, packed, sliced, latent), and how every style
-word of the plan becomes a ``ParallelStyle`` (``plan_styles.py`` maps them; ``replicate.py``,
-``experts.py``, ``channels.py`` hold the others; ``grads.py`` the TP-partial gradient sums).
+"""The linear styles (``Colwise``, ``Rowwise``, packed, sliced, latent), and how every style
+word of the plan becomes a ``ParallelStyle`` (``plan_styles.py`` maps them; ``embedding.py``,
+``replicate.py``, ``experts.py``, ``channels.py`` hold the others; ``grads.py`` the TP-partial gradient sums).
 
-``colwise``/``rowwise``/``embedding``/``lm_head`` are torch's own styles; for GPT-2's
-``Conv1D`` (weight stored ``[in, out]``) the same styles shard the transposed dimension, so
-checkpoints keep their HF layout. Three styles are ours:
+``colwise``/``rowwise``/``lm_head`` compute on local tensors, as Megatron-LM's ``tensor_parallel``
+layers do: the parameters are DTensors (``Shard`` on the TP mesh, what FSDP2, clipping and checkpoints
+need), the forward and backward run on their ``to_local()`` pieces with the collectives of
+``regions.py`` (the same ones torch's ``ColwiseParallel``/``RowwiseParallel`` issue through DTensor's
+dispatch, which cost a sixth of a tp=2 step in Python on the bench model: ``benchmarks/README.md``).
+For GPT-2's ``Conv1D`` (weight stored ``[in, out]``) the same styles shard the transposed dimension, so
+checkpoints keep their HF layout. More styles:
 
 * ``replicate``: a module (a norm) whose parameters must be DTensors on the TP mesh while the
   activations through it are plain tensors: inputs enter as replicated DTensors and leave
@@ -48,8 +52,8 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.distributed.shards import packed_placement, parameter
 from shardlm.parallel.model.hf import (
@@ -58,6 +62,7 @@ from shardlm.parallel.model.hf import (
 from shardlm.parallel.runtime.regions import (
     copy_to_region,
     gather_to_column_region,
+    reduce_from_region,
     reduce_scatter_to_sequence_region,
 )
 
@@ -67,48 +72,39 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, obje
         module.register_parameter(name, parameter(param, mesh, placements[name], src))
 
 
-class _Conv1DAware:
-    """Mixin: run torch's Linear partitioning on Conv1D with the weight's dims swapped."""
+class _SharedViews:
+    """The shared input views of the column-parallel readers of one activation (``replicated_view``), and
+    under sequence parallelism the gathered sequence they read (``gathered_input``): Python state kept
+    between the readers' calls, keyed by the activation's identity and the TP mesh object."""
+
+    last: tuple = (None, None, None)  # (weakref to the plain input, mesh, its DTensor view)
+    # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence, its DTensor view)
+    gathered: tuple = (None, None, None, None)
+
+
+class Colwise(ParallelStyle):
+    """``colwise`` (and, ``sharded_output``, ``lm_head``): Linear/Conv1D sharded by output features,
+    computed on local tensors (Megatron's ``ColumnParallelLinear``): the replicated input enters the
+    region through the view shared by its column-parallel siblings (``column_input``), so q/k/v (and
+    gate/up) add their partial input gradients locally and one all-reduce per sub-block remains
+    (Megatron's minimum; torch's ``ColwiseParallel`` per layer would all-reduce each: 5 per Llama block).
+    The output is this rank's columns, a plain tensor; the LM head's is wrapped as a ``Shard(-1)``
+    DTensor for ``loss_parallel``. Parameters stay DTensors (FSDP, clipping, checkpoints)."""
+
+    def __init__(self, sharded_output: bool = False):
+        super().__init__()
+        self.sharded_output = sharded_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
-        colwise = isinstance(self, ColwiseParallel)
-        if not colwise:
-            self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for nn.Linear
-        placements = {"weight": Shard(1) if colwise else Shard(0), "bias": Shard(0) if colwise else Replicate()}
-        return distribute_module(
-            module,
-            device_mesh,
-            lambda name, mod, mesh: shard_params(mod, mesh, placements, self.src_data_rank),
-            lambda mod, inputs, mesh: self._prepare_input_fn(
-                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
-            ),
-            lambda mod, outputs, mesh: self._prepare_output_fn(
-                self.output_layouts, self.use_local_output, mod, outputs, mesh
-            ),
-        )
+        dim = 1 if is_conv1d(module) else 0
+        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0)}, self.src_data_rank)
+        module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
+        return module
 
 
-class Colwise(_Conv1DAware, ColwiseParallel):
-    """ColwiseParallel whose sibling layers share one DTensor view of their common input.
-
-    q/k/v (and gate/up) read the same activation. Converted separately, each backward would
-    all-reduce its own partial input gradient (5 all-reduces per Llama block); converted once,
-    the partial gradients add up locally and one all-reduce per sub-block remains (Megatron's
-    minimum).
-    """
-
-    _last: tuple = (None, None, None)  # (weakref to the plain input, mesh, its DTensor view)
-    # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence, its DTensor view)
-    _gathered: tuple = (None, None, None, None)
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x = inputs[0]
-        if isinstance(x, DTensor) or input_layouts != (Replicate(),):
-            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-        return replicated_view(x, device_mesh)
+def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
+    out = local_linear(module, column_input(x, mesh))
+    return DTensor.from_local(out, mesh, [Shard(-1)], run_check=False) if sharded_output else out
 
 
 @torch.compiler.disable
@@ -120,10 +116,10 @@ def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     Kept out of ``train.compile``'s graphs (``train/compile.py``): the cached view is Python state
     between calls that a graph cannot carry; traced, it becomes a graph output whose backward AOT
     autograd gets wrong ("Expected a DTensor tangent but got a plain Tensor")."""
-    ref, last_mesh, view = Colwise._last
+    ref, last_mesh, view = _SharedViews.last
     if ref is None or ref() is not x or last_mesh is not mesh:
         view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        Colwise._last = (weakref.ref(x), mesh, view)
+        _SharedViews.last = (weakref.ref(x), mesh, view)
     return view
 
 
@@ -133,43 +129,47 @@ def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     sub-blocks reading the same one (a parallel residual's one norm output). Its readers' shared view
     (``replicated_view``) is the gathered DTensor itself, and what the sub-block adds to the plain
     tensor's gradient is declared partial too, so one reduce-scatter sums them all over TP."""
-    ref, last_mesh, full, view = Colwise._gathered
+    ref, last_mesh, full, view = _SharedViews.gathered
     if ref is None or ref() is not chunk or last_mesh is not mesh:
         view = gather_to_column_region(chunk, mesh)
         full = view.to_local(grad_placements=[Partial()])
-        Colwise._gathered = (weakref.ref(chunk), mesh, full, view)
-    Colwise._last = (weakref.ref(full), mesh, view)
+        _SharedViews.gathered = (weakref.ref(chunk), mesh, full, view)
+    _SharedViews.last = (weakref.ref(full), mesh, view)
     return full
 
 
-class Rowwise(_Conv1DAware, RowwiseParallel):
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        # to_local() returns a view made inside an autograd Function; models that add into it
-        # in place (Falcon's ``mlp_output += attention_output``) need a tensor of their own
-        return out.clone() if use_local_output else out
-
-
-class SequenceRowwise(Rowwise):
-    """``rowwise`` under sequence parallelism: its partial output is reduce-scattered to this rank's
-    slice of the sequence (``regions.reduce_scatter_to_sequence_region``) instead of all-reduced (a
-    tensor of its own, as ``Rowwise``'s: Falcon adds into it in place)."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return reduce_scatter_to_sequence_region(outputs, device_mesh).clone()
-
-
-class SummedRowwise(Rowwise):
-    """``rowwise`` whose whole output is read back inside the split region (Mamba's ``x_proj``:
+class Rowwise(ParallelStyle):
+    """``rowwise``: Linear/Conv1D sharded by input features, computed on local tensors (Megatron's
+    ``RowParallelLinear``): the local matmul's partial sum is all-reduced (``reduce_from_region``), then the
+    replicated bias is added once. ``output``: ``"scattered"`` under sequence parallelism, the partial sum
+    reduce-scattered to this rank's slice of the sequence (``reduce_scatter_to_sequence_region``);
+    ``"summed"`` for a layer whose whole output is read back inside the split region (Mamba's ``x_proj``:
     ``parallel/infer/summed.py``): each rank's gradient of it covers its own channels only, so the backward
-    of the output's all-reduce is an all-reduce of that gradient."""
+    of the output's all-reduce is an all-reduce of that gradient (``copy_to_region``). The output is a
+    tensor of its own: models add into it in place (Falcon's ``mlp_output += attention_output``)."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return copy_to_region(out, device_mesh)
+    def __init__(self, output: str = "reduced"):
+        super().__init__()
+        self.output = output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = 0 if is_conv1d(module) else 1
+        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Replicate()}, self.src_data_rank)
+        module.forward = functools.partial(_rowwise_forward, module, device_mesh, self.output)
+        return module
+
+
+def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.Tensor) -> torch.Tensor:
+    partial = local_linear(module, x.to_local() if isinstance(x, DTensor) else x, with_bias=False)
+    if output == "scattered":
+        out = reduce_scatter_to_sequence_region(partial, mesh)
+    else:
+        out = reduce_from_region(partial, mesh)
+    if module.bias is not None:
+        out = out + module.bias.to_local()
+    elif output == "scattered":
+        out = out.clone()  # a view made inside DTensor's redistribute (see the class docstring)
+    return copy_to_region(out, mesh) if output == "summed" else out
 
 
 def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

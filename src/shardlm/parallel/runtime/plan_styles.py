@@ -4,22 +4,20 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.parallel.plan.channels import local_views
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style
 from shardlm.parallel.runtime.channels import PerChannel
+from shardlm.parallel.runtime.embedding import VocabParallelEmbedding
 from shardlm.parallel.runtime.experts import ExpertsParallel
 from shardlm.parallel.runtime.linear import (
     Colwise,
     LatentColwise,
     PackedColwiseParallel,
     Rowwise,
-    SequenceRowwise,
     SlicedColwise,
-    SummedRowwise,
 )
 from shardlm.parallel.runtime.replicate import LocalReplicate, ReplicateParallel, ShardedRMSNorm
 
@@ -48,17 +46,16 @@ def make_style(
             return LatentColwise() if latent_input else Colwise()
         case Style.ROWWISE:
             if sequence_parallel:
-                return SequenceRowwise()
-            return SummedRowwise() if summed else Rowwise()
+                return Rowwise("scattered")
+            return Rowwise("summed") if summed else Rowwise()
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(parts)
         case Style.EMBEDDING:
-            # vocab rows sharded; each rank looks up its rows, the partial sums are all-reduced (Rowwise:
-            # a tensor of its own, as models scale the embeddings in place: CTRL's ``*= sqrt(d)``)
-            return Rowwise(input_layouts=Replicate())
+            # vocab rows sharded; each rank looks up its rows on local tensors, the partial sums all-reduced
+            return VocabParallelEmbedding()
         case Style.LM_HEAD:
             # logits stay sharded over the vocabulary: the loss runs under loss_parallel
-            return Colwise(output_layouts=Shard(-1), use_local_output=False)
+            return Colwise(sharded_output=True)
         case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
             return ReplicateParallel()
         case Style.REPLICATE_LOCAL:

@@ -22,11 +22,12 @@ rank's slice of the sequence (``sequence_dim``), and three more regions, Megatro
 
 ``reduce_scatter_to_sequence_region``  forward: a row-parallel layer's partial sums added over TP and
                                 scattered to the slices (a reduce-scatter); backward: the slices' gradients
-                                all-gathered (``linear.SequenceRowwise``).
+                                all-gathered (``linear.Rowwise("scattered")``).
 
-Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded embedding and
-LM head (``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own
-``Shard`` placements. ``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
+The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``.
+Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded LM head
+(``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own ``Shard`` placements.
+``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
 backward all-reduce of the gradient) on its own, and the per-step sum of the TP-partial gradients is
 ``grads.sum_tp_partial_grads``.
 """
@@ -55,8 +56,26 @@ def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The sum over TP of each rank's partial ``t`` (forward all-reduce; backward identity)."""
-    return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    """The sum over TP of each rank's partial ``t`` (forward all-reduce; backward identity): a tensor of
+    its own, which models may modify in place (CTRL scales its embeddings with ``*=``)."""
+    return _ReduceFromRegion.apply(t, mesh)
+
+
+def all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The bare sum over ``mesh`` (no autograd): torch's functional all-reduce, the op DTensor's own
+    redistributions issue, on a plain tensor (no DTensor dispatch)."""
+    group = mesh.get_group().group_name
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", group))
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return all_reduce(t, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def scatter_to_sequence_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
