@@ -200,15 +200,15 @@ def test_checkpoint_resumes_across_pp_and_fsdp(llama, tmp_path):
         torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def eval_losses(path: str, layout: str) -> list:
-    """Rank body: the eval loss of ``layout`` before training and after 5 steps (13 eval samples: the last
-    batch is short, and at fsdp=2 a rank past the end runs an all-ignored one)."""
+def eval_losses(path: str, shape: dict, per_device: int, accum: int) -> list:
+    """Rank body: the eval loss of a layout (``LAYOUTS``' shape, rows per device, accumulation) before
+    training and after 5 steps (13 eval samples: the last batch is short, and at fsdp=2 a rank past the
+    end runs an all-ignored one)."""
     from helpers import token_dataset, train_config
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
-    shape, per_device, accum = LAYOUTS[layout]
     cfg = train_config(path, shape, per_device, accum, 5)
     mesh = build_mesh(cfg.parallel)
     trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh, eval_dataset=token_dataset(13, seed=5))
@@ -222,10 +222,10 @@ def test_eval_through_the_stages(llama):
     """Evaluation sends each batch through the stages in turn: pp=2 and pp=2 x fsdp=2's eval loss (before
     and after training) equal one process's (1e-5), over the same labelled-token count."""
     path, _ = llama
-    one = run_ranks(eval_losses, 1, path, "one")
+    one = run_ranks(eval_losses, 1, path, *LAYOUTS["one"])
     assert len(one) == 2 and one[0][0] != one[1][0]
     for world, layout in ((2, "pp2_1f1b"), (4, "pp2_fsdp2")):
-        got = run_ranks(eval_losses, world, path, layout)
+        got = run_ranks(eval_losses, world, path, *LAYOUTS[layout])
         for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
             assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (layout, got, one)
 

@@ -10,6 +10,7 @@ import pool
 import pytest
 import torch
 from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
+from test_pipeline import eval_losses
 
 from shardlm import ConfigError
 from shardlm.parallel.infer.stages import stage_layout
@@ -225,30 +226,14 @@ def test_virtual_stage_refusals(models, tmp_path):
     assert load_checked(raw={**raw, "model": llama}).parallel.pp_stages_per_rank == 2
 
 
-def eval_losses(path: str, layout: str) -> list:
-    """Rank body: the eval loss of ``layout`` before training and after 5 steps (13 eval samples)."""
-    from helpers import token_dataset, train_config
-
-    from shardlm import Trainer, build_mesh, init_distributed, parallelize
-
-    init_distributed()
-    shape, per_device, accum = LAYOUTS[layout]
-    cfg = train_config(path, shape, per_device, accum, 5)
-    mesh = build_mesh(cfg.parallel)
-    trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh, eval_dataset=token_dataset(13, seed=5))
-    before = trainer.evaluate()
-    trainer.train()
-    return [(r["eval_loss"], r["eval_tokens"]) for r in [before, *trainer.eval_history]]
-
-
 @pytest.mark.ranks
 def test_eval_through_virtual_stages(models):
     """Evaluation sends each batch through the four stages in stage order, under ZBVZeroBubble the last on
     rank 0 (which then broadcasts the loss sums): before and after training, one process's eval loss (1e-5)
     over the same labelled-token count."""
     path, _ = models["llama"]
-    one = run_ranks(eval_losses, 1, path, "one")
-    got = run_ranks(eval_losses, 2, path, "pp2_zbv")
+    one = run_ranks(eval_losses, 1, path, *LAYOUTS["one"])
+    got = run_ranks(eval_losses, 2, path, *LAYOUTS["pp2_zbv"])
     assert len(one) == 2 and one[0][0] != one[1][0]
     for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
         assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (got, one)
