@@ -65,10 +65,13 @@ class PipelineStep:
         self.shared_group = _first_and_last(mesh) if self.parts[0].tied else None
 
     def _sum_shared(self) -> None:
-        """Sum the gradients of the tied weight's two copies (first and last stage), in place."""
+        """Sum the gradients of the tied weight's two copies (first and last stage), in place; a frozen
+        weight (a LoRA run) has none on either stage."""
         for part in self.parts:
             for name in part.shared:
                 grad = part.model.get_parameter(name).grad
+                if grad is None:
+                    continue
                 dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.shared_group)
 
     def counted_elsewhere(self) -> list[torch.Tensor]:

@@ -74,7 +74,7 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
 # ``kv_heads``, ``geometry``) are the whole model's and hold on every stage as they are
 _FQN_FIELDS = (
     "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "replicated", "experts", "channels",
-    "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs",
+    "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs", "partial_grads",
 )  # fmt: skip
 
 
