@@ -136,19 +136,28 @@ PUBLISHED_TINY = {
 }
 
 
-def write_tiny_dir(path: str, name: str) -> str:
-    """``TINY[name]`` (or ``PUBLISHED_TINY[name]``) written to ``path`` (config.json only: random init)."""
+def write_tiny_config(path: str, model_type: str, overrides: dict | None = None, round_trip: bool = False) -> str:
+    """scripts/tiny.py's tiny config of ``model_type`` with ``overrides`` set, written to ``path`` (config.json
+    only: random init). ``round_trip`` rebuilds it through ``from_dict`` first, so values derived in the
+    config's ``__init__`` follow the overrides."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from tiny import tiny_config
 
-    model_type, overrides = {**TINY, **PUBLISHED_TINY}[name]
     config = tiny_config(model_type)
-    for key, value in overrides.items():
+    for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    type(config).from_dict(config.to_dict()).save_pretrained(path)
+    if round_trip:
+        config = type(config).from_dict(config.to_dict())
+    config.save_pretrained(path)
     return path
+
+
+def write_tiny_dir(path: str, name: str) -> str:
+    """``TINY[name]`` (or ``PUBLISHED_TINY[name]``) written to ``path`` (config.json only: random init)."""
+    model_type, overrides = {**TINY, **PUBLISHED_TINY}[name]
+    return write_tiny_config(path, model_type, overrides, round_trip=True)
 
 
 def write_family_dir(path: str, family: str, **overrides) -> str:

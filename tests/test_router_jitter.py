@@ -13,18 +13,12 @@ mode) the whole. Parity: loss 1e-5, grad_norm 1e-4 relative, 5 steps, the jitter
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from families import write_tiny_config
 from helpers import assert_parity, plain_reference, run_ranks
 
 from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from tiny import tiny_config  # noqa: E402
 
 # model type -> the config changed from the type's tiny defaults (Phi-MoE's jitter is on as published)
 JITTER = {"phimoe": {}, "mixtral": {"router_jitter_noise": 0.1}}
@@ -33,14 +27,10 @@ JITTER = {"phimoe": {}, "mixtral": {"router_jitter_noise": 0.1}}
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("jitter")
-    out = {}
-    for model_type, overrides in JITTER.items():
-        config = tiny_config(model_type)
-        for key, value in overrides.items():
-            setattr(config, key, value)
-        config.save_pretrained(root / model_type)
-        out[model_type] = str(root / model_type)
-    return out
+    return {
+        model_type: write_tiny_config(str(root / model_type), model_type, overrides)
+        for model_type, overrides in JITTER.items()
+    }
 
 
 def _draws(key: DropoutKey, x: torch.Tensor) -> list[torch.Tensor]:
