@@ -55,6 +55,8 @@ TINY = ["gemma3_text", "qwen3_moe"]
 DROPOUT = {
     "opt": ("opt", {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}),
     "gpt2": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
+    # the embedding dropout on the reduce-scattered embedding's whole shape, before the first block's slice
+    "phi": ("phi", {"embd_pdrop": 0.1, "resid_pdrop": 0.1, "attention_dropout": 0.1}),
 }
 
 
@@ -177,7 +179,7 @@ def tp2_body(paths: dict[str, str], loras: dict[str, tuple[str, str]]) -> dict:
 def test_every_family_at_tp2_with_sp_matches_one_process(dirs):
     """Every family, LoRA with lora_dropout (GPT-2: c_attn, c_fc, both c_proj, its embeddings computed
     whole; Llama: every projection, its stream in slices from the reduce-scattered embedding to the LM
-    head) and dropout on (OPT and GPT-2, 0.1 everywhere; OPT also with activation checkpointing) at tp=2
+    head) and dropout on (OPT, GPT-2 and Phi, 0.1 everywhere; OPT also with activation checkpointing) at tp=2
     with SP, against one process; the collectives of the module docstring."""
     root, paths = dirs
     targets = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj"]}
