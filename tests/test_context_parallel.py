@@ -274,17 +274,31 @@ def test_qwen3_and_gemma3_cp2_equal_one_process(tmp_path):
 @pytest.mark.ranks
 def test_cp_with_tp_fsdp_and_cp4_equal_one_process(tmp_path):
     """4 ranks, packed windows: Llama at tp=2 x cp=2, Gemma 3 at fsdp=2 x cp=2 (per-device 1 x 2
-    micro-steps x 2 dp ranks), Qwen3 at cp=4 (chunks of 64): loss 1e-5, grad_norm 1e-4 relative."""
+    micro-steps x 2 dp ranks); at cp=4 (chunks of 64): Qwen3 packed, Llama and Gemma 3 (sliding window
+    64 = a chunk) packed and one sequence a window: loss 1e-5, grad_norm 1e-4 relative."""
     llama, qwen3 = write_family(str(tmp_path / "llama"), "llama"), write_family(str(tmp_path / "qwen3"), "qwen3")
     gemma3 = write_family(str(tmp_path / "gemma3"), "gemma3")
     jobs = [
         (llama, {"tp": 2, "cp": 2}, 2, 2, True),
         (gemma3, {"fsdp": 2, "cp": 2}, 1, 2, True),
         (qwen3, {"cp": 4}, 4, 1, True),
+        (llama, {"cp": 4}, 4, 1, True),
+        (llama, {"cp": 4}, 2, 2, False),
+        (gemma3, {"cp": 4}, 4, 1, True),
+        (gemma3, {"cp": 4}, 1, 4, False),
     ]
     got = run_ranks(cp_runs, 4, jobs, str(tmp_path / "out"))
     for (path, layout, _, _, packed, *_), steps in zip(jobs, got):
         assert_parity(steps, plain(path, cp_data(packed)), label=f"{path} {layout}")
+
+
+def dropout_gpt2_and_llama(tmp_path) -> tuple[str, str]:
+    """The two models of the dropout and resume tests: GPT-2 with every dropout at 0.1 (embeddings,
+    attention probabilities, residuals) and ``write_family``'s Llama, under ``tmp_path``."""
+    gpt2 = str(tmp_path / "gpt2")
+    drops = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    write_model_dir(gpt2, "gpt2", max_position_embeddings=2 * SEQ, initializer_range=0.2, **drops)
+    return gpt2, write_family(str(tmp_path / "llama"), "llama")
 
 
 @pytest.mark.ranks
@@ -296,10 +310,7 @@ def test_dropout_checkpointing_and_resume_onto_fsdp(tmp_path):
     layouts write the same checkpoint files. Loss 1e-5, grad_norm 1e-4 relative."""
     import os
 
-    gpt2 = str(tmp_path / "gpt2")
-    drops = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
-    write_model_dir(gpt2, "gpt2", max_position_embeddings=2 * SEQ, initializer_range=0.2, **drops)
-    llama = write_family(str(tmp_path / "llama"), "llama")
+    gpt2, llama = dropout_gpt2_and_llama(tmp_path)
     saved, resumed = str(tmp_path / "saved"), str(tmp_path / "resumed")
     step2 = os.path.join(saved, "checkpoints", "step-2")
     jobs = [
@@ -328,10 +339,7 @@ def test_sequence_parallel_with_cp_equals_one_process_and_resumes_onto_fsdp(tmp_
     process drawing shardlm's masks."""
     import os
 
-    gpt2 = str(tmp_path / "gpt2")
-    drops = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
-    write_model_dir(gpt2, "gpt2", max_position_embeddings=2 * SEQ, initializer_range=0.2, **drops)
-    llama = write_family(str(tmp_path / "llama"), "llama")
+    gpt2, llama = dropout_gpt2_and_llama(tmp_path)
     saved, resumed = str(tmp_path / "saved"), str(tmp_path / "resumed")
     step2 = os.path.join(saved, "checkpoints", "step-2")
     sp_cp = {"tp": 2, "cp": 2, "sequence_parallel": True}

@@ -5,19 +5,24 @@ Reference: ``helpers.plain_reference`` (a plain transformers + torch loop, one p
 tokens, 5 steps, fp32, clipping active; tolerances of the issue: loss 1e-5, grad_norm 1e-4 relative.
 
 Collectives of one micro-batch of a 2-block model at tp=2 (``helpers.model_collectives``; without SP
-every count below is an all-reduce: forward 5, backward 5). With SP, forward: the embedding's
-all-reduce (the stream enters its slices at the first block, no communication), per block one
-all-gather at each sub-block's entry (q/k/v share it, gate/up share it; Phi's attention and MLP, which
-read one norm's output, share one) and one reduce-scatter at each row-parallel output, and one
-all-gather after the last block for the final norm and the LM head: 1 all-reduce + 5 all-gathers + 4
+every count below is an all-reduce: forward 5, backward 5). With SP (Llama, Qwen3, Gemma 3, GPT-NeoX,
+Falcon, Phi, Qwen3-MoE: nothing with parameters outside the blocks but the final norm,
+``plan.sequence.stream_ends``), forward: the embedding's partial sums reduce-scattered to the slices,
+per block one all-gather at each sub-block's entry (q/k/v share it, gate/up share it; Phi's attention
+and MLP, which read one norm's output, share one) and one reduce-scatter at each row-parallel output,
+the final norm on the slices and one all-gather at the LM head's input: 5 all-gathers + 5
 reduce-scatters (Phi: 3 all-gathers). Backward: the mirror image (each all-gather's backward a
-reduce-scatter and the other way round) plus the LM head's input gradient all-reduced as without SP:
-1 all-reduce + 5 all-gathers + 4 reduce-scatters (Phi: 2 reduce-scatters). Then one all-reduce of the
-TP-partial gradients (the norms computing on sequence slices, flattened together). Bytes: an
-all-reduce moves what an all-gather and a reduce-scatter move together, so per block SP moves what TP
-moves; SP adds the one all-gather after the last block ((tp-1)/tp of one [b, s, h] activation). A
-mixture-of-experts block (Qwen3-MoE) is gathered whole: 1 all-gather in, its experts' all-reduce,
-sliced on the way out (forward per MoE block: 1 all-gather + 1 all-reduce; the gather is SP's cost).
+reduce-scatter and the other way round): 5 all-gathers + 5 reduce-scatters (Phi: 3 reduce-scatters).
+Then one all-reduce of the TP-partial gradients (the norms computing on sequence slices, flattened
+together). Bytes: an all-reduce moves what an all-gather and a reduce-scatter move together, so SP
+moves what TP moves, except at the ends: the embedding's reduce-scatter and the LM head's gather each
+way move half of the all-reduce they replace. With learned positions (GPT-2, OPT) the embeddings are
+computed whole: their all-reduce forward, the stream sliced at the first block (backward: all-gather)
+and gathered after the last for the final norm and the LM head (backward: the LM head's input
+gradient all-reduced): 1 all-reduce + 5 all-gathers + 4 reduce-scatters each way; SP adds that one
+all-gather ((tp-1)/tp of one [b, s, h] activation). A mixture-of-experts block (Qwen3-MoE) is
+gathered whole: 1 all-gather in, its experts' all-reduce, sliced on the way out (forward per MoE
+block: 1 all-gather + 1 all-reduce; the gather is SP's cost).
 """
 
 import pytest
@@ -50,6 +55,8 @@ TINY = ["gemma3_text", "qwen3_moe"]
 DROPOUT = {
     "opt": ("opt", {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}),
     "gpt2": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
+    # the embedding dropout on the reduce-scattered embedding's whole shape, before the first block's slice
+    "phi": ("phi", {"embd_pdrop": 0.1, "resid_pdrop": 0.1, "attention_dropout": 0.1}),
 }
 
 
@@ -155,12 +162,12 @@ def sp_run(path: str, layout: dict, adapter: str | None = None, **train_kw) -> l
     return [(h["loss"], h["grad_norm"]) for h in Trainer(model, cfg, token_dataset(), mesh).train()]
 
 
-def tp2_body(paths: dict[str, str], lora: tuple[str, str]) -> dict:
+def tp2_body(paths: dict[str, str], loras: dict[str, tuple[str, str]]) -> dict:
     from shardlm import build_mesh, parallelize
     from shardlm.config import ParallelConfig
 
     runs = {name: sp_run(path, SP2) for name, path in paths.items()}
-    runs["lora"] = sp_run(lora[0], SP2, adapter=lora[1])
+    runs |= {name: sp_run(path, SP2, adapter=adapter) for name, (path, adapter) in loras.items()}
     runs["opt_dropout_checkpointing"] = sp_run(paths["opt_dropout"], SP2, gradient_checkpointing=True)
     mesh = build_mesh(ParallelConfig(**SP2))
     counted = [n for n in paths if "dropout" not in n]
@@ -170,28 +177,39 @@ def tp2_body(paths: dict[str, str], lora: tuple[str, str]) -> dict:
 
 @pytest.mark.ranks
 def test_every_family_at_tp2_with_sp_matches_one_process(dirs):
-    """Every family, LoRA (GPT-2: c_attn, c_fc, both c_proj, with lora_dropout) and dropout on (OPT and
-    GPT-2, 0.1 everywhere; OPT also with activation checkpointing) at tp=2 with SP, against one process;
-    the collectives of the module docstring."""
+    """Every family, LoRA with lora_dropout (GPT-2: c_attn, c_fc, both c_proj, its embeddings computed
+    whole; Llama: every projection, its stream in slices from the reduce-scattered embedding to the LM
+    head) and dropout on (OPT, GPT-2 and Phi, 0.1 everywhere; OPT also with activation checkpointing) at tp=2
+    with SP, against one process; the collectives of the module docstring."""
     root, paths = dirs
-    adapter = make_adapter(paths["gpt2"], str(root / "adapter"), ["c_attn", "c_proj", "c_fc"], dropout=0.1)
+    targets = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    targets["llama"] += ["gate_proj", "up_proj", "down_proj"]
+    loras = {
+        f"lora_{name}": (paths[name], make_adapter(paths[name], str(root / f"adapter_{name}"), modules, dropout=0.1))
+        for name, modules in targets.items()
+    }
     runs = {n: p for n, p in paths.items() if not n.endswith("_kv4")}
-    got = run_ranks(tp2_body, 2, runs, (paths["gpt2"], adapter))
+    got = run_ranks(tp2_body, 2, runs, loras)
     for name, path in runs.items():
         assert_parity(got["runs"][name], plain_reference(path, GLOBAL_BATCH, dropout="dropout" in name), label=name)
-    wrap = lambda model: PeftModel.from_pretrained(model, adapter, is_trainable=True)  # noqa: E731
-    lora_ref = plain_reference(paths["gpt2"], GLOBAL_BATCH, wrap=wrap, dropout=True)
-    assert_parity(got["runs"]["lora"], lora_ref, label="lora")
+    for name, (path, adapter) in loras.items():
+        wrap = lambda model, adapter=adapter: PeftModel.from_pretrained(model, adapter, is_trainable=True)  # noqa: E731
+        assert_parity(got["runs"][name], plain_reference(path, GLOBAL_BATCH, wrap=wrap, dropout=True), label=name)
     ref = plain_reference(paths["opt_dropout"], GLOBAL_BATCH, dropout=True)
     assert_parity(got["runs"]["opt_dropout_checkpointing"], ref, label="opt dropout checkpointing")
-    dense = {"all_reduce": 1, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 4}
+    # learned positions (GPT-2, OPT): the embeddings all-reduced, the stream sliced at the first block and
+    # gathered after the last; the others: the embedding reduce-scattered, the LM head's input gathered
+    whole = {"all_reduce": 1, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 4}
+    dense = {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}
     for name, (fwd, loss, bwd, grads) in got["counts"].items():
         expected = {
-            "phi": ({**dense, "all_gather_into_tensor": 3}, {**dense, "reduce_scatter_tensor": 2}),
+            "gpt2": (whole, whole),
+            "opt": (whole, whole),
+            "phi": ({**dense, "all_gather_into_tensor": 3}, {**dense, "reduce_scatter_tensor": 3}),
             # 3 blocks
-            "gemma3_text": ({**dense, "all_gather_into_tensor": 7, "reduce_scatter_tensor": 6},) * 2,
+            "gemma3_text": ({"all_gather_into_tensor": 7, "reduce_scatter_tensor": 7},) * 2,
             # per block: attention 1 all-gather + 1 reduce-scatter, the MoE block 1 all-gather + 1 all-reduce
-            "qwen3_moe": ({"all_reduce": 3, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 2},) * 2,
+            "qwen3_moe": ({"all_reduce": 2, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 3},) * 2,
         }.get(name, (dense, dense))
         assert (fwd, bwd) == expected, (name, fwd, bwd)
         assert loss == {"all_reduce": 3}, (name, loss)

@@ -100,11 +100,21 @@ def test_ulysses_saved_bytes_at_4096_match_estimate(tmp_path):
 
 
 @pytest.mark.ranks
-def test_ulysses_tp2_cp2_equals_one_process(tmp_path):
-    """tp=2 x cp=2 with Ulysses (4 ranks), packed windows: a Llama with 4 query and 4 key/value heads
-    (2 of each per tp rank, 1 per cp rank after the all-to-all) equals one process over 3 steps
-    (loss 1e-5, grad_norm 1e-4 relative)."""
-    path = str(tmp_path / "llama")
+def test_ulysses_tp2_cp2_and_cp4_equal_one_process(tmp_path):
+    """4 ranks with Ulysses, packed windows, 3 steps, against one process (loss 1e-5, grad_norm 1e-4
+    relative): tp=2 x cp=2, a Llama with 4 query and 4 key/value heads (2 of each per tp rank, 1 per cp
+    rank after the all-to-all); cp=4, a Llama with 8 query and 4 key/value heads (2 query heads and their
+    one key/value head per cp rank: GQA's pairing across the all-to-all), packed and one sequence a window."""
+    path, gqa = str(tmp_path / "llama"), str(tmp_path / "llama_gqa")
     write_model_dir(path, "llama", max_position_embeddings=2 * SEQ, initializer_range=0.2, num_key_value_heads=4)
-    got = run_ranks(cp_runs, 4, [(path, {"tp": 2, **ULYSSES}, 2, 2, True, {"steps": 3})], str(tmp_path / "out"))
-    assert_parity(got[0], plain(path, cp_data(True), steps=3), label="llama tp=2 x cp=2 ulysses")
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 4}
+    write_model_dir(gqa, "llama", max_position_embeddings=2 * SEQ, initializer_range=0.2, **heads)
+    cp4, steps = {"cp": 4, "cp_attention": "ulysses"}, {"steps": 3}
+    jobs = [
+        (path, {"tp": 2, **ULYSSES}, 2, 2, True, steps),
+        (gqa, cp4, 4, 1, True, steps),
+        (gqa, cp4, 2, 2, False, steps),
+    ]
+    got = run_ranks(cp_runs, 4, jobs, str(tmp_path / "out"))
+    for (model, layout, _, _, packed, _), result in zip(jobs, got):
+        assert_parity(result, plain(model, cp_data(packed), steps=3), label=f"{model} {layout} packed={packed}")

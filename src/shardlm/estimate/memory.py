@@ -77,7 +77,9 @@ With sequence parallelism (``sequence_parallel``, ``parallel/plan/sequence.py``)
 the rank's slice of the sequence and its output is gathered whole for the column-parallel layers,
 which keep that gathered input: per norm ``T*(2h + 1)/t + T*h`` instead of ``T*(3h + 1)``; the rest
 of a layer is as without it (attention and the MLP run on the whole sequence, split by heads and
-columns); the final norm runs on the whole sequence (the stream is gathered after the last block).
+columns); the final norm runs on the slices too where nothing but it has parameters outside the blocks
+(``stream_ends``; its output gathered for the LM head), else on the whole sequence (GPT-2, OPT: the stream is
+gathered after the last block).
 
 Under context parallelism (``cp``) T is the rank's ``batch*seq/cp`` tokens, but attention keeps
 the keys and values of the whole window, repeated to every query head where the kv heads are fewer
@@ -143,7 +145,7 @@ from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim
-from shardlm.parallel.plan.sequence import sequence_refusal
+from shardlm.parallel.plan.sequence import sequence_refusal, stream_ends
 from shardlm.parallel.plan.styles import Style, local_shape, lora_dims, sharded_dim
 from shardlm.parallel.runtime.ep import check_ep
 from shardlm.parallel.runtime.ulysses import ATTENTION as ULYSSES
@@ -299,6 +301,7 @@ def activation_elements(
     in_flight: int = 1,
     final_norm: bool = True,
     cp_attention: str = "all_gather",
+    sliced_final_norm: bool = False,
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
@@ -307,7 +310,8 @@ def activation_elements(
     parallelism, ``tokens`` this rank's, ``cp_attention`` its variant (``context_attention_elements``). A
     pipeline stage (``estimate/stages.py``): ``config`` its own (its blocks), ``in_flight`` micro-batches of
     ``tokens`` held at once (with activation checkpointing their inputs, and one block recomputed),
-    ``final_norm`` on the last stage only."""
+    ``final_norm`` on the last stage only, on sequence slices (``sliced_final_norm``) where the stream stays in
+    them up to the LM head (``plan.sequence.stream_ends``)."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
@@ -322,7 +326,8 @@ def activation_elements(
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
     mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
     stack = in_flight * inputs + max(mixing) + max(mlps) if checkpointing else in_flight * (sum(mixing) + sum(mlps))
-    return stack + (in_flight * tokens * (3 * h + 1) if final_norm else 0)
+    final = tokens * (2 * h + 1) // t + tokens * h if sliced_final_norm else tokens * (3 * h + 1)
+    return stack + (in_flight * final if final_norm else 0)
 
 
 def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int, ulysses: bool = False) -> int:
@@ -604,7 +609,7 @@ def model_estimate(
     cp_attention = layout.get("cp_attention", "all_gather")
     stack = activation_elements(
         config, tokens, tp, checkpointing, lora_r, moe_sizes(model), mixers, layout["sequence_parallel"], cp,
-        held, last, cp_attention,
+        held, last, cp_attention, layout["sequence_parallel"] and stream_ends(model, plan) is not None,
     )  # fmt: skip
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32

@@ -33,7 +33,7 @@ from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.sequence import scattered_rows
+from shardlm.parallel.plan.sequence import scattered_rows, stream_ends
 from shardlm.parallel.plan.stages import rank_stages
 from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
@@ -52,7 +52,8 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     tied = head is not None and emb is not None and getattr(head, "weight", None) is emb.weight  # a stage: one of them
     shared = _shared_parameters(model)
     sequence = mesh.parallel.sequence_parallel
-    scattered = scattered_rows(model, plan) if sequence else set()
+    ends = stream_ends(model, plan) if sequence else None  # the embedding reduce-scatters to the slices
+    scattered = (scattered_rows(model, plan) | ({ends[0]} if ends else set())) if sequence else set()
     styles = lora.lora_styles(model, plan, scattered) if with_lora else plan_styles(plan, scattered)
     if mesh.parallel.ep > 1:  # the experts are placed with EP (``apply_ep``); not the other modules of
         # ``plan.experts``, the per-channel ones (gpt-oss's attention with its sinks, a hybrid's mixers)

@@ -160,6 +160,15 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def looks_up_rows(module: nn.Module) -> bool:
+    """A plain ``nn.Embedding``: its lookup reads and its gradient touches only the rows its ids name
+    (no ``max_norm`` renormalizing them, no ``scale_grad_by_freq`` / ``sparse`` gradient), so a rank
+    holding a run of the vocabulary can look up its ids on its own rows (``runtime/embedding.py``)."""
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return False
+    return not module.scale_grad_by_freq and not module.sparse
+
+
 def out_dim(module: nn.Module) -> int:
     """The weight dimension that holds the output features (1 for Conv1D, 0 for nn.Linear)."""
     return 1 if is_conv1d(module) else 0

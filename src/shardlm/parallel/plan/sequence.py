@@ -13,15 +13,21 @@ A mixture-of-experts block (the module holding an ``experts`` module, its router
 is gathered whole instead (``whole_entries``): it computes on the whole sequence as without SP, its
 input gradient, summed over TP inside it, is sliced on the way back, and its output is sliced again.
 
-The stream enters its slices at the first block (the embeddings, learned positions included, stay
-whole: the token embedding's all-reduce as without SP) and is gathered again after the last one,
-so the final norm and the LM head (vocabulary-parallel, ``loss_parallel``) see the whole sequence.
+Where nothing with parameters but a final norm sits outside the blocks (``stream_ends``: Llama, Qwen3,
+Gemma 3, GPT-NeoX, Falcon, Phi), the stream is in its slices from the embedding to the LM head, as in
+Megatron: the vocabulary-parallel embedding reduce-scatters its partial sums (instead of all-reducing
+them), the final norm computes on the slices (its gradient summed over TP with the others'), and the LM
+head's input is gathered as a column-parallel layer's (backward: reduce-scatter). Otherwise (learned
+positions: GPT-2, OPT; a norm of the embeddings, a projection, a vision tower) the stream enters its
+slices at the first block (the embeddings all-reduced, computed whole) and is gathered again after the
+last one, so the final norm and the LM head (vocabulary-parallel, ``loss_parallel``) see the whole sequence.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
+from shardlm.parallel.model.hf import looks_up_rows
 from shardlm.parallel.model.meta import decoder_blocks
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import Style
@@ -86,6 +92,28 @@ def scattered_biases(model: nn.Module, plan: Plan) -> list[str]:
     return [f"{f}.bias" for f in rows if "bias" in dict(model.get_submodule(f).named_parameters(recurse=False))]
 
 
+def stream_ends(model: nn.Module, plan: Plan) -> tuple[str, str | None, str] | None:
+    """(the input embedding, the final norm or None, the LM head) where the stream stays in its slices from
+    the embedding's output to the LM head's input: the embedding is vocabulary-parallel on plain row
+    lookups, the LM head vocabulary-parallel, and every other parameter outside the decoder blocks is one
+    module's (the final norm: ``runtime/sequence.py`` checks that it runs after the blocks). None where
+    anything else with parameters computes outside the blocks (learned positions, a norm of the
+    embeddings, a projection, a tower): between the embedding and the first block it would meet the other
+    ranks' positions, which a reduce-scattered embedding leaves at zero; so Megatron, which reduce-scatters
+    the embedding only without position embeddings, and so here (module docstring)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is None or head is None or not looks_up_rows(emb):
+        return None
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    ends = (names.get(id(emb)), names.get(id(head)))
+    if plan.styles.get(ends[0]) != Style.EMBEDDING or plan.styles.get(ends[1]) != Style.LM_HEAD:
+        return None
+    blocks = block_names(model)
+    owners = {n.rpartition(".")[0] for n, _ in model.named_parameters()} - set(ends)
+    others = sorted(o for o in owners if not _under(o, blocks))
+    return (ends[0], others[0] if others else None, ends[1]) if len(others) <= 1 else None
+
+
 def sequence_refusal(model: nn.Module, plan: Plan) -> str | None:
     """Why ``plan`` cannot run with sequence parallelism (None: it can): what it holds that the
     sequence-sharded stream does not serve yet."""
@@ -120,7 +148,8 @@ def _split(plan: Plan, modules: list[str]) -> bool:
 
 def sequence_norms(model: nn.Module, plan: Plan) -> list[str]:
     """Parameters of modules kept whole inside the decoder blocks (norms, the gathered sub-blocks
-    aside): they compute on this rank's slice of the sequence, so their gradients are summed over TP."""
+    aside), and the final norm's where it runs on the slices (``stream_ends``): they compute on this
+    rank's slice of the sequence, so their gradients are summed over TP."""
     inside = sequence_entries(model, plan) + whole_entries(plan)
     names = []
     for block in block_names(model):
@@ -130,6 +159,9 @@ def sequence_norms(model: nn.Module, plan: Plan) -> list[str]:
             if _split(plan, owners) or any(o in inside for o in owners):
                 continue
             names.append(fqn)
+    ends = stream_ends(model, plan)
+    if ends is not None and ends[1] is not None:  # the final norm on the slices
+        names += [f"{ends[1]}.{name}" for name, _ in model.get_submodule(ends[1]).named_parameters()]
     return names
 
 

@@ -5,7 +5,8 @@ The weight is ``Shard(0)`` over TP: each rank holds a run of vocabulary rows (to
 vocabulary that does not divide, the last rank holds fewer; ``shards.local_index`` says which, the
 rule the weights are filled by). Each rank looks up the ids that fall in its rows (the others read
 local row 0), zeroes the rows of the other ids, and the ranks' outputs are summed over TP
-(``regions.reduce_from_region``: one all-reduce, as torch's ``RowwiseParallel`` issues). Backward:
+(``regions.reduce_from_region``: one all-reduce, as torch's ``RowwiseParallel`` issues; under sequence
+parallelism, where the stream may enter its slices here, a reduce-scatter: ``plan.sequence.stream_ends``). Backward:
 the embedding's gradient on each rank is its ``Shard(0)`` piece, from a lookup backward over its own
 rows only; through DTensor dispatch (torch's style) it was the whole ``[vocab, hidden]`` on every rank
 (a ``Replicate`` gradient) from a full-vocabulary backward.
@@ -26,17 +27,24 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from shardlm.distributed.shards import LocalParams, local_index
+from shardlm.parallel.model.hf import looks_up_rows
 from shardlm.parallel.runtime.linear import shard_params
-from shardlm.parallel.runtime.regions import reduce_from_region
+from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_in_place
 
 
 class VocabParallelEmbedding(ParallelStyle):
-    """``nn.Embedding`` sharded by vocabulary rows, looked up on local tensors (module docstring)."""
+    """``nn.Embedding`` sharded by vocabulary rows, looked up on local tensors (module docstring);
+    ``scattered``: under sequence parallelism, its partial sums reduce-scattered to this rank's slice of the
+    sequence instead (``regions.reduce_scatter_in_place``, Megatron's ``reduce_scatter_embeddings``)."""
+
+    def __init__(self, scattered: bool = False):
+        super().__init__()
+        self.scattered = scattered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        plain = isinstance(module, nn.Embedding) and module.max_norm is None
-        if not plain or module.scale_grad_by_freq or module.sparse:
+        if not looks_up_rows(module):
             return _dtensor_embedding(module, device_mesh)
+        reduce = reduce_scatter_in_place if self.scattered else reduce_from_region
         shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
         rows = local_index(module.weight, 0)
         start, end = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
@@ -57,7 +65,7 @@ class VocabParallelEmbedding(ParallelStyle):
         def leave(mod, args, kwargs, out):
             params.restore()
             mod.padding_idx = padding
-            return reduce_from_region(out.masked_fill(outside.pop().unsqueeze(-1), 0), device_mesh)
+            return reduce(out.masked_fill(outside.pop().unsqueeze(-1), 0), device_mesh)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)

@@ -38,7 +38,8 @@ def make_style(
     module; ``views``: a ``per_channel`` module's ``channels.local_views``; ``latent_input``: a
     ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``); ``summed``: a
     ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``); ``sequence_parallel``: a
-    ``rowwise`` layer's output is reduce-scattered over the sequence (``runtime/sequence.py``)."""
+    ``rowwise`` layer's output (an ``embedding``'s partial sums) is reduce-scattered over the sequence
+    (``runtime/sequence.py``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
@@ -52,7 +53,8 @@ def make_style(
             return PackedColwiseParallel(parts)
         case Style.EMBEDDING:
             # vocab rows sharded; each rank looks up its rows on local tensors, the partial sums all-reduced
-            return VocabParallelEmbedding()
+            # (reduce-scattered where the stream enters its sequence slices there: ``plan.sequence.stream_ends``)
+            return VocabParallelEmbedding(scattered=sequence_parallel)
         case Style.LM_HEAD:
             # logits stay sharded over the vocabulary: the loss runs under loss_parallel
             return Colwise(sharded_output=True)
@@ -72,7 +74,8 @@ def make_style(
 
 def plan_styles(plan: Plan, scattered: set[str] | frozenset = frozenset()) -> dict[str, ParallelStyle]:
     """The torch style of every module of ``plan``; ``scattered``: the row-parallel layers whose output is
-    reduce-scattered over the sequence (``plan.sequence.scattered_rows``)."""
+    reduce-scattered over the sequence (``plan.sequence.scattered_rows``), and the embedding whose partial
+    sums are (``plan.sequence.stream_ends``)."""
     return {
         fqn: make_style(
             s,

@@ -24,7 +24,12 @@ rank's slice of the sequence (``sequence_dim``), and three more regions, Megatro
                                 scattered to the slices (a reduce-scatter); backward: the slices' gradients
                                 all-gathered (``linear.Rowwise("scattered")``).
 
-The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``.
+``reduce_scatter_in_place``  a reduce-scatter whose result keeps the whole shape (this rank's slice of the sum,
+                            zeros elsewhere); ``own_sequence_slice`` takes the slice out of it (Megatron's
+                            reduce-scattered embeddings, where the model's forward still runs between them).
+
+The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``
+(``reduce_scatter_in_place`` where the stream enters its slices there: ``plan.sequence.stream_ends``).
 Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded LM head
 (``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own ``Shard`` placements.
 ``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
@@ -104,6 +109,27 @@ def reduce_scatter_to_sequence_region(t: torch.Tensor, mesh: DeviceMesh) -> torc
     check_sequence_splits(t, mesh)
     view = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Partial()], run_check=False)
     return view.redistribute(mesh, [Shard(sequence_dim(t))]).to_local()
+
+
+def reduce_scatter_in_place(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum over TP of each rank's partial ``t`` at this rank's slice of the sequence (a reduce-scatter),
+    zeros at the other ranks' positions, in ``t``'s whole shape: the model's forward between the
+    embedding and the first block (masks, rotary, a scale or dropout per token) keeps reading the shape
+    it built, and the first block takes the slice (``own_sequence_slice``). Backward: the slice of the
+    gradient all-gathered (what is at the other positions came from the zeros and is not used)."""
+    mine = reduce_scatter_to_sequence_region(t, mesh)
+    dim, rank = sequence_dim(t), mesh.get_local_rank()
+    sizes = [mine.shape[dim] * rank, mine.shape[dim] * (mesh.size() - rank - 1)]
+    before, after = (mine.new_zeros(mine.shape[:dim] + (n,) + mine.shape[dim + 1 :]) for n in sizes)
+    return torch.cat([before, mine, after], dim)
+
+
+def own_sequence_slice(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's slice of ``x``, which holds only it (``reduce_scatter_in_place``); backward: the
+    slice's gradient in place, zeros elsewhere (no communication)."""
+    check_sequence_splits(x, mesh)
+    n = x.shape[sequence_dim(x)] // mesh.size()
+    return x.narrow(sequence_dim(x), n * mesh.get_local_rank(), n)
 
 
 def check_sequence_splits(x: torch.Tensor, mesh: DeviceMesh) -> None:
