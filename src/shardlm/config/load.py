@@ -260,7 +260,6 @@ def _validate_pp(cfg: Config) -> None:
         )
     _validate_virtual_stages(p)
     unsupported = {
-        "parallel.ep": p.ep > 1,
         "parallel.fsdp_offload": p.fsdp_offload != "none",
         "train.compile": t.compile,
         "parallel.cp": p.cp > 1,

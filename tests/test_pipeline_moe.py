@@ -1,0 +1,101 @@
+"""Pipeline parallelism with mixture-of-experts stages and expert parallelism inside a stage, each against
+one process (``helpers.plain_reference``: fp32, 5 steps, global batch 4, clipping binding; loss 1e-5 and
+grad_norm 1e-4 relative at every step).
+
+Qwen3-MoE (2 sparse blocks, 4 experts, top-2): at ``pp=2`` (one block a stage, 2 ranks) and at
+``pp=2 x fsdp=2 x ep=2`` (4 ranks: each stage's two data-parallel ranks hold 2 of the 4 experts of its
+block and exchange tokens by all-to-all within the stage, ``parallel/runtime/ep.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses
+
+from shardlm import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+GLOBAL_BATCH = 4
+# name -> (layout, per-device batch, accumulation): the global batch is always 4
+LAYOUTS = {
+    "pp2": ({"pp": 2}, 2, 2),  # 2 micro-batches (pp) of 2 rows under 1F1B
+    "pp2_ep2": ({"pp": 2, "fsdp": 2, "ep": 2}, 1, 2),  # each data-parallel rank's 2 rows cut in 2 micro-batches
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> tuple[str, list]:
+    """Qwen3-MoE as ``scripts/tiny.py`` shrinks it (2 blocks, 4 experts, top-2), with its one-process reference."""
+    path = str(tmp_path_factory.mktemp("pp_moe") / "qwen3_moe")
+    config = tiny_config("qwen3_moe")
+    assert config.num_hidden_layers == 2 and config.num_experts == 4 and not config.output_router_logits
+    config.save_pretrained(path)
+    return path, plain_reference(path, GLOBAL_BATCH)
+
+
+def ep_in_stage(path: str, layout: str) -> dict:
+    """Rank body: the run's (loss, grad_norm) per step, this rank's pipeline stage, the pipeline stages of
+    the ranks of its expert-parallel group, and how many experts it holds of each block on its stage."""
+    import torch.distributed as dist
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum)
+    mesh = build_mesh(cfg.parallel)
+    model = parallelize(path, mesh, seed=cfg.train.seed)
+    history = Trainer(model, cfg, token_dataset(), mesh).train()
+    stage_of = {int(r): s for s, ranks in enumerate(mesh.world.mesh.reshape(shape["pp"], -1)) for r in ranks}
+    peers = dist.get_process_group_ranks(mesh.experts["ep"].get_group())
+    experts = [p for name, p in model.module.named_parameters() if name.endswith("experts.gate_up_proj")]
+    return {
+        "steps": [(h["loss"], h["grad_norm"]) for h in history],
+        "stage": stage_of[dist.get_rank()],
+        "peer_stages": [stage_of[r] for r in peers],
+        "experts": [p.to_local().shape[0] for p in experts],
+    }
+
+
+@pytest.mark.ranks
+def test_qwen3_moe_at_pp2_matches_one_process(qwen3_moe):
+    """Qwen3-MoE's sparse blocks on two stages (the router and the experts of each block whole on its stage)."""
+    path, ref = qwen3_moe
+    got = run_ranks(shardlm_losses, 2, [path], *LAYOUTS["pp2"])[path]
+    assert_parity(got, ref, label="qwen3_moe pp2")
+
+
+@pytest.mark.ranks
+def test_expert_parallel_inside_a_stage_matches_one_process(qwen3_moe):
+    """pp=2 x fsdp=2 x ep=2: the expert-parallel group of every rank lies within its stage (the all-to-alls
+    never wait on another stage's ranks), each rank holds 2 of its block's 4 experts, and the run is one
+    process's."""
+    path, ref = qwen3_moe
+    got = run_ranks(ep_in_stage, 4, path, "pp2_ep2")
+    assert_parity(got["steps"], ref, label="qwen3_moe pp2 x fsdp2 x ep2")
+    assert got["peer_stages"] == [got["stage"]] * 2, got
+    assert got["experts"] == [2], got  # rank 0: stage 0, block 0 only
+
+
+def test_ep_with_pp_passes_the_checks(qwen3_moe, tmp_path):
+    """``parallel.ep`` with ``parallel.pp`` is accepted before spawning; the router's load-balancing loss with
+    ``pp`` is refused in one line (its global counts are needed before the first micro-batch's backward)."""
+    path, _ = qwen3_moe
+    (tmp_path / "d.txt").write_text("a b c\n")
+    train = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+    raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "train": train}
+    assert load_checked(raw={**raw, "parallel": LAYOUTS["pp2_ep2"][0]}).parallel.world_size == 4
+    router = tiny_config("qwen3_moe")
+    router.output_router_logits = True
+    router.save_pretrained(tmp_path / "router")
+    train = {**train, "gradient_accumulation_steps": 1, "per_device_train_batch_size": 2}
+    with pytest.raises(ConfigError, match="load-balancing loss .* with parallel.pp is not") as info:
+        load_checked(raw={**raw, "model": str(tmp_path / "router"), "train": train, "parallel": {"pp": 2}})
+    assert "\n" not in str(info.value)
