@@ -1,10 +1,12 @@
-"""Pipeline parallelism with mixture-of-experts stages and expert parallelism inside a stage, each against
-one process (``helpers.plain_reference``: fp32, 5 steps, global batch 4, clipping binding; loss 1e-5 and
-grad_norm 1e-4 relative at every step).
+"""Pipeline parallelism with mixture-of-experts stages and expert parallelism inside a stage, and with
+several stages a rank at ``pp=4``, each against one process (``helpers.plain_reference``: fp32, 5 steps,
+global batch 4, clipping binding; loss 1e-5 and grad_norm 1e-4 relative at every step).
 
 Qwen3-MoE (2 sparse blocks, 4 experts, top-2): at ``pp=2`` (one block a stage, 2 ranks) and at
 ``pp=2 x fsdp=2 x ep=2`` (4 ranks: each stage's two data-parallel ranks hold 2 of the 4 experts of its
-block and exchange tokens by all-to-all within the stage, ``parallel/runtime/ep.py``).
+block and exchange tokens by all-to-all within the stage, ``parallel/runtime/ep.py``). Llama with 8
+blocks at ``pp=4`` with 2 stages a rank (one block a stage) under ``Interleaved1F1B`` (loops) and
+``ZBVZeroBubble`` (a V; the backward split into input and weight gradients), in one 4-rank world.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses
+from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
 
 from shardlm import ConfigError
 
@@ -26,6 +28,8 @@ GLOBAL_BATCH = 4
 LAYOUTS = {
     "pp2": ({"pp": 2}, 2, 2),  # 2 micro-batches (pp) of 2 rows under 1F1B
     "pp2_ep2": ({"pp": 2, "fsdp": 2, "ep": 2}, 1, 2),  # each data-parallel rank's 2 rows cut in 2 micro-batches
+    "pp4_interleaved": ({"pp": 4, "pp_schedule": "Interleaved1F1B"}, 4, 1),  # 8 stages, 4 micro-batches
+    "pp4_zbv": ({"pp": 4, "pp_schedule": "ZBVZeroBubble"}, 4, 1),
 }
 
 
@@ -99,3 +103,23 @@ def test_ep_with_pp_passes_the_checks(qwen3_moe, tmp_path):
     with pytest.raises(ConfigError, match="load-balancing loss .* with parallel.pp is not") as info:
         load_checked(raw={**raw, "model": str(tmp_path / "router"), "train": train, "parallel": {"pp": 2}})
     assert "\n" not in str(info.value)
+
+
+def jobs_losses(jobs: list[tuple[str, str]]) -> list:
+    """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
+    return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
+
+
+@pytest.mark.ranks
+def test_virtual_stages_at_pp4_match_one_process(tmp_path_factory):
+    """Llama with 8 blocks at pp=4, two one-block stages a rank: Interleaved1F1B (rank r holds stages r and
+    r + 4) and ZBVZeroBubble (rank r holds r and 7 - r), 4 micro-batches each; pp=4 under 1F1B is
+    test_pipeline's ``pp4``."""
+    path = write_model_dir(str(tmp_path_factory.mktemp("pp4v") / "llama"), "llama", num_hidden_layers=8)
+    ref = plain_reference(path, GLOBAL_BATCH)
+    runs = ["pp4_interleaved", "pp4_zbv"]
+    for layout, losses in zip(runs, run_ranks(jobs_losses, 4, [(path, layout) for layout in runs])):
+        assert_parity(losses, ref, label=f"llama {layout}")
+        loss = max(abs(a - b) / b for (a, _), (b, _) in zip(losses, ref))
+        norm = max(abs(a - b) / b for (_, a), (_, b) in zip(losses, ref))
+        print(f"llama {layout}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
