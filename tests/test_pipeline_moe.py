@@ -7,6 +7,8 @@ Qwen3-MoE (2 sparse blocks, 4 experts, top-2): at ``pp=2`` (one block a stage, 2
 block and exchange tokens by all-to-all within the stage, ``parallel/runtime/ep.py``). Llama with 8
 blocks at ``pp=4`` with 2 stages a rank (one block a stage) under ``Interleaved1F1B`` (loops) and
 ``ZBVZeroBubble`` (a V; the backward split into input and weight gradients), in one 4-rank world.
+Phi-MoE, whose router samples its experts in training, at ``pp=2``: the second stage's draws keyed as one
+process's (``parallel/runtime/dropout.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
 
 from shardlm import ConfigError
+from shardlm.parallel.infer.stages import stage_layout
+from shardlm.parallel.model.meta import build_meta_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -34,13 +38,29 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory) -> tuple[str, list]:
-    """Qwen3-MoE as ``scripts/tiny.py`` shrinks it (2 blocks, 4 experts, top-2), with its one-process reference."""
-    path = str(tmp_path_factory.mktemp("pp_moe") / "qwen3_moe")
-    config = tiny_config("qwen3_moe")
-    assert config.num_hidden_layers == 2 and config.num_experts == 4 and not config.output_router_logits
-    config.save_pretrained(path)
-    return path, plain_reference(path, GLOBAL_BATCH)
+def models(tmp_path_factory) -> dict[str, str]:
+    """``{name: model dir}``: Qwen3-MoE as ``scripts/tiny.py`` shrinks it (2 blocks, 4 experts, top-2), and
+    Phi-MoE, its router sampling in training as published (jitter 0.01)."""
+    root, out = tmp_path_factory.mktemp("pp_moe"), {}
+    for name in ("qwen3_moe", "phimoe"):
+        config = tiny_config(name)
+        assert config.num_hidden_layers == 2 and not config.output_router_logits
+        config.save_pretrained(root / name)
+        out[name] = str(root / name)
+    assert tiny_config("qwen3_moe").num_experts == 4 and tiny_config("phimoe").router_jitter_noise > 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(models) -> tuple[str, list]:
+    """Qwen3-MoE with its one-process reference."""
+    return models["qwen3_moe"], plain_reference(models["qwen3_moe"], GLOBAL_BATCH)
+
+
+@pytest.fixture(scope="module")
+def phimoe(models) -> tuple[str, list]:
+    """Phi-MoE with the one-process reference drawing the keyed values (``plain_reference(dropout=True)``)."""
+    return models["phimoe"], plain_reference(models["phimoe"], GLOBAL_BATCH, dropout=True)
 
 
 def ep_in_stage(path: str, layout: str) -> dict:
@@ -68,12 +88,32 @@ def ep_in_stage(path: str, layout: str) -> dict:
     }
 
 
+def test_a_later_stage_resumes_the_router_draws(models):
+    """Phi-MoE's router draws (``exponential_``, ``rand_like``) are call sites the stage probe counts: the
+    second stage's count resumes where one process's forward has it at the second block (uncounted, a model
+    without dropout had no sites at all, and every stage drew from torch's generator: pp=2 step-1 grad_norm
+    2.27933 against one process's 2.28023)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["phimoe"])).train()
+    at_block = []
+    with DeterministicDropout(DropoutKey(0, 0, torch.arange(1))) as mode:
+        model.model.layers[1].register_forward_pre_hook(lambda *a: at_block.append(mode.site))
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert at_block[0] > 0
+    assert stage_layout(build_meta_model(models["phimoe"]), 2).sites == (0, at_block[0])
+
+
 @pytest.mark.ranks
-def test_qwen3_moe_at_pp2_matches_one_process(qwen3_moe):
-    """Qwen3-MoE's sparse blocks on two stages (the router and the experts of each block whole on its stage)."""
-    path, ref = qwen3_moe
-    got = run_ranks(shardlm_losses, 2, [path], *LAYOUTS["pp2"])[path]
-    assert_parity(got, ref, label="qwen3_moe pp2")
+def test_moe_at_pp2_matches_one_process(qwen3_moe, phimoe):
+    """Qwen3-MoE's and Phi-MoE's sparse blocks on two stages (the router and the experts of each block whole
+    on its stage); Phi-MoE's router draws on the second stage keyed as one process's."""
+    got = run_ranks(shardlm_losses, 2, [qwen3_moe[0], phimoe[0]], *LAYOUTS["pp2"])
+    assert_parity(got[qwen3_moe[0]], qwen3_moe[1], label="qwen3_moe pp2")
+    assert_parity(got[phimoe[0]], phimoe[1], label="phimoe pp2")
 
 
 @pytest.mark.ranks
@@ -88,10 +128,10 @@ def test_expert_parallel_inside_a_stage_matches_one_process(qwen3_moe):
     assert got["experts"] == [2], got  # rank 0: stage 0, block 0 only
 
 
-def test_ep_with_pp_passes_the_checks(qwen3_moe, tmp_path):
+def test_ep_with_pp_passes_the_checks(models, tmp_path):
     """``parallel.ep`` with ``parallel.pp`` is accepted before spawning; the router's load-balancing loss with
     ``pp`` is refused in one line (its global counts are needed before the first micro-batch's backward)."""
-    path, _ = qwen3_moe
+    path = models["qwen3_moe"]
     (tmp_path / "d.txt").write_text("a b c\n")
     train = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "train": train}
