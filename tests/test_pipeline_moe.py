@@ -129,13 +129,18 @@ def test_expert_parallel_inside_a_stage_matches_one_process(qwen3_moe):
 
 
 def test_ep_with_pp_passes_the_checks(models, tmp_path):
-    """``parallel.ep`` with ``parallel.pp`` is accepted before spawning; the router's load-balancing loss with
-    ``pp`` is refused in one line (its global counts are needed before the first micro-batch's backward)."""
+    """``parallel.ep`` with ``parallel.pp`` is accepted before spawning, with several stages a rank refused in one
+    line; the router's load-balancing loss with ``pp`` is refused in one line (its global counts are needed
+    before the first micro-batch's backward)."""
     path = models["qwen3_moe"]
     (tmp_path / "d.txt").write_text("a b c\n")
     train = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "train": train}
     assert load_checked(raw={**raw, "parallel": LAYOUTS["pp2_ep2"][0]}).parallel.world_size == 4
+    virtual = {**LAYOUTS["pp2_ep2"][0], "pp_schedule": "ZBVZeroBubble"}
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.pp_schedule=ZBVZeroBubble \(several") as info:
+        load_checked(raw={**raw, "parallel": virtual})
+    assert "\n" not in str(info.value)
     router = tiny_config("qwen3_moe")
     router.output_router_logits = True
     router.save_pretrained(tmp_path / "router")
