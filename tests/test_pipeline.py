@@ -81,7 +81,6 @@ def test_refusals_before_spawning(tmp_path):
         (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
         (llama, {"pp": 2, "pp_microbatches": 3}, {}, "parallel.pp_microbatches=3 must divide"),
-        (llama, {"pp": 2, "ep": 2, "fsdp": 2}, {}, "parallel.ep with parallel.pp=2 is not supported yet"),
         (llama, {"pp": 8, "pp_microbatches": 8}, {"per_device_train_batch_size": 8}, "model has 4 decoder blocks"),
         (router, {"pp": 2}, {"gradient_accumulation_steps": 1}, "load-balancing loss .* with parallel.pp is not"),
     ]

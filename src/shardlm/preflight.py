@@ -79,7 +79,9 @@ def check_run(cfg: Config) -> str | None:
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch
         router_loss.check(model, cfg.train.gradient_accumulation_steps)
-        # pp: the router logits of every stage would have to meet on the last one; cp: not tested yet
+        # pp: each micro-batch's backward needs the assignment counts of every block on every stage over the
+        # whole global batch (train/router_loss.py), known only after the step's last forward, which the
+        # schedules (1F1B) run after the first backwards, as with gradient accumulation; cp: not tested yet
         for key, on in (("parallel.pp", p.pp > 1), ("parallel.cp", p.cp > 1)):
             if on:
                 why = f"the router's load-balancing loss (output_router_logits) with {key} is not supported yet"

@@ -19,7 +19,8 @@ ranks; ``ep`` a multiple of ``fsdp`` also takes ``ep / fsdp`` of the ``dp_replic
 alone is ``dp_replicate=2``: dense parameters replicated, experts halved). Either way the EP ranks
 are data-parallel ranks, reading different micro-batches; the experts' parameters live on
 ``(ep, tp)`` and their gradients are summed over the data-parallel ranks left, ``edp``, which
-hold the same experts.
+hold the same experts. Under ``parallel.pp`` all of this is per stage (the flattened ``dp`` is a
+pipeline rank's): an EP group's all-to-alls never wait on another stage's ranks.
 """
 
 from __future__ import annotations

@@ -25,27 +25,29 @@ from torch.overrides import TorchFunctionMode
 from shardlm.errors import ConfigError
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
 from shardlm.parallel.model.meta import build_meta, decoder_blocks
-from shardlm.parallel.plan.call_sites import dropout_p, is_dropout_call
+from shardlm.parallel.plan.call_sites import dropout_p, is_call_site
 from shardlm.parallel.plan.stages import StageLayout, balance
 
 _NOT_YET = "not supported yet (docs/pipeline.md); set parallel.pp: 1"
 
 
 class _DropoutCount(TorchFunctionMode):
-    """Counts dropout calls, and those with p > 0 (``plan/call_sites.py``); answers the data-dependent questions
-    a modeling file asks of meta tensors as the trace does (``meta_answers.py``)."""
+    """Counts the call sites ``DeterministicDropout`` keys (``plan/call_sites.py``): dropout calls and a
+    router's random draws (Phi-MoE's Gumbel sampling, Mixtral's jitter), and those that draw (p > 0, every
+    random draw); answers the data-dependent questions a modeling file asks of meta tensors as the trace
+    does (``meta_answers.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
-        self.calls = 0  # every dropout call, whatever its p: what ``DeterministicDropout`` numbers its sites by
+        self.calls = 0  # every call site, whatever its p: what ``DeterministicDropout`` numbers its sites by
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if asks_data(name, args):
             return meta_answer(name, args, kwargs)
-        if is_dropout_call(func):
+        if is_call_site(func):
             self.calls += 1
             self.live += dropout_p(func, args, kwargs) > 0
         return func(*args, **kwargs)
@@ -114,8 +116,9 @@ def _read_forward(model: nn.Module) -> _Forward:
 
 
 def _dropout_sites(meta: nn.Module) -> tuple[int, ...]:
-    """The dropout calls (``DeterministicDropout``'s site count) one process's training forward from
-    ``input_ids`` has made when it enters each decoder block: where a later stage's count resumes."""
+    """The call sites (``DeterministicDropout``'s count: dropout calls and a router's random draws) one
+    process's training forward from ``input_ids`` has made when it enters each decoder block: where a later
+    stage's count resumes."""
     blocks, count = decoder_blocks(meta), _DropoutCount()
     sites: list[int] = []
     hooks = [block.register_forward_pre_hook(lambda m, a: sites.append(count.calls)) for block in blocks]
@@ -157,7 +160,7 @@ class _Forward:
     model's children in call order (``"first"`` at the first block's entry, ``"block"`` after the last
     block); ``unchanged``, whether the first block received ``inputs_embeds`` itself; ``derived``, an
     input of the first block other than the hidden states that depends on ``inputs_embeds`` or a
-    parameter (None: none does); ``dropouts``, the dropout calls with p > 0."""
+    parameter (None: none does); ``dropouts``, the dropout calls with p > 0 and the random draws."""
 
     calls: list[str] = field(default_factory=list)
     unchanged: bool | None = None
