@@ -8,7 +8,7 @@ gradient norm to 1e-4, relative, at every step.
 
 import pytest
 import torch
-from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
+from helpers import assert_parity, run_ranks, shardlm_losses, write_model_dir
 
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.stages import stage_layout
@@ -24,9 +24,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = write_model_dir(str(tmp_path_factory.mktemp("ppc") / "llama"), "llama", **LLAMA)
-    return path, plain_reference(path, GLOBAL_BATCH)
+def llama(pp_llama):
+    """conftest's Llama (4 blocks, untied) and its one-process reference, shared with the other pipeline tests."""
+    return pp_llama
 
 
 def test_stage_plan_holds_the_stage_modules(tmp_path):
