@@ -154,6 +154,7 @@ VIRTUAL_RUNS = [
     ("llama", "pp2_interleaved_zb"),
     ("llama", "pp2_zbv"),
     ("gpt2", "pp2_interleaved"),
+    ("llama_tied", "pp2_zbv"),  # the V holds both copies' stages on rank 0: one parameter there
 ]
 
 
@@ -168,8 +169,9 @@ def virtual_runs(models):
 def test_virtual_stages_match_one_process(models, virtual_runs):
     """Two stages a rank at pp=2 (one block each): Interleaved1F1B and InterleavedZeroBubble (rank 0 holds
     stages 0 and 2) and ZBVZeroBubble (0 and 3, a V), whose backward is split into input and weight
-    gradients; GPT-2 (tied across ranks 0 and 1, learned positions) under Interleaved1F1B. Loss and
-    grad_norm of every step as one process's: the clipping sees whole gradients."""
+    gradients; GPT-2 (tied across ranks 0 and 1, learned positions) under Interleaved1F1B; tied Llama under
+    ZBVZeroBubble (the V puts the embedding's and the head's stages on rank 0, which holds one parameter for
+    both). Loss and grad_norm of every step as one process's: the clipping sees whole gradients."""
     for (name, layout), (losses, _) in virtual_runs.items():
         assert_parity(losses, models[name][1], label=f"{name} {layout}")
 
@@ -210,10 +212,10 @@ def test_virtual_stages_are_slices_of_the_model(models):
 def test_virtual_stage_refusals(models, tmp_path):
     """One line each before spawning, naming the key: a multi-stage schedule with one stage a rank, virtual
     stages under a one-stage schedule, a V with other than 2, micro-batches that do not come in torch's
-    rounds, more stages than blocks, FSDP or activation checkpointing with several stages a rank (not
-    tested together), tied embeddings whose two stages a V puts on one rank."""
+    rounds, more stages than blocks, FSDP under the zero-bubble schedules (their split backward missed one
+    process's gradients); Interleaved1F1B with FSDP, TP, LoRA and activation checkpointing loads."""
     (tmp_path / "d.txt").write_text("a b c\n")
-    llama, tied = models["llama"][0], models["llama_tied"][0]
+    llama = models["llama"][0]
     zbv = {"pp": 2, "pp_schedule": "ZBVZeroBubble"}
     interleaved = {"pp": 2, "pp_schedule": "Interleaved1F1B"}
     cases = [
@@ -222,9 +224,8 @@ def test_virtual_stage_refusals(models, tmp_path):
         (llama, {**zbv, "pp_virtual_stages": 3}, {}, "places exactly 2 stages on each rank"),
         (llama, {**interleaved, "pp_microbatches": 5}, {"per_device_train_batch_size": 5}, "in rounds of"),
         (llama, {**interleaved, "pp_virtual_stages": 4}, {}, "8 pipeline stages .* model has 4 decoder blocks"),
-        (llama, {**interleaved, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=Interleaved1F1B"),
-        (llama, interleaved, {"gradient_checkpointing": True}, "train.gradient_checkpointing with parallel.pp_sch"),
-        (tied, zbv, {}, "puts the first and the last stage on one rank"),
+        (llama, {**zbv, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=ZBVZeroBubble"),
+        (llama, {"pp": 2, "pp_schedule": "InterleavedZeroBubble", "dp_replicate": 2}, {}, "split backward"),
     ]
     for model, parallel, extra, match in cases:
         raw = {"model": model, "data": {"path": str(tmp_path / "d.txt")}, "parallel": parallel}
@@ -232,7 +233,11 @@ def test_virtual_stage_refusals(models, tmp_path):
         with pytest.raises(ConfigError, match=match) as info:
             load_checked(raw=raw)
         assert "\n" not in str(info.value), info.value
-    assert load_checked(raw={**raw, "model": llama}).parallel.pp_stages_per_rank == 2
+    assert load_checked(raw={**raw, "model": llama, "parallel": interleaved}).parallel.pp_stages_per_rank == 2
+    composed = {**interleaved, "fsdp": 2, "tp": 2}
+    raw["train"] = {**raw["train"], "gradient_checkpointing": True}
+    raw["lora"] = {"target_modules": ["q_proj"]}
+    assert load_checked(raw={**raw, "model": llama, "parallel": composed}).parallel.world_size == 8
 
 
 @pytest.mark.ranks
