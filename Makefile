@@ -32,9 +32,11 @@ demo: setup
 	$(PY) examples/demo.py
 
 # side by side with transformers in the same ranks, then each side in ranks of its own against the
-# previous commit (benchmarks/against.py: a process-wide regression shows only there)
+# previous commit (benchmarks/against.py: a process-wide regression shows only there); pp=2 against fsdp=2
+# and tp=2 and its schedule's bubble (benchmarks/pipeline.py; --all: every schedule)
 bench: setup
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/against.py --layouts tp2,fsdp2
 
 # Models one step up (125M-349M Llama): shardlm estimate against measured peaks, save/load MB/s

@@ -12,7 +12,7 @@ import pool
 import pytest
 import torch.distributed as dist
 from families import write_tiny_dir
-from helpers import run_ranks, train_jobs, write_model_dir
+from helpers import plain_reference, run_ranks, train_jobs, write_model_dir
 
 from shardlm import init_distributed
 
@@ -66,6 +66,15 @@ def tp2_runs(tmp_path_factory) -> dict:
         tied_full=tied_full,
         tied_fsdp=tied_fsdp,
     )
+
+
+@pytest.fixture(scope="session")
+def pp_llama(tmp_path_factory) -> tuple[str, list]:
+    """The pipeline tests' Llama (4 blocks, untied: two a stage at pp=2, one at pp=4 or two stages a rank)
+    and its one-process reference (``helpers.plain_reference``, global batch 4, 5 steps), computed once for
+    test_pipeline.py, test_pipeline_stages.py and test_pipeline_composed.py."""
+    path = write_model_dir(str(tmp_path_factory.mktemp("pp_llama") / "llama"), "llama", num_hidden_layers=4)
+    return path, plain_reference(path, 4)
 
 
 def pytest_sessionfinish(session, exitstatus):

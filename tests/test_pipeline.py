@@ -109,17 +109,16 @@ def write_gemma3(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Llama; Qwen3 whose last two blocks slide over 4 tokens (stage 1's ``layer_types`` must be its own
-    blocks'); Gemma 3: each with its one-process reference."""
+def models(pp_llama, tmp_path_factory):
+    """Llama (conftest's, shared with the other pipeline tests); Qwen3 whose last two blocks slide over 4
+    tokens (stage 1's ``layer_types`` must be its own blocks'); Gemma 3: each with its one-process reference."""
     root = tmp_path_factory.mktemp("pp")
     sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
     paths = {
-        "llama": write_model_dir(str(root / "llama"), "llama", **LLAMA),
         "qwen3_sliding": write_model_dir(str(root / "qwen3"), "qwen3", num_hidden_layers=4, **sliding),
         "gemma3": write_gemma3(str(root / "gemma3")),
     }
-    return {name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}
+    return {"llama": pp_llama, **{name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -132,24 +131,39 @@ def jobs_losses(jobs: list[tuple[str, str]]) -> list:
     return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
 
 
+# the runs of each world, once for the module: (model, layout) -> ((loss, grad_norm) per step, eval before and after)
+PP2_RUNS = [("llama", "pp2_1f1b"), ("llama", "pp2_gpipe"), ("qwen3_sliding", "pp2_1f1b"), ("gemma3", "pp2_1f1b")]
+FOUR_RANK_RUNS = [("llama", "pp2_fsdp2"), ("llama", "pp4")]
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(models):
+    """Every 2-rank run of ``PP2_RUNS`` in one world, each trained and evaluated (``eval_runs``)."""
+    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in PP2_RUNS]
+    return dict(zip(PP2_RUNS, run_ranks(eval_runs, 2, jobs), strict=True))
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(models):
+    """Every 4-rank run of ``FOUR_RANK_RUNS`` in one world, each trained and evaluated (``eval_runs``)."""
+    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in FOUR_RANK_RUNS]
+    return dict(zip(FOUR_RANK_RUNS, run_ranks(eval_runs, 4, jobs), strict=True))
+
+
 @pytest.mark.ranks
-def test_pp2_matches_one_process(models):
+def test_pp2_matches_one_process(models, pp2_runs):
     """pp=2: Llama under 1F1B (2 micro-batches) and GPipe (4); Qwen3 with sliding blocks on the second
     stage and Gemma 3 under 1F1B: loss and grad_norm of every step."""
-    runs = [("llama", "pp2_1f1b"), ("llama", "pp2_gpipe"), ("qwen3_sliding", "pp2_1f1b"), ("gemma3", "pp2_1f1b")]
-    got = run_ranks(jobs_losses, 2, [(models[name][0], layout) for name, layout in runs])
-    for (name, layout), losses in zip(runs, got):
+    for (name, layout), (losses, _) in pp2_runs.items():
         assert_parity(losses, models[name][1], label=f"{name} {layout}")
 
 
 @pytest.mark.ranks
-def test_four_ranks_match_one_process(llama):
+def test_four_ranks_match_one_process(llama, four_rank_runs):
     """pp=2 x fsdp=2 (FSDP2 inside each stage, the norm summed over both) and pp=4 (one block a stage,
     4 micro-batches under 1F1B), 4 ranks each."""
-    path, ref = llama
-    runs = ["pp2_fsdp2", "pp4"]
-    for layout, losses in zip(runs, run_ranks(jobs_losses, 4, [(path, layout) for layout in runs])):
-        assert_parity(losses, ref, label=layout)
+    for (_, layout), (losses, _) in four_rank_runs.items():
+        assert_parity(losses, llama[1], label=layout)
 
 
 def train_and_save(path: str, layout: str, output_dir: str, resume: str | bool = False) -> list[float]:
@@ -199,10 +213,10 @@ def test_checkpoint_resumes_across_pp_and_fsdp(llama, tmp_path):
         torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def eval_losses(path: str, shape: dict, per_device: int, accum: int) -> list:
-    """Rank body: the eval loss of a layout (``LAYOUTS``' shape, rows per device, accumulation) before
-    training and after 5 steps (13 eval samples: the last batch is short, and at fsdp=2 a rank past the
-    end runs an all-ignored one)."""
+def eval_run(path: str, shape: dict, per_device: int, accum: int) -> tuple[list, list]:
+    """Rank body: a layout (``LAYOUTS``' shape, rows per device, accumulation) trained 5 steps, evaluated before
+    and after (13 eval samples: the last batch is short, and at fsdp=2 a rank past the end runs an all-ignored
+    one): (loss, grad_norm) per step and (eval loss, eval tokens) before and after."""
     from helpers import token_dataset, train_config
 
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
@@ -212,19 +226,26 @@ def eval_losses(path: str, shape: dict, per_device: int, accum: int) -> list:
     mesh = build_mesh(cfg.parallel)
     trainer = Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh, eval_dataset=token_dataset(13, seed=5))
     before = trainer.evaluate()
-    trainer.train()
-    return [(r["eval_loss"], r["eval_tokens"]) for r in [before, *trainer.eval_history]]
+    steps = [(h["loss"], h["grad_norm"]) for h in trainer.train()]
+    return steps, [(r["eval_loss"], r["eval_tokens"]) for r in [before, *trainer.eval_history]]
+
+
+def eval_runs(jobs: list[tuple[str, dict, int, int]]) -> list[tuple[list, list]]:
+    """Rank body: ``eval_run`` of each ``(path, shape, per-device rows, accumulation)`` in turn in one world."""
+    return [eval_run(*job) for job in jobs]
 
 
 @pytest.mark.ranks
-def test_eval_through_the_stages(llama):
+def test_eval_through_the_stages(llama, pp2_runs, four_rank_runs):
     """Evaluation sends each batch through the stages in turn: pp=2 and pp=2 x fsdp=2's eval loss (before
     and after training) equal one process's (1e-5), over the same labelled-token count."""
     path, _ = llama
-    one = run_ranks(eval_losses, 1, path, *LAYOUTS["one"])
+    _, one = run_ranks(eval_run, 1, path, *LAYOUTS["one"])
     assert len(one) == 2 and one[0][0] != one[1][0]
-    for world, layout in ((2, "pp2_1f1b"), (4, "pp2_fsdp2")):
-        got = run_ranks(eval_losses, world, path, *LAYOUTS[layout])
+    for layout, (_, got) in (
+        ("pp2_1f1b", pp2_runs[("llama", "pp2_1f1b")]),
+        ("pp2_fsdp2", four_rank_runs[("llama", "pp2_fsdp2")]),
+    ):
         for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
             assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (layout, got, one)
 

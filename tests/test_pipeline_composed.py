@@ -8,7 +8,7 @@ gradient norm to 1e-4, relative, at every step.
 
 import pytest
 import torch
-from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses, write_model_dir
+from helpers import assert_parity, run_ranks, write_model_dir
 
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.infer.stages import stage_layout
@@ -17,16 +17,24 @@ from shardlm.parallel.runtime.pipeline import keep_stage, stage_plan
 
 GLOBAL_BATCH = 4
 LLAMA = {"num_hidden_layers": 4}  # untied embeddings: two blocks a stage at pp=2
-# name -> (layout, per-device batch, accumulation): the global batch is always 4
-LAYOUTS = {
-    "pp2_tp2": ({"pp": 2, "tp": 2}, 2, 2),  # every tp rank of a stage reads the same 2 micro-batches of 2 rows
+INTERLEAVED = {"pp": 2, "pp_schedule": "Interleaved1F1B"}  # two stages a rank in loops: 0 and 2 on rank 0
+ZBV = {"pp": 2, "pp_schedule": "ZBVZeroBubble"}  # two stages a rank in a V (0 and 3 on rank 0), split backward
+# name -> (layout, per-device batch, accumulation, train settings): the global batch is always 4
+RUNS = {
+    "pp2_tp2": ({"pp": 2, "tp": 2}, 2, 2, {}),  # every tp rank of a stage reads the same 2 micro-batches of 2 rows
+    "interleaved_fsdp2": ({**INTERLEAVED, "fsdp": 2}, 1, 2, {}),
+    "interleaved_tp2": ({**INTERLEAVED, "tp": 2}, 2, 2, {}),
+    "zbv_tp2": ({**ZBV, "tp": 2}, 2, 2, {}),
+    "interleaved_checkpointed": (INTERLEAVED, 2, 2, {"gradient_checkpointing": True}),
+    "zbv_checkpointed": (ZBV, 2, 2, {"gradient_checkpointing": True}),
 }
+FOUR_RANK_RUNS = ["pp2_tp2", "interleaved_fsdp2", "interleaved_tp2", "zbv_tp2"]
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = write_model_dir(str(tmp_path_factory.mktemp("ppc") / "llama"), "llama", **LLAMA)
-    return path, plain_reference(path, GLOBAL_BATCH)
+def llama(pp_llama):
+    """conftest's Llama (4 blocks, untied) and its one-process reference, shared with the other pipeline tests."""
+    return pp_llama
 
 
 def test_stage_plan_holds_the_stage_modules(tmp_path):
@@ -65,22 +73,61 @@ def test_lora_dropout_refused_with_stages(tmp_path):
     assert load_checked(raw={**raw, "lora": {"target_modules": ["q_proj"]}}).lora is not None
 
 
-def jobs_losses(jobs: list[tuple[str, str]]) -> list:
-    """Rank body: ``(model path, layout)`` runs one after another in one world; (loss, grad_norm) per step."""
-    return [shardlm_losses([path], *LAYOUTS[layout])[path] for path, layout in jobs]
+def runs_losses(path: str, runs: list[str]) -> list:
+    """Rank body: each run of ``RUNS`` in turn in one world; (loss, grad_norm) per step."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = []
+    for run in runs:
+        shape, per_device, accum, train = RUNS[run]
+        cfg = train_config(path, shape, per_device, accum, 5, **train)
+        mesh = build_mesh(cfg.parallel)
+        model = parallelize(path, mesh, seed=cfg.train.seed)
+        out.append([(h["loss"], h["grad_norm"]) for h in Trainer(model, cfg, token_dataset(), mesh).train()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(llama):
+    """Every run of ``FOUR_RANK_RUNS`` in one 4-rank world (4 ranks are slow on this machine: started once)."""
+    path, _ = llama
+    return dict(zip(FOUR_RANK_RUNS, run_ranks(runs_losses, 4, path, FOUR_RANK_RUNS), strict=True))
 
 
 @pytest.mark.ranks
-def test_pp2_tp2_matches_one_process(llama):
+def test_pp2_tp2_matches_one_process(llama, four_rank_runs):
     """pp=2 x tp=2 (4 ranks): each stage's projections split over its two tp ranks as the whole model's
     plan says, the hidden states between stages replicated over tp, the last stage's loss on vocabulary
     shards (``loss_parallel``), the norm summed over stages and TP placements: one process's numbers."""
+    assert_parity(four_rank_runs["pp2_tp2"], llama[1], label="pp2 x tp2")
+
+
+@pytest.mark.ranks
+def test_virtual_stages_composed_match_one_process(llama, four_rank_runs):
+    """Two stages a rank composed: Interleaved1F1B with FSDP2 in each stage (pp=2 x fsdp=2: each stage its
+    own FSDP root, unsharded and resharded by the schedule) and with TP (pp=2 x tp=2), ZBVZeroBubble (the V
+    and the split backward) with TP; and, on 2 ranks, both schedules with activation checkpointing (the
+    split backward's input and weight passes each recompute the checkpointed blocks). One process's loss
+    and grad_norm at every step (the LoRA runs are in ``test_lora_on_stages_matches_one_process_peft``)."""
     path, ref = llama
-    assert_parity(run_ranks(jobs_losses, 4, [(path, "pp2_tp2")])[0], ref, label="pp2 x tp2")
+    for run in ("interleaved_fsdp2", "interleaved_tp2", "zbv_tp2"):
+        assert_parity(four_rank_runs[run], ref, label=run)
+    two = ["interleaved_checkpointed", "zbv_checkpointed"]
+    for run, losses in zip(two, run_ranks(runs_losses, 2, path, two), strict=True):
+        assert_parity(losses, ref, label=run)
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_LAYOUTS = {"pp2": ({"pp": 2}, 4), "pp2_tp2": ({"pp": 2, "tp": 2}, 4), "one": ({}, 4)}
+LORA_LAYOUTS = {
+    "pp2": ({"pp": 2}, 4),
+    "pp2_tp2": ({"pp": 2, "tp": 2}, 4),
+    "pp2_interleaved": (INTERLEAVED, 4),  # two stages a rank: each saves its adapters into the one checkpoint
+    "pp2_zbv": (ZBV, 4),
+    "one": ({}, 4),
+}
 
 
 def lora_losses(path: str, layout: str, lora: dict, output_dir: str) -> list:
@@ -113,12 +160,13 @@ def llama_adapter(llama, tmp_path_factory):
     return adapter, steps, trained
 
 
-@pytest.mark.parametrize("layout,world", [("pp2", 2), ("pp2_tp2", 4)])
+@pytest.mark.parametrize("layout,world", [("pp2", 2), ("pp2_tp2", 4), ("pp2_interleaved", 2), ("pp2_zbv", 2)])
 @pytest.mark.ranks
 def test_lora_on_stages_matches_one_process_peft(llama, llama_adapter, layout, world, tmp_path):
-    """LoRA on each stage's projections (only the adapters train): pp=2 and pp=2 x tp=2 against one-process
-    peft, loss and grad_norm of every step; each stage saves its adapters into the one checkpoint, and
-    consolidation writes one peft adapter equal to the one peft trained (every stage's tensors)."""
+    """LoRA on each stage's projections (only the adapters train): pp=2, pp=2 x tp=2 and two stages a rank
+    (Interleaved1F1B, ZBVZeroBubble) against one-process peft, loss and grad_norm of every step; each stage
+    saves its adapters into the one checkpoint, and consolidation writes one peft adapter equal to the one
+    peft trained (every stage's tensors)."""
     from safetensors.torch import load_file
 
     from shardlm.checkpoint.export import consolidate

@@ -10,7 +10,7 @@ import pool
 import pytest
 import torch
 from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
-from test_pipeline import eval_losses
+from test_pipeline import eval_run, eval_runs
 
 from shardlm import ConfigError
 from shardlm.parallel.infer.stages import stage_layout
@@ -32,21 +32,22 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Llama (untied, and tied), GPT-2 (learned positions, tied), Granite (its forward scales the
-    embeddings by ``embedding_multiplier``) and GPT-2 with its published dropout 0.1, 4 blocks each, with
-    their one-process references (the dropout masks drawn as shardlm keys them, by sample and call)."""
+def models(pp_llama, tmp_path_factory):
+    """Llama (untied: conftest's, shared with the other pipeline tests, and tied), GPT-2 (learned positions,
+    tied), Granite (its forward scales the embeddings by ``embedding_multiplier``) and GPT-2 with its
+    published dropout 0.1, 4 blocks each, with their one-process references (the dropout masks drawn as
+    shardlm keys them, by sample and call)."""
     root = tmp_path_factory.mktemp("pp_stages")
     tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
     paths = {
-        "llama": write_model_dir(str(root / "llama"), "llama", num_hidden_layers=4),
         "llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied),
         "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
         "granite": write_model_dir(str(root / "granite"), "granite", num_hidden_layers=4),
         "gpt2_dropout": write_model_dir(str(root / "gpt2_dropout"), "gpt2", n_layer=4, **GPT2_DROPOUT),
     }
     drop = {name: name == "gpt2_dropout" for name in paths}
-    return {name: (path, plain_reference(path, GLOBAL_BATCH, dropout=drop[name])) for name, path in paths.items()}
+    refs = {name: (path, plain_reference(path, GLOBAL_BATCH, dropout=drop[name])) for name, path in paths.items()}
+    return {"llama": pp_llama, **refs}
 
 
 def test_tied_weight_on_first_and_last_stage(models):
@@ -148,20 +149,30 @@ def test_tied_checkpoint_consolidates_to_one_weight(models, tmp_path):
         torch.testing.assert_close(tensor, weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+VIRTUAL_RUNS = [
+    ("llama", "pp2_interleaved"),
+    ("llama", "pp2_interleaved_zb"),
+    ("llama", "pp2_zbv"),
+    ("gpt2", "pp2_interleaved"),
+    ("llama_tied", "pp2_zbv"),  # the V holds both copies' stages on rank 0: one parameter there
+]
+
+
+@pytest.fixture(scope="module")
+def virtual_runs(models):
+    """Every run of ``VIRTUAL_RUNS`` in one 2-rank world, each trained and evaluated (``test_pipeline.eval_runs``)."""
+    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in VIRTUAL_RUNS]
+    return dict(zip(VIRTUAL_RUNS, run_ranks(eval_runs, 2, jobs), strict=True))
+
+
 @pytest.mark.ranks
-def test_virtual_stages_match_one_process(models):
+def test_virtual_stages_match_one_process(models, virtual_runs):
     """Two stages a rank at pp=2 (one block each): Interleaved1F1B and InterleavedZeroBubble (rank 0 holds
     stages 0 and 2) and ZBVZeroBubble (0 and 3, a V), whose backward is split into input and weight
-    gradients; GPT-2 (tied across ranks 0 and 1, learned positions) under Interleaved1F1B. Loss and
-    grad_norm of every step as one process's: the clipping sees whole gradients."""
-    runs = [
-        ("llama", "pp2_interleaved"),
-        ("llama", "pp2_interleaved_zb"),
-        ("llama", "pp2_zbv"),
-        ("gpt2", "pp2_interleaved"),
-    ]
-    got = run_ranks(jobs_losses, 2, [(models[name][0], layout) for name, layout in runs])
-    for (name, layout), losses in zip(runs, got):
+    gradients; GPT-2 (tied across ranks 0 and 1, learned positions) under Interleaved1F1B; tied Llama under
+    ZBVZeroBubble (the V puts the embedding's and the head's stages on rank 0, which holds one parameter for
+    both). Loss and grad_norm of every step as one process's: the clipping sees whole gradients."""
+    for (name, layout), (losses, _) in virtual_runs.items():
         assert_parity(losses, models[name][1], label=f"{name} {layout}")
 
 
@@ -201,10 +212,10 @@ def test_virtual_stages_are_slices_of_the_model(models):
 def test_virtual_stage_refusals(models, tmp_path):
     """One line each before spawning, naming the key: a multi-stage schedule with one stage a rank, virtual
     stages under a one-stage schedule, a V with other than 2, micro-batches that do not come in torch's
-    rounds, more stages than blocks, FSDP or activation checkpointing with several stages a rank (not
-    tested together), tied embeddings whose two stages a V puts on one rank."""
+    rounds, more stages than blocks, FSDP under the zero-bubble schedules (their split backward missed one
+    process's gradients); Interleaved1F1B with FSDP, TP, LoRA and activation checkpointing loads."""
     (tmp_path / "d.txt").write_text("a b c\n")
-    llama, tied = models["llama"][0], models["llama_tied"][0]
+    llama = models["llama"][0]
     zbv = {"pp": 2, "pp_schedule": "ZBVZeroBubble"}
     interleaved = {"pp": 2, "pp_schedule": "Interleaved1F1B"}
     cases = [
@@ -213,9 +224,8 @@ def test_virtual_stage_refusals(models, tmp_path):
         (llama, {**zbv, "pp_virtual_stages": 3}, {}, "places exactly 2 stages on each rank"),
         (llama, {**interleaved, "pp_microbatches": 5}, {"per_device_train_batch_size": 5}, "in rounds of"),
         (llama, {**interleaved, "pp_virtual_stages": 4}, {}, "8 pipeline stages .* model has 4 decoder blocks"),
-        (llama, {**interleaved, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=Interleaved1F1B"),
-        (llama, interleaved, {"gradient_checkpointing": True}, "train.gradient_checkpointing with parallel.pp_sch"),
-        (tied, zbv, {}, "puts the first and the last stage on one rank"),
+        (llama, {**zbv, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=ZBVZeroBubble"),
+        (llama, {"pp": 2, "pp_schedule": "InterleavedZeroBubble", "dp_replicate": 2}, {}, "split backward"),
     ]
     for model, parallel, extra, match in cases:
         raw = {"model": model, "data": {"path": str(tmp_path / "d.txt")}, "parallel": parallel}
@@ -223,17 +233,21 @@ def test_virtual_stage_refusals(models, tmp_path):
         with pytest.raises(ConfigError, match=match) as info:
             load_checked(raw=raw)
         assert "\n" not in str(info.value), info.value
-    assert load_checked(raw={**raw, "model": llama}).parallel.pp_stages_per_rank == 2
+    assert load_checked(raw={**raw, "model": llama, "parallel": interleaved}).parallel.pp_stages_per_rank == 2
+    composed = {**interleaved, "fsdp": 2, "tp": 2}
+    raw["train"] = {**raw["train"], "gradient_checkpointing": True}
+    raw["lora"] = {"target_modules": ["q_proj"]}
+    assert load_checked(raw={**raw, "model": llama, "parallel": composed}).parallel.world_size == 8
 
 
 @pytest.mark.ranks
-def test_eval_through_virtual_stages(models):
+def test_eval_through_virtual_stages(models, virtual_runs):
     """Evaluation sends each batch through the four stages in stage order, under ZBVZeroBubble the last on
     rank 0 (which then broadcasts the loss sums): before and after training, one process's eval loss (1e-5)
     over the same labelled-token count."""
     path, _ = models["llama"]
-    one = run_ranks(eval_losses, 1, path, *LAYOUTS["one"])
-    got = run_ranks(eval_losses, 2, path, *LAYOUTS["pp2_zbv"])
+    _, one = run_ranks(eval_run, 1, path, *LAYOUTS["one"])
+    _, got = virtual_runs[("llama", "pp2_zbv")]
     assert len(one) == 2 and one[0][0] != one[1][0]
     for (loss, tokens), (ref, ref_tokens) in zip(got, one, strict=True):
         assert tokens == ref_tokens and abs(loss - ref) <= 1e-5 * ref, (got, one)

@@ -68,13 +68,7 @@ def check_run(cfg: Config) -> str | None:
     if p.ep > 1:  # the model has experts, as many as ep divides
         check_ep(model, p.ep)
     if p.pp > 1:  # as many blocks as stages, and a forward the stages can be cut from (parallel/infer/stages.py)
-        layout = stage_layout(model, p.pp * p.pp_stages_per_rank)
-        if layout.tied and p.pp_v_shaped:  # the first and the last stage on one rank, in two stage modules
-            raise ConfigError(
-                f"parallel.pp_schedule={p.pp_schedule} puts the first and the last stage on one rank, and tied "
-                "embeddings across them are not supported yet; set tie_word_embeddings false in config.json or "
-                "use Interleaved1F1B or InterleavedZeroBubble"
-            )
+        stage_layout(model, p.pp * p.pp_stages_per_rank)
     if weights:  # the checkpoint's names, converted by transformers' rules, cover the model
         check_weights(cfg.model, model)
     if router:  # the load-balancing loss over the global batch

@@ -273,18 +273,12 @@ def _validate_pp(cfg: Config) -> None:
             f"lora.dropout={cfg.lora.dropout} with parallel.pp={p.pp}: the stages do not key the adapters' dropout "
             "masks yet (docs/pipeline.md); set lora.dropout: 0 or parallel.pp: 1"
         )
-    virtual_untested = {
-        "parallel.fsdp/dp_replicate": p.dp_size > 1,
-        "train.gradient_checkpointing": t.gradient_checkpointing,
-        "parallel.tp": p.tp > 1,
-        "lora": cfg.lora is not None,
-    }
-    for key, on in virtual_untested.items():
-        if on and p.pp_stages_per_rank > 1:
-            raise ConfigError(
-                f"{key} with parallel.pp_schedule={p.pp_schedule} (several stages a rank) is not supported yet "
-                f"(not tested together); turn it off or set parallel.pp_schedule: 1F1B"
-            )
+    if p.dp_size > 1 and "zerobubble" in p.pp_schedule.lower():
+        # measured: ZBVZeroBubble x fsdp=2 gave grad_norm 1.4423 against one process's 1.5209 at step 1
+        raise ConfigError(
+            f"parallel.fsdp/dp_replicate with parallel.pp_schedule={p.pp_schedule} is not supported yet (its split "
+            "backward does not reach one process's gradients under FSDP); set parallel.pp_schedule: Interleaved1F1B"
+        )
 
 
 def _validate_virtual_stages(p: ParallelConfig) -> None:

@@ -39,7 +39,14 @@ from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
-from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages, join_stages, keep_stage, stage_plan
+from shardlm.parallel.runtime.pipeline import (
+    PipelineStageModule,
+    RankStages,
+    join_stages,
+    keep_stage,
+    stage_plan,
+    tie_on_one_rank,
+)
 from shardlm.parallel.runtime.plan_styles import plan_styles
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -181,7 +188,10 @@ def _rank_stages(model_path: str, mesh: Mesh, args: tuple) -> ParallelModel:
     parts = [parallelize(model_path, mesh, *args, stage_index=i) for i in indices]
     stages = RankStages([part.stage for part in parts])
     layout = stage_layout(build_meta_model(model_path), p.pp * p.pp_stages_per_rank)
-    return replace(parts[0], module=join_stages(stages, layout), stage=stages)
+    if layout.tied and any(s.first for s in stages) and any(s.last for s in stages):
+        tie_on_one_rank(stages, layout)
+    partial = [name for part in parts for name in part.tp_partial_grads]  # every stage's, summed over TP
+    return replace(parts[0], module=join_stages(stages, layout), stage=stages, tp_partial_grads=partial)
 
 
 def _stage_and_adapters(

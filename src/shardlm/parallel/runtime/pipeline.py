@@ -188,6 +188,19 @@ class RankStages(nn.ModuleList):
     its own copy of the model (``keep_stage``), as torchtitan builds its model chunks."""
 
 
+def tie_on_one_rank(stages: RankStages, layout: StageLayout) -> None:
+    """A tied weight whose first and last stage are both this rank's (``ZBVZeroBubble``'s V puts them on rank
+    0): the last stage's copy replaced by the first stage's parameter itself, in the embedding module and
+    the head it shares with, so the two uses accumulate into one gradient as in one process; neither stage
+    then has a copy to sum with another rank (``shared`` empty), and the norm counts the one parameter."""
+    first = next(s for s in stages if s.first)
+    last = next(s for s in stages if s.last)
+    weight = first.model.get_submodule(layout.embedding).weight
+    for fqn in (layout.embedding, layout.head):
+        last.model.get_submodule(fqn).weight = weight
+    first.shared = last.shared = ()
+
+
 def join_stages(stages: RankStages, layout: StageLayout) -> nn.Module:
     """One module holding every parameter of ``stages`` under the whole model's names, for what sees this
     rank's part of the model as one (the optimizer, checkpoints, clipping, the parameter count): the first
