@@ -128,6 +128,10 @@ OTHER = {
     "encoder_hash_byte_group_vocab": VOCAB,  # BLT's hashed byte n-grams
     "image_size": 32,
     "patch_size": 8,
+    # Gemma 3n's and Gemma 4's per-layer input embeddings (256 per layer beside a hidden size of 1536 or
+    # 2048): unshrunk, 4x the tiny hidden size, Gemma 4's fp32 one-process run was 9e-4 off its fp64
+    # one in grad_norm at step 4, too far for a 1e-4 parity check to be decided
+    "hidden_size_per_layer_input": 16,
 }
 SIZES = {**WIDTH, **FFN, **DEPTH, **HEADS, **HEAD_DIM, **OTHER}
 # how many leading layers are dense in a mixture-of-experts model (DeepSeek-V3's 3 of 61): a layer
@@ -199,6 +203,12 @@ AFTER = {
     "gemma3n_text": {"vocab_size_per_layer_input": VOCAB},
 }
 AFTER["dots3_note"] = {"text_config": AFTER["dots3_note_text"]}
+# Gemma 4's per-layer input embeddings (262144 x 256 per layer), as Gemma 3n's
+AFTER["gemma4_text"] = {"vocab_size_per_layer_input": VOCAB}
+AFTER["gemma4"] = {"text_config": AFTER["gemma4_text"]}
+# Sub-configs every published checkpoint has that the config class leaves None by default: built from
+# their own defaults, then shrunk with the rest (Gemma 4 is published with a vision tower)
+SUB_DEFAULTS = {"gemma4": {"vision_config": "gemma4_vision"}}
 # Kinds of layer kept twice: Zamba ties one shared transformer block across its hybrid layers (a tie
 # needs two of them)
 KEEP_TWICE = {"zamba": "hybrid"}
@@ -548,6 +558,8 @@ def tiny_config(model_type: str):
         raise NotBuildable(NOT_BUILDABLE[model_type])
     cls = CONFIG_MAPPING[model_type]
     original = _merge(cls().to_dict(), OVERRIDES.get(model_type, {}))
+    for key, sub_type in SUB_DEFAULTS.get(model_type, {}).items():
+        original[key] = CONFIG_MAPPING[sub_type]().to_dict()
     d = _merge(shrink(original), AFTER.get(model_type, {}))
     _cross_widths(original, d)
     d.pop("transformers_version", None)

@@ -50,6 +50,13 @@ _BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made a
 _SHAPE = torch._C.TensorBase.shape  # ``t.shape`` reaches the mode as this descriptor's ``__get__``
 
 
+def _row_index(index) -> bool:
+    """Whether ``weight[index]`` reads whole rows: an int, or an int then ``:`` (``runtime/row_reads.py``)."""
+    if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
+        index = index[0]
+    return isinstance(index, int) and not isinstance(index, bool)
+
+
 class ShardTracker(TorchFunctionMode):
     """Propagates 'sharded across TP ranks' through every torch op of a meta forward.
 
@@ -78,6 +85,9 @@ class ShardTracker(TorchFunctionMode):
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
         self.running: list[str] = []  # modules whose forward is running, innermost last
         self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
+        # module -> owner of a tied embedding whose rows its forward reads by index (Gemma 4's multimodal
+        # forward reads ``embed_tokens.weight[pad_token_id]``): ``runtime/row_reads.py`` serves them
+        self.row_reads: dict[str, str] = {}
         self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
         # parameters a module's forward returns (GPT-NeoX-Japanese's attention returns its
         # ``dense_bias`` for the layer to add): the caller receives the local view its style made
@@ -155,15 +165,19 @@ class ShardTracker(TorchFunctionMode):
             if (
                 isinstance(t, nn.Parameter)
                 and id(t) in self.param_owner
-                # a tied embedding is used by two modules; a row read of it elsewhere is still foreign
-                # (Gemma 4's multimodal forward reads embed_tokens.weight[pad_token_id])
+                # a tied embedding is used by two modules; a row read of it elsewhere is recorded
+                # (Gemma 4's multimodal forward reads embed_tokens.weight[pad_token_id]: ``row_reads``)
                 and (id(t) not in self.tied | self.returned or (name == "__getitem__" and id(t) in self.tied))
                 and self.running
                 # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
                 and not (name == "__get__" and not isinstance(out, torch.Tensor))
             ):
                 owner = self.param_owner[id(t)]
-                if owner.split(" (")[0] != self.running[-1]:
+                if owner.split(" (")[0] == self.running[-1]:
+                    continue
+                if name == "__getitem__" and id(t) in self.tied and _row_index(args[1]):
+                    self.row_reads.setdefault(self.running[-1], owner)
+                else:
                     self.foreign.setdefault(owner, self.running[-1])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
