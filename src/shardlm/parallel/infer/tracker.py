@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
-from shardlm.parallel.infer.head_inputs import declare_head_input_records
+from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
@@ -40,7 +40,7 @@ from shardlm.parallel.infer.parts import (
     record_later_split,
     record_slice,
 )
-from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
+from shardlm.parallel.infer.sizes import NamedInt, declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
 from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
@@ -154,6 +154,8 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
+        elif not inputs and isinstance(out, torch.Tensor) and self._sized_by_split_attribute(flat):
+            self.from_split_shape.add(id(out))  # MiniMax's ``zeros(batch, self.num_attention_heads, ...)``
         elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
             self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
@@ -180,6 +182,12 @@ class ShardTracker(TorchFunctionMode):
                 else:
                     self.foreign.setdefault(owner, self.running[-1])
 
+    def _sized_by_split_attribute(self, flat: list) -> bool:
+        """Whether a new tensor is sized by an int attribute the running forward used as the size of a
+        split dim (``sizes.py``): made at each rank's own size once that attribute is made local."""
+        uses = self.int_uses
+        return any(isinstance(v, NamedInt) and "split" in uses.get(v.owner, {}).get(v.name, ()) for v in flat)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
@@ -204,6 +212,7 @@ class ShardTracker(TorchFunctionMode):
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
         if not sources:
             follow_head_input(self, inputs, out)  # MPT's position bias sliced inside its attention
+            per_rank_product(self, inputs, out)  # MiniMax's ``state * block_decay``
         track(self, name, inputs, sources, out)
         if inputs and not sources and all(self.owners(t) for t in inputs):
             owners = frozenset().union(*(self.owners(t) for t in inputs))
