@@ -11,7 +11,9 @@ dropout off. Recorded per type:
   ``tests/helpers.py`` (max relative difference of loss and grad_norm), models batched into few
   spawns; a spawn that dies or hangs is cut off and the rest run in a new one (the model it was
   on is marked only when the spawn finished none);
-* tp=2 x fsdp=2 parity for a subset (one 4-rank spawn).
+* tp=2 x fsdp=2 parity for a subset (one 4-rank spawn);
+* with ``--sizes equal,unequal``: each type again at the second size set of issue 27 (unequal widths:
+  ``scripts/tiny.py: SIZE_SETS``), build, plan and tp=2, in a column of its own.
 
 Writes ``docs/compatibility.md`` and ``docs/compatibility.json``. ``make matrix`` runs it;
 ``--types a,b`` limits it to some types (the output is then not written unless ``--out``).
@@ -90,8 +92,9 @@ def _quiet() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def survey(model_type: str, root: str) -> dict:
-    """Build, train one step in one process, plan at tp=2; reference losses when a plan is made."""
+def survey(model_type: str, root: str, sizes: str = "equal") -> dict:
+    """Build, train one step in one process, plan at tp=2; reference losses when a plan is made; the tiny
+    config of the size set ``sizes`` (``scripts/tiny.py: SIZE_SETS``)."""
     import torch
     from helpers import plain_reference
     from tiny import tiny_config
@@ -102,10 +105,10 @@ def survey(model_type: str, root: str) -> dict:
     from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
 
     row = {"type": model_type}
-    path = os.path.join(root, model_type.replace("/", "_"), "model")
+    path = os.path.join(root, model_type.replace("/", "_"), sizes, "model")
     try:
         _alarm(90)
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, sizes)
         os.makedirs(path, exist_ok=True)
         config.save_pretrained(path)
         from transformers import AutoModelForCausalLM
@@ -242,7 +245,9 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         "against one process (max relative difference of loss and grad_norm; parity means <= 1e-5 and 1e-4). "
         f"**tp2 x fsdp2**: the same on 4 ranks, for a subset. **kept whole**: the attention's parameter bytes "
         "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split), and what the plan stores "
-        "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). "
+        "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). A column "
+        "named after another size set (`--sizes`, `scripts/tiny.py: SIZE_SETS`; `unequal`: 8 heads, 4 kv heads, "
+        "hidden 96, intermediate 160, vocabulary 253) holds that set's tp=2 result, else its plan or build cell. "
         f"Took {seconds / 60:.1f} min on "
         f"{os.cpu_count()} CPU cores.",
         "",
@@ -256,20 +261,23 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         "whole), and is written back as the same files.",
         "",
     ]
+    others = sorted({k.removeprefix("sizes_") for r in rows for k in r if k.startswith("sizes_")})
     for group in GROUPS:
         members = [r for r in rows if r.get("group") == group]
         if not members:
             continue
+        extra = "".join(f" {name} sizes |" for name in others)
         lines += [
             f"## {group} ({len(members)})",
             "",
-            "| model type | plan | tp=2 | tp2 x fsdp2 | kept whole | published weights |",
-            "|---|---|---|---|---|---|",
+            f"| model type | plan | tp=2 | tp2 x fsdp2 | kept whole | published weights |{extra}",
+            "|---|---|---|---|---|---|" + "---|" * len(others),
         ]
         for r in sorted(members, key=lambda r: r["type"]):
+            cells = "".join(f" {_size_set_cell(r.get(f'sizes_{name}'))} |" for name in others)
             lines.append(
                 f"| {r['type']} | {_plan_cell(r)} | {_run_cell(r.get('tp2'))} | {_run_cell(r.get('tp2_fsdp2'))} "
-                f"| {_whole_cell(r)} | {weights.get(r['type'], '')} |"
+                f"| {_whole_cell(r)} | {weights.get(r['type'], '')} |{cells}"
             )
         lines.append("")
     (out_dir / "compatibility.md").write_text("\n".join(lines))
@@ -313,6 +321,16 @@ def _whole_cell(r: dict) -> str:
     return "; ".join([share, *r["kept_whole"]]).replace("|", "\\|")
 
 
+def _size_set_cell(r: dict | None) -> str:
+    """Another size set's row in one cell: its tp=2 result where it has a plan, else its plan cell."""
+    if not r:
+        return ""
+    if r["build"] == "ok" and r["plan"] == "made" and r.get("tp2"):
+        note = f" ({r['n_replicated']}/{r['n_replicated'] + r['n_split']} replicated)" if r.get("n_replicated") else ""
+        return _run_cell(r["tp2"]) + note
+    return _plan_cell(r)
+
+
 def _run_cell(p: dict | None) -> str:
     if not p:
         return ""
@@ -335,12 +353,42 @@ def _counts(rows: list[dict]) -> dict:
     }
 
 
+def run_size_set(types: list[str], workdir: str, sizes: str, jobs: int, fsdp: bool) -> list[dict]:
+    """Every type at the size set ``sizes``: surveyed (``survey``), then trained at tp=2 (and at
+    tp=2 x fsdp=2 for ``FSDP_SUBSET`` with ``fsdp``) against its one-process reference."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows = []
+    with ProcessPoolExecutor(jobs, initializer=_quiet) as pool:  # one process each: imports dominate
+        for t, r in zip(types, pool.map(survey, types, [workdir] * len(types), [sizes] * len(types))):
+            rows.append(r)
+            print(f"{sizes} {t:28s} build={r['build'][:30]:30s} plan={r.get('plan', '-')}", flush=True)
+    planned = {r["path"]: r for r in rows if r.get("path")}
+    tp2 = run_chunks(list(planned), {"tp": 2}, 4, workdir)
+    for path, r in planned.items():
+        r["tp2"] = _parity(r, tp2.get(path))
+        print(f"{sizes} tp=2 {r['type']:28s} {r['tp2']}", flush=True)
+    if fsdp:
+        subset = [p for p, r in planned.items() if r["type"] in FSDP_SUBSET and r["tp2"].get("status") == "parity"]
+        both = run_chunks(subset, {"tp": 2, "fsdp": 2}, 2, workdir)
+        for path in subset:
+            planned[path]["tp2_fsdp2"] = _parity(planned[path], both.get(path))
+            print(f"{sizes} tp2xfsdp2 {planned[path]['type']:28s} {planned[path]['tp2_fsdp2']}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: all causal-LM types)")
     parser.add_argument("--out", help="directory for compatibility.md/json (default docs/, only for a full run)")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the tp2 x fsdp2 runs")
     parser.add_argument("--jobs", type=int, default=2, help="processes building and planning models (default 2)")
+    parser.add_argument(
+        "--sizes",
+        default="equal",
+        help="size sets of scripts/tiny.py (SIZE_SETS), comma-separated: the first makes the rows, each other "
+        "one a column of its own (build, plan, tp=2): 'equal,unequal' for issue 27's two (default equal)",
+    )
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
     parser.add_argument(
         "--docs-only", action="store_true", help="rewrite compatibility.md from the JSON files in docs/"
@@ -368,24 +416,11 @@ def main() -> None:
     types = args.types.split(",") if args.types else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     start = time.time()
     workdir = tempfile.mkdtemp(prefix="shardlm-matrix-")
-    from concurrent.futures import ProcessPoolExecutor
-
-    rows = []
-    with ProcessPoolExecutor(args.jobs, initializer=_quiet) as pool:  # one process each: imports dominate
-        for t, r in zip(types, pool.map(survey, types, [workdir] * len(types))):
-            rows.append(r)
-            print(f"{t:28s} build={r['build'][:30]:30s} plan={r.get('plan', '-')}", flush=True)
-    planned = {r["path"]: r for r in rows if r.get("path")}
-    tp2 = run_chunks(list(planned), {"tp": 2}, 4, workdir)
-    for path, r in planned.items():
-        r["tp2"] = _parity(r, tp2.get(path))
-        print(f"tp=2 {r['type']:28s} {r['tp2']}", flush=True)
-    if not args.no_fsdp:
-        subset = [p for p, r in planned.items() if r["type"] in FSDP_SUBSET and r["tp2"].get("status") == "parity"]
-        both = run_chunks(subset, {"tp": 2, "fsdp": 2}, 2, workdir)
-        for path in subset:
-            planned[path]["tp2_fsdp2"] = _parity(planned[path], both.get(path))
-            print(f"tp2xfsdp2 {planned[path]['type']:28s} {planned[path]['tp2_fsdp2']}", flush=True)
+    first, *others = args.sizes.split(",")
+    rows = run_size_set(types, workdir, first, args.jobs, not args.no_fsdp)
+    for sizes in others:  # the other size sets: build, plan and tp=2 only, a column each
+        for row, other in zip(rows, run_size_set(types, workdir, sizes, args.jobs, False)):
+            row[f"sizes_{sizes}"] = {k: v for k, v in other.items() if k not in ("reference", "path", "traceback")}
     seconds = time.time() - start
     print(json.dumps(_counts(rows)), f"{seconds / 60:.1f} min")
     out = args.out or (None if args.types else str(REPO / "docs"))

@@ -128,8 +128,37 @@ OTHER = {
     "encoder_hash_byte_group_vocab": VOCAB,  # BLT's hashed byte n-grams
     "image_size": 32,
     "patch_size": 8,
+    # Gemma 3n's and Gemma 4's per-layer input embeddings (256 per layer beside a hidden size of 1536 or
+    # 2048): unshrunk, 4x the tiny hidden size, Gemma 4's fp32 one-process run was 9e-4 off its fp64
+    # one in grad_norm at step 4, too far for a 1e-4 parity check to be decided
+    "hidden_size_per_layer_input": 16,
 }
 SIZES = {**WIDTH, **FFN, **DEPTH, **HEADS, **HEAD_DIM, **OTHER}
+# kv heads where the published config has fewer than its heads (``always``: also where it has as many)
+KV = {"heads": 2, "always": False}
+# The matrix's second size set (issue 27): the widths the first one makes equal or even made unequal,
+# to find what those sizes hide: 8 heads and 4 kv heads (neither 2), a hidden size (96) that is not
+# heads x head_dim (16) and that the intermediate size (160) is no multiple of, an odd vocabulary (253:
+# split unevenly over TP), 6 experts of 48
+SIZE_SETS = {
+    "equal": ({}, {"heads": 2, "always": False}),
+    "unequal": (
+        {
+            **{k: 96 for k in WIDTH},
+            **{k: 160 if v == 128 else 48 for k, v in FFN.items()},
+            **{k: 8 for k in HEADS},
+            **{k: 253 for k, v in OTHER.items() if v == VOCAB},
+            **{k: 6 for k, v in OTHER.items() if v == 4 and "expert" in k},
+        },
+        {"heads": 4, "always": True},
+    ),
+}
+# the same with an even vocabulary (254, not a multiple of 4): shardlm refuses a vocabulary tp does not divide
+# (``autotp.check_config_geometry``), so at 253 every type is refused at tp=2 before anything else shows
+SIZE_SETS["unequal_even"] = (
+    {**SIZE_SETS["unequal"][0], **{k: 254 for k, v in OTHER.items() if v == VOCAB}},
+    SIZE_SETS["unequal"][1],
+)
 # how many leading layers are dense in a mixture-of-experts model (DeepSeek-V3's 3 of 61): a layer
 # index, scaled with the depth so that a model with both kinds keeps both (at least one MoE layer)
 FIRST_DENSE = ("first_k_dense_replace", "num_dense_layers")
@@ -199,6 +228,12 @@ AFTER = {
     "gemma3n_text": {"vocab_size_per_layer_input": VOCAB},
 }
 AFTER["dots3_note"] = {"text_config": AFTER["dots3_note_text"]}
+# Gemma 4's per-layer input embeddings (262144 x 256 per layer), as Gemma 3n's
+AFTER["gemma4_text"] = {"vocab_size_per_layer_input": VOCAB}
+AFTER["gemma4"] = {"text_config": AFTER["gemma4_text"]}
+# Sub-configs every published checkpoint has that the config class leaves None by default: built from
+# their own defaults, then shrunk with the rest (Gemma 4 is published with a vision tower)
+SUB_DEFAULTS = {"gemma4": {"vision_config": "gemma4_vision"}}
 # Kinds of layer kept twice: Zamba ties one shared transformer block across its hybrid layers (a tie
 # needs two of them)
 KEEP_TWICE = {"zamba": "hybrid"}
@@ -294,7 +329,7 @@ def _shrink_layer_entry(entry: dict, d: dict) -> dict:
     for k in KV_HEADS:
         if _int(entry.get(k)) and heads:
             orig_heads = next(entry[j] for j in HEADS if _int(entry.get(j)))
-            out[k] = heads if entry[k] >= orig_heads else min(2, heads)
+            out[k] = heads if entry[k] >= orig_heads and not KV["always"] else min(KV["heads"], heads)
     return out
 
 
@@ -434,13 +469,14 @@ def _routing(d: dict, original: dict) -> None:
 
 
 def _kv_heads(d: dict, original: dict) -> None:
-    """As many kv heads as heads if there were (a None default means that too: Nemotron), else 2."""
+    """As many kv heads as heads if there were (a None default means that too: Nemotron), else 2 (the
+    second size set: 4 kv heads in every case, ``SIZE_SETS``)."""
     heads = next((d[k] for k in HEADS if _int(d.get(k))), None)
     for k in KV_HEADS:
         if heads and _int(d.get(k)):
-            d[k] = heads if d[k] >= heads else min(2, heads)
+            d[k] = heads if d[k] >= heads and not KV["always"] else min(KV["heads"], heads)
         elif heads and k == "num_key_value_heads" and k in d and d[k] is None:
-            d[k] = heads
+            d[k] = min(KV["heads"], heads) if KV["always"] else heads
 
 
 def _rotary_factor(d: dict) -> float | None:
@@ -540,14 +576,29 @@ def _merge(d: dict, over: dict) -> dict:
     return out
 
 
-def tiny_config(model_type: str):
-    """The config of ``model_type`` from its own defaults, sizes shrunk (see the module docstring)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
+def tiny_config(model_type: str, sizes: str = "equal"):
+    """The config of ``model_type`` from its own defaults, sizes shrunk (see the module docstring) to the
+    size set ``sizes`` (``SIZE_SETS``)."""
     if model_type in NOT_BUILDABLE:
         raise NotBuildable(NOT_BUILDABLE[model_type])
+    saved, kv = dict(SIZES), dict(KV)
+    SIZES.update(SIZE_SETS[sizes][0])
+    KV.update(SIZE_SETS[sizes][1])
+    try:
+        return _tiny_config(model_type)
+    finally:
+        SIZES.clear()
+        SIZES.update(saved)
+        KV.update(kv)
+
+
+def _tiny_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     cls = CONFIG_MAPPING[model_type]
     original = _merge(cls().to_dict(), OVERRIDES.get(model_type, {}))
+    for key, sub_type in SUB_DEFAULTS.get(model_type, {}).items():
+        original[key] = CONFIG_MAPPING[sub_type]().to_dict()
     d = _merge(shrink(original), AFTER.get(model_type, {}))
     _cross_widths(original, d)
     d.pop("transformers_version", None)

@@ -132,6 +132,10 @@ PUBLISHED_TINY = {
     # Gemma 3 as published for 4B and up: Gemma3ForConditionalGeneration (a SigLIP vision tower, its
     # projector, the Gemma 3 text model in ``model.language_model``), trained on text rows
     "gemma3": ("gemma3", {}),
+    # Gemma 4 as published: Gemma4ForConditionalGeneration (a vision tower and its embedder beside the
+    # Gemma 4 text model, per-layer input embeddings), its multimodal forward reading the tied
+    # embedding's pad row (``runtime/row_reads.py``)
+    "gemma4": ("gemma4", {}),
     "gpt_oss": ("gpt_oss", {}),  # per-head attention sinks (s_aux)
 }
 

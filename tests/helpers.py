@@ -85,14 +85,17 @@ def load_checked(path: str | None = None, overrides: list[str] | None = None, ra
     return cfg
 
 
-def shardlm_losses(model_paths: list[str], layout: dict, per_device: int, accum: int, steps: int = 5) -> dict:
-    """Rank body: train each model with shardlm's API on this rank's layout; (loss, grad_norm) per step."""
+def shardlm_losses(
+    model_paths: list[str], layout: dict, per_device: int, accum: int, steps: int = 5, train: dict | None = None
+) -> dict:
+    """Rank body: train each model with shardlm's API on this rank's layout; (loss, grad_norm) per step;
+    ``train``: ``TrainConfig`` values other than ``train_config``'s."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
     out = {}
     for path in model_paths:
-        cfg = train_config(path, layout, per_device, accum, steps)
+        cfg = train_config(path, layout, per_device, accum, steps, **(train or {}))
         mesh = build_mesh(cfg.parallel)
         model = parallelize(path, mesh, seed=cfg.train.seed)
         history = Trainer(model, cfg, token_dataset(), mesh).train()
@@ -124,6 +127,7 @@ def plain_reference(
     wrap=None,
     dropout=False,
     router_losses: list | None = None,
+    **train,
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model (its seeded init values from
     ``shardlm.parallelize.reference_model``, block by block), mean F.cross_entropy over the
@@ -133,7 +137,8 @@ def plain_reference(
     (``shardlm.parallel.runtime.dropout``, keyed by seed, step and the sample's position in the global batch);
     otherwise torch's own (use it only with dropout 0). A model whose config turns the router's
     load-balancing loss on (``output_router_logits``) adds ``router_aux_loss_coef * outputs.aux_loss``,
-    as transformers does; ``router_losses`` collects that term per step."""
+    as transformers does; ``router_losses`` collects that term per step. ``train``: ``TrainConfig`` values
+    other than ``train_config``'s (as ``shardlm_losses`` takes them)."""
     from contextlib import nullcontext
 
     from transformers import get_scheduler
@@ -141,7 +146,7 @@ def plain_reference(
     from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, lora_dropout_sites
     from shardlm.parallel.weights.fill import reference_model
 
-    cfg = train_config(model_path, {}, global_batch, 1, steps)
+    cfg = train_config(model_path, {}, global_batch, 1, steps, **train)
     t = cfg.train
     model = reference_model(model_path, seed)  # a plain transformers model with shardlm's seeded values
     if wrap is not None:

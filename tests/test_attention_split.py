@@ -8,7 +8,8 @@ reduction of a later dim). Multi-query attention
 (Falcon before its new decoder architecture, GPT-BigCode): the queries split, the one k/v head
 computed by every rank (``Plan.sliced``). ALiBi (BLOOM, MPT): the bias the model builds from the
 config's head count and hands to each attention is sliced to the rank's heads at their global
-index (``Plan.head_inputs``, ``parallel/infer/head_inputs.py``, ``parallel/plan/head_inputs.py``).
+index (``Plan.head_inputs``, ``parallel/infer/head_inputs.py``, ``parallel/plan/head_inputs.py``);
+so are MiniMax's per-head slopes and decays, buffers of its lightning attention.
 DiffLlama (differential attention): head h paired with head h + heads/2, V cut in two along its kv
 heads, so q, k and v are packed in two halves (``parts.record_heads_cut``), and the one scalar lambda
 made from its parameters, whole on every rank, has its gradient summed over TP (``infer/broadcast.py``).
@@ -44,6 +45,8 @@ SPLIT = {
     "granite_swa": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     "diffllama": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     "codegen": ("transformer.h.0.attn", ("qkv_proj", "out_proj")),
+    # block 1: lightning attention (block 0 is softmax attention)
+    "minimax": ("model.layers.1.self_attn", ("qkv_proj", "output_gate", "out_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -63,7 +66,12 @@ ATTENTION_ELEMENTS = {
     "diffllama": (16448, 8256),
     # qkv [192, 64] in 4 groups of [q, v, k] (each rank its 2 whole groups), out [64, 64]: halved
     "codegen": (16384, 8192),
+    # qkv [192, 64], output_gate and out [64, 64], its norm [64]: halved (the slopes and decays are buffers)
+    "minimax": (20544, 10272),
 }
+# the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
+# softmax attention (q/k/v/o [64, 64])
+ATTENTION_BYTES = {"minimax": (4 * (10272 + 8192), 4 * (20544 + 16384))}
 
 
 def _write(root: Path, model_type: str) -> str:
@@ -98,6 +106,12 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
     for model_type, name in (("bloom", "alibi"), ("mpt", "position_bias")):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         assert plan.head_inputs[SPLIT[model_type][0]] == {name: 0}, (model_type, plan.head_inputs)
+    # MiniMax's lightning attention: its per-head slopes and decays are buffers built in its __init__ from
+    # the config's head count; each rank's heads of them while it runs; its recurrent state, zeros sized by
+    # num_attention_heads, made at the rank's own head count (``localize_geometry``)
+    plan = infer_plan(build_meta_model(dirs["minimax"]), 2)
+    decays = {"self.slope_rate": 0, "self.query_decay": 0, "self.key_decay": 0, "self.diagonal_decay": 1}
+    assert plan.head_inputs == {"model.layers.1.self_attn": decays}, plan.head_inputs
     # DiffLlama pairs head h with head h + heads/2 (its attention output chunked in two along the heads)
     # and splits V in two along the kv heads: q, k and v each packed in two halves, split 2 ways, so a
     # rank holds both heads of its pairs; its scalar lambda, whole, has its gradient summed over TP
@@ -148,7 +162,8 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
         meta = build_meta_model(dirs[model_type])
         plan = infer_plan(meta, 2)
         whole, local = ATTENTION_ELEMENTS[model_type]
-        assert attention_bytes(meta, plan, 2) == (2 * 4 * local, 2 * 4 * whole), model_type
+        expected = ATTENTION_BYTES.get(model_type, (2 * 4 * local, 2 * 4 * whole))
+        assert attention_bytes(meta, plan, 2) == expected, model_type
         mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
         expect = mqa if model_type in ("falcon", "gpt_bigcode") else []
         if model_type == "diffllama":

@@ -48,6 +48,7 @@ from shardlm.parallel.runtime.pipeline import (
     tie_on_one_rank,
 )
 from shardlm.parallel.runtime.plan_styles import plan_styles
+from shardlm.parallel.runtime.row_reads import serve_row_reads
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
 
@@ -80,6 +81,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     if tied:
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
+    serve_row_reads(model, plan, tp_mesh)  # Gemma 4's pad row, read off the split embedding
     if sequence:
         apply_sequence_parallel(model, plan, tp_mesh)
 

@@ -306,6 +306,11 @@ def _assemble(
     _slice_shared_rows(model, plan, tp)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
     plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
+    for user, owner in traced.row_reads.items():  # Gemma 4's pad row (``runtime/row_reads.py``)
+        if owner.split(" (")[0] in (emb, head):
+            plan.row_reads[user] = emb
+        else:
+            traced.foreign.setdefault(owner, user)
     place_channels(model, plan, traced.follows, traced.foreign, tp)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj

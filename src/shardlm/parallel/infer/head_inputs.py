@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import torch
 
+BUFFER = "self."  # the key of a module's own buffer among its per-head inputs (no argument is named so)
 
-def record_inputs(tracker, name: str, args: tuple, kwargs: dict) -> None:
+
+def record_inputs(tracker, name: str, args: tuple, kwargs: dict, module=None) -> None:
     """Tensors handed to module ``name`` that are whole, carry no gradient and have a head count as a
-    dim other than the last: candidates (``head_inputs``: id -> (module, argument, that dim))."""
-    for key, t in [*enumerate(args), *kwargs.items()]:
+    dim other than the last: candidates (``head_inputs``: id -> (module, argument, that dim)); so are
+    the module's own buffers of that kind (MiniMax's ALiBi-like ``slope_rate`` and decays, built in
+    its ``__init__`` from the config's head count), keyed ``self.<buffer>``."""
+    own = [(f"{BUFFER}{n}", b) for n, b in module.named_buffers(recurse=False)] if module is not None else []
+    for key, t in [*enumerate(args), *kwargs.items(), *own]:
         if not isinstance(t, torch.Tensor) or tracker.is_sharded(t) or t.requires_grad or t.dim() < 2:
             continue
         dims = [d for d in range(t.dim() - 1) if t.shape[d] in tracker.heads]
@@ -32,6 +37,18 @@ def follow(tracker, inputs: list[torch.Tensor], out) -> None:
     found = [t for t in inputs if id(t) in tracker.head_inputs]
     if len(found) == 1 and len(inputs) == 1 and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
         tracker.head_inputs[id(out)] = tracker.head_inputs[id(found[0])]
+
+
+def per_rank_product(tracker, inputs: list[torch.Tensor], out) -> None:
+    """An op of a tensor made at each rank's own head count (``from_split_shape``: MiniMax's recurrent
+    state ``zeros(batch, self.num_attention_heads, ...)``) with candidates (its ``block_decay``, from a
+    per-head buffer): made per rank too, the candidates each rank's heads (``meets_split``)."""
+    if not isinstance(out, torch.Tensor) or not any(id(t) in tracker.from_split_shape for t in inputs):
+        return
+    for t in inputs:
+        if id(t) not in tracker.from_split_shape and id(t) in tracker.head_inputs:
+            meets_split(tracker, t)
+    tracker.from_split_shape.add(id(out))
 
 
 def meets_split(tracker, t: torch.Tensor) -> bool:

@@ -113,7 +113,7 @@ class TraceHooks:
 
     def inputs(self, name: str):
         def hook(module, args, kwargs):
-            record_inputs(self.tracker, name, args, kwargs)  # per-head tensors it is handed (ALiBi)
+            record_inputs(self.tracker, name, args, kwargs, module)  # per-head tensors it is handed (ALiBi)
 
         return hook
 

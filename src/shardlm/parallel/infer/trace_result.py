@@ -50,6 +50,8 @@ class Traced:
     head_inputs: dict[str, dict[int | str, int]]
     # parameters broadcast over split activations, replicated, gradients summed over TP (``broadcast.py``)
     partial_grads: list[str]
+    # module -> owner of the tied embedding whose rows it reads by index (``ShardTracker.row_reads``)
+    row_reads: dict[str, str]
 
 
 def collect(
@@ -119,4 +121,5 @@ def collect(
         {name: set(fqns & summed) for name, fqns in tracker.rows_readers.items() if fqns & summed},
         tracker.found_head_inputs,
         partial_grads,
+        tracker.row_reads,
     )

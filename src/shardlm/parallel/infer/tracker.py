@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
-from shardlm.parallel.infer.head_inputs import declare_head_input_records
+from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
@@ -40,7 +40,7 @@ from shardlm.parallel.infer.parts import (
     record_later_split,
     record_slice,
 )
-from shardlm.parallel.infer.sizes import declare_sizes_records, record_uses
+from shardlm.parallel.infer.sizes import NamedInt, declare_sizes_records, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
 from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
@@ -48,6 +48,13 @@ from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_
 _VIEW_OPS = {"view", "reshape", "unflatten"}
 _BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
 _SHAPE = torch._C.TensorBase.shape  # ``t.shape`` reaches the mode as this descriptor's ``__get__``
+
+
+def _row_index(index) -> bool:
+    """Whether ``weight[index]`` reads whole rows: an int, or an int then ``:`` (``runtime/row_reads.py``)."""
+    if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
+        index = index[0]
+    return isinstance(index, int) and not isinstance(index, bool)
 
 
 class ShardTracker(TorchFunctionMode):
@@ -78,6 +85,9 @@ class ShardTracker(TorchFunctionMode):
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
         self.running: list[str] = []  # modules whose forward is running, innermost last
         self.foreign: dict[str, str] = {}  # owner of a parameter -> the module whose forward used it
+        # module -> owner of a tied embedding whose rows its forward reads by index (Gemma 4's multimodal
+        # forward reads ``embed_tokens.weight[pad_token_id]``): ``runtime/row_reads.py`` serves them
+        self.row_reads: dict[str, str] = {}
         self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
         # parameters a module's forward returns (GPT-NeoX-Japanese's attention returns its
         # ``dense_bias`` for the layer to add): the caller receives the local view its style made
@@ -144,6 +154,8 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
+        elif not inputs and isinstance(out, torch.Tensor) and self._sized_by_split_attribute(flat):
+            self.from_split_shape.add(id(out))  # MiniMax's ``zeros(batch, self.num_attention_heads, ...)``
         elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
             self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
@@ -155,16 +167,26 @@ class ShardTracker(TorchFunctionMode):
             if (
                 isinstance(t, nn.Parameter)
                 and id(t) in self.param_owner
-                # a tied embedding is used by two modules; a row read of it elsewhere is still foreign
-                # (Gemma 4's multimodal forward reads embed_tokens.weight[pad_token_id])
+                # a tied embedding is used by two modules; a row read of it elsewhere is recorded
+                # (Gemma 4's multimodal forward reads embed_tokens.weight[pad_token_id]: ``row_reads``)
                 and (id(t) not in self.tied | self.returned or (name == "__getitem__" and id(t) in self.tied))
                 and self.running
                 # reading its metadata (Mamba2's ``self.lm_head.weight.dtype``) does not use its values
                 and not (name == "__get__" and not isinstance(out, torch.Tensor))
             ):
                 owner = self.param_owner[id(t)]
-                if owner.split(" (")[0] != self.running[-1]:
+                if owner.split(" (")[0] == self.running[-1]:
+                    continue
+                if name == "__getitem__" and id(t) in self.tied and _row_index(args[1]):
+                    self.row_reads.setdefault(self.running[-1], owner)
+                else:
                     self.foreign.setdefault(owner, self.running[-1])
+
+    def _sized_by_split_attribute(self, flat: list) -> bool:
+        """Whether a new tensor is sized by an int attribute the running forward used as the size of a
+        split dim (``sizes.py``): made at each rank's own size once that attribute is made local."""
+        uses = self.int_uses
+        return any(isinstance(v, NamedInt) and "split" in uses.get(v.owner, {}).get(v.name, ()) for v in flat)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -190,6 +212,7 @@ class ShardTracker(TorchFunctionMode):
         sources = frozenset().union(*(self.sharded.get(id(t), frozenset()) for t in inputs))
         if not sources:
             follow_head_input(self, inputs, out)  # MPT's position bias sliced inside its attention
+            per_rank_product(self, inputs, out)  # MiniMax's ``state * block_decay``
         track(self, name, inputs, sources, out)
         if inputs and not sources and all(self.owners(t) for t in inputs):
             owners = frozenset().union(*(self.owners(t) for t in inputs))

@@ -9,6 +9,8 @@ import torch.nn as nn
 
 from shardlm.parallel.plan.plan import Plan
 
+BUFFER = "self."  # a module's own buffer among its per-head inputs (``infer/head_inputs.py`` keys it so)
+
 
 def own_heads(t: torch.Tensor, dim: int, heads: int, tp: int, rank: int) -> torch.Tensor:
     """Rank's heads of ``t`` along ``dim``, of ``heads`` (or ``batch * heads``, batch outer: BLOOM's
@@ -18,17 +20,31 @@ def own_heads(t: torch.Tensor, dim: int, heads: int, tp: int, rank: int) -> torc
 
 
 def slice_head_inputs(model: nn.Module, plan: Plan, tp: int, rank: int) -> None:
-    """Hook every module of ``plan.head_inputs`` to see its rank's heads of those inputs."""
+    """Hook every module of ``plan.head_inputs`` to see its rank's heads of those inputs; its own per-head
+    buffers (keys ``self.<buffer>``: MiniMax's slopes and decays) are its heads' rows while it runs,
+    stored whole (a checkpoint holds what one process holds)."""
     heads = plan.geometry.heads or 0
     for fqn, found in plan.head_inputs.items():
+        saved: list[tuple[str, torch.Tensor]] = []
 
-        def hook(module, args, kwargs, found=found):
+        def hook(module, args, kwargs, found=found, saved=saved):
             args = list(args)
             for key, dim in found.items():
                 if isinstance(key, int) and key < len(args) and isinstance(args[key], torch.Tensor):
                     args[key] = own_heads(args[key], dim, heads, tp, rank)
+                elif isinstance(key, str) and key.startswith(BUFFER):
+                    name = key.removeprefix(BUFFER)
+                    saved.append((name, module._buffers[name]))
+                    module._buffers[name] = own_heads(module._buffers[name], dim, heads, tp, rank)
                 elif isinstance(key, str) and isinstance(kwargs.get(key), torch.Tensor):
                     kwargs[key] = own_heads(kwargs[key], dim, heads, tp, rank)
             return tuple(args), kwargs
 
-        model.get_submodule(fqn).register_forward_pre_hook(hook, with_kwargs=True)
+        def restore(module, args, out, saved=saved):
+            while saved:
+                name, buffer = saved.pop()
+                module._buffers[name] = buffer
+
+        module = model.get_submodule(fqn)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(restore)

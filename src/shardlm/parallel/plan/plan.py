@@ -57,3 +57,6 @@ class Plan:
     # broadcast over split heads (DiffLlama's lambdas, ``parallel/infer/broadcast.py``): each rank's
     # gradient comes from its heads only, summed over TP
     partial_grads: list[str] = field(default_factory=list)
+    # module -> the vocabulary-parallel input embedding whose rows its forward reads by index (Gemma 4's
+    # multimodal forward reads ``embed_tokens.weight[pad_token_id]``): served whole (``runtime/row_reads.py``)
+    row_reads: dict[str, str] = field(default_factory=dict)
