@@ -482,10 +482,10 @@ def _check_layout(
     check_world(tp * cp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --cp x --tp")
     if seq % (2 * cp):
         raise ConfigError(f"--seq {seq} must be a multiple of 2 x --cp = {2 * cp}: each window is cut in 2*cp chunks")
-    if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
+    if not ParallelConfig(tp, fsdp, dp_replicate, ep, cp=cp).ep_fits:
         raise ConfigError(
-            f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
-            "expert-parallel ranks are carved out of the data-parallel ranks"
+            f"--ep {ep} must divide --fsdp x --cp = {fsdp * cp} or be a multiple of it dividing --dp-replicate x "
+            "--fsdp x --cp: expert-parallel ranks are carved out of the data- and context-parallel ranks"
         )
     if lora_r is not None and lora_r < 1:
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
