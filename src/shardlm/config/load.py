@@ -189,11 +189,6 @@ def _validate_sequence_parallel(cfg: Config) -> None:
             f"parallel.sequence_parallel=true needs data.seq_len={seq} divisible by parallel.tp={p.tp}: "
             f"set data.seq_len to a multiple of {p.tp}"
         )
-    if p.ep > 1:
-        raise ConfigError(
-            f"parallel.sequence_parallel=true is not combined with parallel.ep={p.ep} yet (experts move tokens "
-            "between data-parallel ranks); set parallel.ep=1 or parallel.sequence_parallel=false"
-        )
 
 
 def _validate_offload(cfg: Config) -> None:

@@ -28,7 +28,9 @@ with weight 1; one all-to-all brings the rows back, where they are weighted by t
 summed per token. That is the module's function whenever it is linear in the routing weights
 (``sum_k w_k f_{e_k}(x)``), which is what the experts kernels compute. Under TP each rank computes
 its share of every local expert, and the summed output is all-reduced over TP once, as without EP.
-The router stays replicated (it sees only its rank's tokens and needs no collective).
+The router stays replicated (it sees only its rank's tokens and needs no collective). Under
+``parallel.sequence_parallel`` the MoE block is gathered whole (``plan/sequence.py``): all of this
+runs on the whole sequence, as without it.
 """
 
 from __future__ import annotations
