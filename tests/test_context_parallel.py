@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from families import VOCAB, write_tiny_dir
+from families import VOCAB, write_tiny_config, write_tiny_dir
 from helpers import assert_parity, load_checked, run_ranks, train_config, write_model_dir
 
 from shardlm.data.context_split import chunk_index
@@ -54,7 +54,9 @@ def write_family(path: str, family: str) -> str:
     """A tiny random ``family`` for windows of ``SEQ``; weights drawn 10x wider than the default
     (std 0.2), so that attention is sharp enough for a wrong key or mask to move the loss. Gemma 3:
     a sliding-window layer (window 64, shorter than most documents and than a cp chunk) then a
-    full-attention one."""
+    full-attention one. Qwen3-MoE: scripts/tiny.py's (4 experts, top-2)."""
+    if family == "qwen3_moe":
+        return write_tiny_config(path, family, {"max_position_embeddings": 2 * SEQ, "initializer_range": 0.2})
     if family != "gemma3":
         write_model_dir(path, family, max_position_embeddings=2 * SEQ, initializer_range=0.2)
         return path
@@ -211,9 +213,11 @@ def test_refusals_before_spawning(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_checked(raw={**raw, "parallel": {"cp": 4}})
     assert str(err.value).startswith("parallel.cp=4 splits each window into 2*cp=8 equal chunks but data.seq_len=100")
-    with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.ep=2"):
-        load_checked(raw={**raw, "parallel": {"cp": 2, "ep": 2, "fsdp": 2}})
-    # combined since: LoRA (tests/test_lora.py) and sequence parallelism (below)
+    # ep is carved out of the fsdp x cp ranks (test_qwen3_moe_cp2_with_ep_equals_one_process): cp=2 alone has 2
+    with pytest.raises(ConfigError) as err:
+        load_checked(raw={**raw, "parallel": {"cp": 2, "ep": 4}})
+    assert str(err.value).startswith("parallel.ep=4 must divide fsdp*cp=2 or be a multiple of it dividing ")
+    # combined since: LoRA (tests/test_lora.py), sequence parallelism (below), ep (below)
     assert load_checked(raw={**raw, "parallel": {"cp": 2}, "lora": {}}).lora is not None
     assert load_checked(raw={**raw, "parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}}).parallel.cp == 2
     sp = {"cp": 2, "tp": 4, "sequence_parallel": True}  # 12 % 4 == 0, but a cp rank's 6 tokens do not split over 4
@@ -274,13 +278,16 @@ def test_qwen3_and_gemma3_cp2_equal_one_process(tmp_path):
 @pytest.mark.ranks
 def test_cp_with_tp_fsdp_and_cp4_equal_one_process(tmp_path):
     """4 ranks, packed windows: Llama at tp=2 x cp=2, Gemma 3 at fsdp=2 x cp=2 (per-device 1 x 2
-    micro-steps x 2 dp ranks); at cp=4 (chunks of 64): Qwen3 packed, Llama and Gemma 3 (sliding window
-    64 = a chunk) packed and one sequence a window: loss 1e-5, grad_norm 1e-4 relative."""
+    micro-steps x 2 dp ranks), Qwen3-MoE at fsdp=2 x cp=2 x ep=2 (ep carved out of cp, the experts'
+    gradients summed over the 2 fsdp ranks holding the same ones); at cp=4 (chunks of 64): Qwen3 packed,
+    Llama and Gemma 3 (sliding window 64 = a chunk) packed and one sequence a window: loss 1e-5, grad_norm
+    1e-4 relative."""
     llama, qwen3 = write_family(str(tmp_path / "llama"), "llama"), write_family(str(tmp_path / "qwen3"), "qwen3")
-    gemma3 = write_family(str(tmp_path / "gemma3"), "gemma3")
+    gemma3, moe = write_family(str(tmp_path / "gemma3"), "gemma3"), write_family(str(tmp_path / "moe"), "qwen3_moe")
     jobs = [
         (llama, {"tp": 2, "cp": 2}, 2, 2, True),
         (gemma3, {"fsdp": 2, "cp": 2}, 1, 2, True),
+        (moe, {"fsdp": 2, "cp": 2, "ep": 2}, 1, 2, True),
         (qwen3, {"cp": 4}, 4, 1, True),
         (llama, {"cp": 4}, 4, 1, True),
         (llama, {"cp": 4}, 2, 2, False),
@@ -290,6 +297,19 @@ def test_cp_with_tp_fsdp_and_cp4_equal_one_process(tmp_path):
     got = run_ranks(cp_runs, 4, jobs, str(tmp_path / "out"))
     for (path, layout, _, _, packed, *_), steps in zip(jobs, got):
         assert_parity(steps, plain(path, cp_data(packed)), label=f"{path} {layout}")
+
+
+@pytest.mark.ranks
+def test_qwen3_moe_cp2_with_ep_equals_one_process(tmp_path):
+    """Expert parallelism carved out of the cp ranks (``distributed/mesh.py``): Qwen3-MoE (4 experts,
+    top-2) at cp=2 x ep=2 on 2 ranks, each holding 2 experts and one head-tail half of every window,
+    the all-to-all moving tokens of the same windows between them; packed and one sequence a window,
+    3 steps: loss 1e-5, grad_norm 1e-4 relative against one process. (With fsdp: the 4-rank test above.)"""
+    moe = write_family(str(tmp_path / "qwen3_moe"), "qwen3_moe")
+    jobs = [(moe, {"cp": 2, "ep": 2}, 2, 2, True), (moe, {"cp": 2, "ep": 2}, 1, 4, False)]
+    got = run_ranks(cp_runs, 2, jobs, str(tmp_path / "out"))
+    for (path, layout, _, _, packed, *_), steps in zip(jobs, got):
+        assert_parity(steps, plain(path, cp_data(packed)), label=f"qwen3_moe {layout} packed={packed}")
 
 
 def dropout_gpt2_and_llama(tmp_path) -> tuple[str, str]:

@@ -159,15 +159,17 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_ep(cfg: Config) -> None:
-    """Expert-parallel ranks are carved out of the data-parallel ranks, fsdp first
-    (``distributed/mesh.py``): ``ep`` must divide ``fsdp``, or be a multiple of it dividing
-    ``dp_replicate x fsdp``; what the model decides (its expert count) is checked by ``shardlm.preflight``."""
+    """Expert-parallel ranks are carved out of the data- and context-parallel ranks, ``fsdp x cp``
+    first (``distributed/mesh.py``): ``ep`` must divide ``fsdp x cp``, or be a multiple of it dividing
+    ``dp_replicate x fsdp x cp``; what the model decides (its expert count) is checked by ``shardlm.preflight``."""
     p = cfg.parallel
     if not p.ep_fits:
+        inner, tokens = ("parallel.fsdp", "dp_replicate*fsdp") if p.cp == 1 else ("fsdp*cp", "dp_replicate*fsdp*cp")
         raise ConfigError(
-            f"parallel.ep={p.ep} must divide parallel.fsdp={p.fsdp} or be a multiple of it dividing "
-            f"dp_replicate*fsdp={p.dp_size}: expert-parallel ranks are carved out of the data-parallel ranks; "
-            f"set parallel.fsdp or parallel.dp_replicate so that {p.ep} ranks can be taken"
+            f"parallel.ep={p.ep} must divide {inner}={p.fsdp * p.cp} or be a multiple of it dividing "
+            f"{tokens}={p.dp_size * p.cp}: expert-parallel ranks are carved out of the data- and "
+            f"context-parallel ranks; set parallel.fsdp, parallel.cp or parallel.dp_replicate so that {p.ep} ranks "
+            "can be taken"
         )
 
 
@@ -186,11 +188,6 @@ def _validate_sequence_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel=true needs data.seq_len={seq} divisible by parallel.tp={p.tp}: "
             f"set data.seq_len to a multiple of {p.tp}"
-        )
-    if p.ep > 1:
-        raise ConfigError(
-            f"parallel.sequence_parallel=true is not combined with parallel.ep={p.ep} yet (experts move tokens "
-            "between data-parallel ranks); set parallel.ep=1 or parallel.sequence_parallel=false"
         )
 
 
@@ -330,11 +327,6 @@ def _validate_cp(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.cp={p.cp} splits each window into 2*cp={2 * p.cp} equal chunks but data.seq_len={seq} is not "
             f"a multiple of {2 * p.cp}; set data.seq_len to a multiple of {2 * p.cp}"
-        )
-    if p.cp > 1 and p.ep > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with parallel.ep={p.ep}: expert parallelism does not yet carve its ranks out of a "
-            "mesh with a cp dimension; set parallel.cp: 1 or parallel.ep: 1"
         )
     if p.cp > 1 and p.sequence_parallel and (seq // p.cp) % p.tp:
         raise ConfigError(

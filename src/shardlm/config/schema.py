@@ -69,8 +69,8 @@ class ParallelConfig:
     """How the world is split: ``pp x dp_replicate x fsdp x cp x tp`` processes (outermost first).
 
     ``ep``: expert parallelism, the experts of each mixture-of-experts layer divided between ``ep``
-    ranks carved out of the data-parallel ranks (as torchtitan does), fsdp first: those ranks see
-    different data and exchange tokens with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
+    ranks carved out of the data- and context-parallel ranks (as torchtitan does), ``fsdp x cp`` first: those
+    ranks hold different tokens and exchange them with all-to-all (``parallel/runtime/ep.py``); it adds no processes.
 
     ``sequence_parallel``: with ``tp`` > 1, the residual stream inside the decoder blocks holds this
     rank's slice of the sequence (norms, residual adds, dropout on ``seq_len / tp`` positions;
@@ -134,10 +134,11 @@ class ParallelConfig:
 
     @property
     def ep_fits(self) -> bool:
-        """``ep`` ranks can be carved out of the data-parallel ranks, fsdp (inner) first: ``ep``
-        divides ``fsdp``, or is a multiple of it that divides ``dp_replicate x fsdp``
+        """``ep`` ranks can be carved out of the ranks holding different tokens, ``fsdp x cp`` (inner)
+        first: ``ep`` divides ``fsdp x cp``, or is a multiple of it that divides ``dp_replicate x fsdp x cp``
         (``distributed/mesh.py``)."""
-        return self.fsdp % self.ep == 0 or (self.ep % self.fsdp == 0 and self.dp_size % self.ep == 0)
+        inner, tokens = self.fsdp * self.cp, self.dp_size * self.cp
+        return inner % self.ep == 0 or (self.ep % inner == 0 and tokens % self.ep == 0)
 
 
 @dataclass

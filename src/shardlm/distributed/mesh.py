@@ -12,14 +12,18 @@ replicated like data-parallel ranks': FSDP2 shards over ``fsdp x cp`` flattened 
 ``dp_shard_cp``), which sums the parameters' gradients over cp too, and the loss and its token
 count are summed over ``dp x cp`` (``sum_over_tokens``).
 
-Expert parallelism (``parallel.ep``) adds no processes: the data-parallel ranks, ``(dp_replicate,
-fsdp)`` flattened (fsdp inner), are unflattened into ``(edp, ep)``, ``ep`` inner (neighbouring
-ranks exchange tokens), on the same root mesh. ``ep`` dividing ``fsdp`` carves it out of the fsdp
-ranks; ``ep`` a multiple of ``fsdp`` also takes ``ep / fsdp`` of the ``dp_replicate`` ranks (``ep=2``
-alone is ``dp_replicate=2``: dense parameters replicated, experts halved). Either way the EP ranks
-are data-parallel ranks, reading different micro-batches; the experts' parameters live on
-``(ep, tp)`` and their gradients are summed over the data-parallel ranks left, ``edp``, which
-hold the same experts. Under ``parallel.pp`` all of this is per stage (the flattened ``dp`` is a
+Expert parallelism (``parallel.ep``) adds no processes: the ranks holding different tokens,
+``(dp_replicate, fsdp, cp)`` flattened (cp inner), are unflattened into ``(edp, ep)``, ``ep`` inner
+(neighbouring ranks exchange tokens), on the same root mesh. ``ep`` dividing ``fsdp x cp`` carves it
+out of those ranks, the cp ranks first (torchtitan carves EP out of its ``dp_shard_cp`` likewise);
+``ep`` a multiple of ``fsdp x cp`` also takes ``ep / (fsdp x cp)`` of the ``dp_replicate`` ranks
+(``ep=2`` alone is ``dp_replicate=2``: dense parameters replicated, experts halved). Either way the EP
+ranks hold different tokens (other micro-batches, or other chunks of the same windows): the
+all-to-all only moves each token to its expert and back, whichever window it came from, so an
+expert's gradient sums every token routed to it from the EP group. The experts' parameters live on
+``(ep, tp)`` and their gradients are summed over the ranks left, ``edp``, which hold the same
+experts (the loss is token-weighted over ``dp x cp``, so that sum is the one FSDP makes for the
+dense parameters). Under ``parallel.pp`` all of this is per stage (the flattened ranks are a
 pipeline rank's): an EP group's all-to-alls never wait on another stage's ranks.
 """
 
@@ -60,9 +64,9 @@ class Mesh:
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel ranks holding the same experts, over which their gradients are summed
-        (None: there are none besides this rank)."""
-        if self.ep_world is None or self.parallel.dp_size == self.parallel.ep:
+        """The data- and context-parallel ranks holding the same experts, over which their gradients are
+        summed (None: there are none besides this rank)."""
+        if self.ep_world is None or self.parallel.dp_size * self.parallel.cp == self.parallel.ep:
             return None
         return self.ep_world["edp"].get_group()
 
@@ -223,7 +227,8 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
         world["fsdp", "cp"]._flatten("fsdp_cp")  # FSDP2's shard dim (``Mesh.dp``)
     ep_world = None
     if parallel.ep > 1:
-        dp = world["dp_replicate", "fsdp"]._flatten("dp")
-        flat = DeviceMesh._concatenate([dp, world["tp"]])  # (dp, tp), the world's ranks
-        ep_world = flat._unflatten("dp", (parallel.dp_size // parallel.ep, parallel.ep), ("edp", "ep"))
+        tokens = parallel.dp_size * parallel.cp  # the ranks holding different tokens, cp inner
+        dp = world["dp_replicate", "fsdp", "cp"]._flatten("dp_cp")
+        flat = DeviceMesh._concatenate([dp, world["tp"]])  # (dp_cp, tp), the stage's ranks
+        ep_world = flat._unflatten("dp_cp", (tokens // parallel.ep, parallel.ep), ("edp", "ep"))
     return Mesh(world, parallel, ep_world)

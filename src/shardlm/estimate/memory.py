@@ -102,7 +102,15 @@ parallelism), plus one layer's activations while it is recomputed. The final nor
 ``T*(3h + 1)``. Checked against the tensors autograd really saves (``saved_tensors_hooks``) in
 ``tests/test_estimate.py``. Logits: ``T*vocab/t`` fp32 and their gradient. ``bf16`` is shardlm's
 mixed precision (``train.bf16``): fp32 master weights, gradients and Adam states, activations in 2
-bytes. ``compute_weights``: with FSDP, the gathered copies it computes with (root + two blocks with
+bytes but what the modeling code keeps in fp32 (``norm_elements``): an RMSNorm upcasts its input and
+keeps it and its rstd in fp32; under autocast (no FSDP: fp32 weights) the residual stream and the
+normalized input are fp32 too and each linear reading a norm's output keeps its own bf16 cast of it
+(q, k and v three), where FSDP2's bf16 weights (``param_dtype``) keep one. A LoRA run's frozen base
+keeps less: no input of a frozen linear (the MLP's product; a frozen MLP reads its norm's output
+for nothing), no normalized input of a frozen norm; under autocast each adapter keeps its own bf16
+copy of its input (peft casts it to the adapter's fp32 first). Within 10% of the saved tensors at
+tp=2, tp=2 + SP and cp=2, bf16 full and LoRA (``tests/test_estimate.py``).
+``compute_weights``: with FSDP, the gathered copies it computes with (root + two blocks with
 prefetch, in the compute dtype); without FSDP under bf16, autocast's bf16 copy of every local weight
 (cached for the forward, kept for the backward). ``reduce_scatter``: with FSDP, the unsharded fp32
 gradients of one decoder block that FSDP2 fills before reducing them (the root's are filled at the
@@ -123,6 +131,7 @@ step) the heap keeps about 9% more at the 349M step peak.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -153,6 +162,10 @@ from shardlm.parallel.runtime.ulysses import ulysses_refusal
 
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (fewer when the model has fewer positions)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# how the activations are computed (``activation_elements``): fp32; bf16 under autocast (``train.bf16`` without
+# FSDP: fp32 weights and residual stream, each linear's input cast); bf16 weights (FSDP2's param_dtype)
+AUTOCAST = "autocast"
+PRECISIONS = ("fp32", AUTOCAST, "bf16")
 GIB = 1024**3
 # rows alive during the forward/backward of a step, beside the model state
 STEP_ROWS = ("activations", "logits", "compute_weights", "reduce_scatter")
@@ -302,6 +315,7 @@ def activation_elements(
     final_norm: bool = True,
     cp_attention: str = "all_gather",
     sliced_final_norm: bool = False,
+    precision: str = "fp32",
 ) -> int:
     """Elements saved for backward by the decoder stack (see the module docstring); ``moe``: the
     model's mixture-of-experts layers (``moe.moe_sizes``), the other layers dense; ``mixers``:
@@ -311,23 +325,39 @@ def activation_elements(
     pipeline stage (``estimate/stages.py``): ``config`` its own (its blocks), ``in_flight`` micro-batches of
     ``tokens`` held at once (with activation checkpointing their inputs, and one block recomputed),
     ``final_norm`` on the last stage only, on sequence slices (``sliced_final_norm``) where the stream stays in
-    them up to the LM head (``plan.sequence.stream_ends``)."""
+    them up to the LM head (``plan.sequence.stream_ends``). ``precision`` (``PRECISIONS``): what the norms keep
+    in fp32 under bf16, counted in 2-byte elements (``norm_elements``)."""
     g = _dims(config)
     h, a, k, d, f, t = g["h"], g["a"], g["k"], g["d"], g["f"], tp
     local_kv = k // t if k % t == 0 else 1  # fewer kv heads than tp: each rank computes one (replicated)
-    # two norms: input, normalized input, rstd; their output, the gathered input of the next linears
-    norms = 2 * (tokens * (2 * h + 1) // t + tokens * h) if sequence_parallel else tokens * (6 * h + 2)
+    lora, cast = bool(lora_r), precision == AUTOCAST
+    # two norms: the attention's, read by q, k, v (or their adapters); the MLP's, by gate and up (frozen under LoRA)
+    norm = functools.partial(norm_elements, tokens, h, t if sequence_parallel else 1, precision, not lora)
+    norms = norm(3 if cast else 1) + norm(0 if lora else 2 if cast else 1)
     inputs = g["L"] * tokens * h // (t if sequence_parallel else 1)  # kept by activation checkpointing
     attention = tokens * (a * d // t + 2 * local_kv * d + a * d // t + a // t)
     if cp > 1:
         attention = context_attention_elements(tokens, cp, a // t, local_kv, d, cp_attention == ULYSSES)
-    if lora_r:
-        attention += tokens * lora_r * len(LORA_TARGETS)  # x @ A of each adapter
+    if lora_r:  # x @ A of each adapter; under autocast o_proj's adapter its own copy of its input (peft's fp32 cast)
+        attention += tokens * lora_r * len(LORA_TARGETS) + (tokens * a * d // t if cast else 0)
     mixing = [norms + attention] * (g["L"] - len(mixers)) + [norms + m for m in mixers]
-    mlps = [tokens * (4 * f // t)] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
+    dense = tokens * ((3 if lora else 4) * f // t)  # gate, up, act(gate), product: down's input (frozen: not kept)
+    mlps = [dense] * (g["L"] - len(moe)) + [moe_elements(config, sizes, tokens, tp) for sizes in moe]
     stack = in_flight * inputs + max(mixing) + max(mlps) if checkpointing else in_flight * (sum(mixing) + sum(mlps))
-    final = tokens * (2 * h + 1) // t + tokens * h if sliced_final_norm else tokens * (3 * h + 1)
+    final = norm_elements(tokens, h, t if sliced_final_norm else 1, precision, not lora, 0 if lora else 1)
     return stack + (in_flight * final if final_norm else 0)
+
+
+def norm_elements(tokens: int, h: int, slices: int, precision: str, trained: bool, copies: int) -> int:
+    """What one norm keeps for backward, in the activations' dtype (an fp32 tensor 2 elements under bf16),
+    measured on Llama's RMSNorm (``tests/test_estimate.py``): on its ``slices`` of the sequence (tp under
+    sequence parallelism) its input (fp32 under bf16: the norm upcasts it, autocast's residual stream is
+    fp32 already), the normalized input where its weight trains (fp32 under autocast, where it is multiplied
+    by an fp32 weight; in the compute dtype otherwise) and the rstd; whole, ``copies`` of its output, kept by
+    the linears reading it (autocast casts it once per reading linear; none where every reader is frozen)."""
+    wide = 1 if precision == "fp32" else 2
+    normalized = (wide if precision == AUTOCAST else 1) * h if trained else 0
+    return tokens * (wide * h + normalized + wide) // slices + tokens * h * copies
 
 
 def context_attention_elements(tokens: int, cp: int, heads: int, kv_heads: int, d: int, ulysses: bool = False) -> int:
@@ -482,10 +512,10 @@ def _check_layout(
     check_world(tp * cp, fsdp, dp_replicate, "--dp-replicate x --fsdp x --cp x --tp")
     if seq % (2 * cp):
         raise ConfigError(f"--seq {seq} must be a multiple of 2 x --cp = {2 * cp}: each window is cut in 2*cp chunks")
-    if not ParallelConfig(tp, fsdp, dp_replicate, ep).ep_fits:
+    if not ParallelConfig(tp, fsdp, dp_replicate, ep, cp=cp).ep_fits:
         raise ConfigError(
-            f"--ep {ep} must divide --fsdp {fsdp} or be a multiple of it dividing --dp-replicate x --fsdp: "
-            "expert-parallel ranks are carved out of the data-parallel ranks"
+            f"--ep {ep} must divide --fsdp x --cp = {fsdp * cp} or be a multiple of it dividing --dp-replicate x "
+            "--fsdp x --cp: expert-parallel ranks are carved out of the data- and context-parallel ranks"
         )
     if lora_r is not None and lora_r < 1:
         raise ConfigError(f"--lora-r must be >= 1, got {lora_r}")
@@ -610,6 +640,7 @@ def model_estimate(
     stack = activation_elements(
         config, tokens, tp, checkpointing, lora_r, moe_sizes(model), mixers, layout["sequence_parallel"], cp,
         held, last, cp_attention, layout["sequence_parallel"] and stream_ends(model, plan) is not None,
+        _precision(bf16, shards * layout["dp_replicate"] > 1),
     )  # fmt: skip
     rows = {
         # a LoRA run under bf16 stores its frozen base in bf16 (``parallel/runtime/lora.py``); what trains stays fp32
@@ -636,6 +667,14 @@ def model_estimate(
     est = Estimate(dict(layout), full, local, trainable, rows, memory_gib, baseline)
     rows["total"] = max(est.step_bytes, est.optimizer_step_bytes)  # the device's peak (host_bytes apart)
     return est
+
+
+def _precision(bf16: bool, fsdp_on: bool) -> str:
+    """``PRECISIONS``' word for a run: bf16 weights where FSDP2 casts them (``trainer.mixed_precision_policy``),
+    else autocast (``train.bf16`` without FSDP; a LoRA run's bf16 frozen base aside, its adapters are fp32)."""
+    if not bf16:
+        return "fp32"
+    return "bf16" if fsdp_on else AUTOCAST
 
 
 def pipeline_estimate(model: nn.Module, plan: Plan, layout: dict, memory_gib: float | None, baseline: int) -> Estimate:

@@ -2,10 +2,11 @@
 mixture-of-experts layer's experts, and tokens travel to the rank owning their chosen expert and
 back by all-to-all (torchtitan's design; DeepSpeed's AutoEP likewise).
 
-Ranks: the ``ep`` ranks are carved out of the data-parallel ranks, fsdp first
-(``distributed/mesh.py``: ``dp_replicate x fsdp`` = ``edp x ep``; ``ep=2`` alone is
-``dp_replicate=2``), so they read different micro-batches; the global batch, the token-weighted
-loss and the data order are those of the same layout without EP.
+Ranks: the ``ep`` ranks are carved out of the data- and context-parallel ranks, ``fsdp x cp``
+first (``distributed/mesh.py``: ``dp_replicate x fsdp x cp`` = ``edp x ep``; ``ep=2`` alone is
+``dp_replicate=2``), so they hold different tokens (other micro-batches, or other chunks of the same
+windows under ``parallel.cp``); the global batch, the token-weighted loss and the data order are
+those of the same layout without EP.
 
 Parameters: every parameter of an experts module (``experts.experts_modules``: fused 3-D
 ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, biases ``[E, X]``) becomes a DTensor on the
@@ -27,7 +28,9 @@ with weight 1; one all-to-all brings the rows back, where they are weighted by t
 summed per token. That is the module's function whenever it is linear in the routing weights
 (``sum_k w_k f_{e_k}(x)``), which is what the experts kernels compute. Under TP each rank computes
 its share of every local expert, and the summed output is all-reduced over TP once, as without EP.
-The router stays replicated (it sees only its rank's tokens and needs no collective).
+The router stays replicated (it sees only its rank's tokens and needs no collective). Under
+``parallel.sequence_parallel`` the MoE block is gathered whole (``plan/sequence.py``): all of this
+runs on the whole sequence, as without it.
 """
 
 from __future__ import annotations
