@@ -6,7 +6,9 @@ transformers 5 stores a layer's experts fused, as 3-D parameters (Qwen3-MoE's
 ``gate_up_proj [E, H, 2I]`` with gate and up interleaved, ``down_proj [E, I, H]``, and biases),
 and runs them with whichever ``experts_implementation`` is active (an eager loop over the hit
 experts, batched or grouped matmuls); every kernel takes ``(hidden_states, top_k_index,
-top_k_weights)`` and returns the weighted sum of the chosen experts' outputs.
+top_k_weights)`` and returns the weighted sum of the chosen experts' outputs. Llama 4's experts take
+the hidden states alone, the routing folded in (every expert's copy of the rows, scaled by the
+router's score for it: ``model.experts.routing_folded``); the probe calls them so, the split is the same.
 
 Under TP (the ``experts`` style, ``runtime.experts.ExpertsParallel``) each expert's intermediate dim is split:
 rank r holds its chunk of the gate half and of the up half of ``gate_up_proj`` (each part on its
@@ -44,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.refusals import any_block, cannot_split
-from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module
+from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module, routing_folded
 from shardlm.parallel.model.hf import config_size, config_value, is_linear
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style
@@ -180,24 +182,38 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
     return probe, values
 
 
+_KERNEL_CALL = "(hidden_states, top_k_index, top_k_weights)"
+
+
+def _probe_inputs(experts: int, hidden: int, folded: bool, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random fp64 inputs of an experts forward on ``experts`` experts: transformers' kernels' hidden
+    states, top-2 expert indices and routing weights; with the routing folded in
+    (``model.experts.routing_folded``, Llama 4) every expert's rows ``[experts * tokens, hidden]``."""
+    if folded:
+        return (torch.randn(experts * _PROBE_TOKENS, hidden, generator=g, dtype=torch.float64),)
+    top_k = min(2, experts)
+    x = torch.randn(_PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(_PROBE_TOKENS)])
+    weights = torch.rand(_PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
+    return x, index, weights
+
+
 @torch.no_grad()
 def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertParam] | str:
     """The placement of each parameter of experts ``module`` at TP degree ``tp`` whose per-rank
     outputs sum to the module's output (see the module docstring), or why there is none."""
     g = torch.Generator().manual_seed(0)
     experts = min(_PROBE_EXPERTS, next(module.parameters()).shape[0])
-    top_k = min(2, experts)
+    folded = routing_folded(module)
     try:
         probe, values = _probe_copy(module, experts, g)
-        x = torch.randn(_PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
-        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(_PROBE_TOKENS)])
-        weights = torch.rand(_PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
-        want = probe.forward(x, index, weights)
+        inputs = _probe_inputs(experts, hidden, folded, g)
+        want = probe.forward(*inputs)
     except Exception as exc:  # noqa: BLE001 - a module that is not called like transformers' experts
         detail = " ".join(str(exc).split())[:120]
-        return (
-            f"its forward does not run as (hidden_states, top_k_index, top_k_weights) ({type(exc).__name__}: {detail})"
-        )
+        call = "(hidden_states) with every expert's rows stacked" if folded else _KERNEL_CALL
+        return f"its forward does not run as {call} ({type(exc).__name__}: {detail})"
+    x = inputs[0]
     if not isinstance(want, torch.Tensor) or want.shape != x.shape:
         return "its forward does not return one tensor shaped like its hidden states"
     scale = want.abs().max().item() or 1.0
@@ -216,7 +232,7 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
                     elif param.once and rank:
                         value = torch.zeros_like(value)
                     probe._parameters[name] = nn.Parameter(value, requires_grad=False)
-                total += probe.forward(x, index, weights)
+                total += probe.forward(*inputs)
         except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
             continue
         if (total - want).abs().max().item() <= _PROBE_RTOL * scale and any(p.dim is not None for p in choice):

@@ -1,10 +1,13 @@
 """Mixture-of-experts modules as the model holds them: fused 3-D experts (``is_experts_module``),
-where they sit (``experts_modules``, inside the decoder blocks) and the attributes holding their count
-(``count_attrs``). Read off the model only; the plan's placement of their parameters is
-``infer/experts.py``'s, their sizes for the estimate ``estimate/moe.py``'s.
+where they sit (``experts_modules``, inside the decoder blocks), the attributes holding their count
+(``count_attrs``) and how their forward is called (``routing_folded``). Read off the model only; the
+plan's placement of their parameters is ``infer/experts.py``'s, their sizes for the estimate
+``estimate/moe.py``'s.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch.nn as nn
 
@@ -35,3 +38,13 @@ def count_attrs(module: nn.Module) -> list[str]:
         for name, value in vars(module).items()
         if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and value == count
     ]
+
+
+def routing_folded(module: nn.Module) -> bool:
+    """Whether an experts module's forward takes the hidden states alone, the routing folded in
+    (Llama 4's ``Llama4TextExperts``: every expert's rows stacked ``[E * tokens, H]``, each already
+    scaled by the router's score for it, zero where the expert was not chosen), rather than
+    transformers' kernels' ``(hidden_states, top_k_index, top_k_weights)``."""
+    params = inspect.signature(module.forward).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1

@@ -1,0 +1,122 @@
+"""Mixture-of-experts families whose experts are not transformers' fused kernels, trained under TP
+exactly like one process.
+
+Llama 4 text: its experts' forward takes the hidden states alone, the router's sigmoid scores
+already multiplied into every expert's copy of the rows (``model.experts.routing_folded``); the
+probe (``infer/experts.py``) calls it so and finds the split its fused ``gate_up_proj [E, H, 2I]``
+(gate and up concatenated: 2 parts) and ``down_proj [E, I, H]`` take along the intermediate dim;
+its shared expert is a dense MLP split column/row, its router (a linear layer with its own
+forward) whole on every rank. The tiny model keeps the published defaults, sizes shrunk: chunked
+attention on the RoPE layers with ``attention_chunk_size`` below the sequence length (so chunks
+bite), the NoPE layer's temperature tuning at a ``floor_scale`` the positions reach, and MoE on
+every other layer as Llama 4 Maverick publishes (``interleave_moe_layer_step=2``: dense MLPs of
+``intermediate_size_mlp`` between them).
+
+Reference: the plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5
+steps; tolerances of the issue: loss 1e-5 and grad_norm 1e-4 relative. One 2-rank world (tp=2)
+and one 4-rank world (tp=2 x fsdp=2) train every family here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from tiny import tiny_config  # noqa: E402
+
+# model type -> sizes set after tiny.py's shrinking (helpers.SEQ is 16 tokens)
+FAMILIES = {
+    "llama4_text": {
+        "attention_chunk_size": 8,
+        "floor_scale": 8,
+        "interleave_moe_layer_step": 2,
+        "moe_layers": [1, 3],
+    },
+}
+
+
+def _write(root: Path, model_type: str) -> str:
+    config = tiny_config(model_type)
+    for key, value in FAMILIES[model_type].items():
+        setattr(config, key, value)
+    path = root / model_type
+    type(config).from_dict(config.to_dict()).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe_families")
+    return {t: _write(root, t) for t in FAMILIES}
+
+
+def _meta(path: str):
+    from shardlm.parallel.model.meta import build_meta_model
+
+    return build_meta_model(path)
+
+
+def test_llama4_text_experts_split_along_the_intermediate_dim(dirs):
+    """The probe calls Llama 4's experts with the routing folded in: gate_up_proj split on its
+    last dim in 2 parts (gate, up), down_proj on its intermediate dim; the shared expert and the
+    dense layers' MLPs column/row, the router whole."""
+    from shardlm.parallel.infer.autotp import infer_plan
+
+    plan = infer_plan(_meta(dirs["llama4_text"]), 2)
+    layers = "model.layers"
+    assert set(plan.experts) == {f"{layers}.{i}.feed_forward.experts" for i in (1, 3)}
+    for entry in plan.experts.values():
+        assert {n: (p.dim, p.parts, p.once) for n, p in entry.items()} == {
+            "gate_up_proj": (2, 2, False),
+            "down_proj": (1, 1, False),
+        }
+    for i, mlp in ((0, "feed_forward"), (1, "feed_forward.shared_expert")):
+        for name, style in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise")):
+            assert plan.styles[f"{layers}.{i}.{mlp}.{name}"] == style, (i, name)
+    assert "router" in plan.replicated[f"{layers}.1.feed_forward.router"]
+    assert set(plan.replicated) == {f"{layers}.{i}.feed_forward.router" for i in (1, 3)}
+
+
+def test_llama4_text_refuses_expert_parallelism_in_one_line(dirs, tmp_path):
+    """Its experts run on every token (no top-k dispatch): parallel.ep is refused before spawning."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {"model": dirs["llama4_text"], "data": {"path": str(tmp_path / "data.txt")}}
+    with pytest.raises(ConfigError, match=r"parallel.ep=2: .* runs every expert on every token") as info:
+        load_checked(raw={**raw, "parallel": {"fsdp": 2, "ep": 2}})
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.ranks
+def test_tp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in FAMILIES]
+    losses = run_ranks(shardlm_losses, 2, paths, {"tp": 2}, 4, 1)
+    for model_type in FAMILIES:
+        ref = plain_reference(dirs[model_type], 4)
+        assert_parity(losses[dirs[model_type]], ref, label=f"{model_type} tp2")
+        _report(f"{model_type} tp=2", losses[dirs[model_type]], ref)
+
+
+@pytest.mark.ranks
+def test_tp2_fsdp2_matches_one_process(dirs):
+    paths = [dirs[t] for t in FAMILIES]
+    losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
+    for model_type in FAMILIES:
+        ref = plain_reference(dirs[model_type], 4)
+        assert_parity(losses[dirs[model_type]], ref, label=f"{model_type} tp2xfsdp2")
+        _report(f"{model_type} tp=2 x fsdp=2", losses[dirs[model_type]], ref)
+
+
+def _report(label: str, got: list, ref: list) -> None:
+    """Print the largest relative differences (``pytest -s`` shows them: the measured parity)."""
+    loss = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(got, ref))
+    norm = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, ref))
+    print(f"{label}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
