@@ -37,6 +37,12 @@ FAMILIES = {
         "interleave_moe_layer_step": 2,
         "moe_layers": [1, 3],
     },
+    # experts stacked [E * I, H] in a submodule (``DbrxExpertGLU``), viewed by ffn_hidden_size: each split
+    # per expert, the width local; as published otherwise (4 experts, top-1, clip_qkv from tiny.py)
+    "dbrx": {},
+    # fused experts behind one shared MLP; the default config's single expert and top-1 routing as
+    # Hunyuan-A13B's 64 experts, top-8, shrunk (4, top-2)
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
 }
 
 

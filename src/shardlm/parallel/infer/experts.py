@@ -45,6 +45,8 @@ import re
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
+from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module, routing_folded
 from shardlm.parallel.model.hf import config_size, config_value, is_linear
@@ -59,12 +61,6 @@ _MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 
 
 _PROBE_EXPERTS = 4  # experts kept in the probe copy
-
-
-_PROBE_TOKENS = 5
-
-
-_PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by O(1)
 
 
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
@@ -86,7 +82,29 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
         if isinstance(layout, str):
             raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
         found[name] = layout
+    found.update(_stacked(model, blocks, hidden, tp, found))
     refuse_unhandled_moe(model, found)
+    return found
+
+
+def _stacked(
+    model: nn.Module, blocks: tuple[str, ...], hidden: int | None, tp: int, fused: dict
+) -> dict[str, dict[str, ExpertParam]]:
+    """The experts modules whose experts are stacked in a submodule (DBRX, ``expert_blocks.py``), by fqn,
+    with the placement of every parameter under them; refused in one line where the probe splits none."""
+    found: dict[str, dict[str, ExpertParam]] = {}
+    probed: dict[tuple, tuple | str] = {}
+    for name, module in model.named_modules():
+        if not hidden or not name.startswith(blocks) or name in fused or not _MOE_CLASS.search(type(module).__name__):
+            continue
+        if stacked_count(module) is None:
+            continue
+        key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+        if key not in probed:
+            probed[key] = probe_stacked(module, hidden, tp)
+        if isinstance(probed[key], str):
+            raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {probed[key]}")
+        found[name] = probed[key][0]
     return found
 
 
@@ -102,18 +120,40 @@ def own_forward_routers(model: nn.Module, experts: dict[str, dict[str, ExpertPar
     }
 
 
-def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
+def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]], model: nn.Module, tp: int) -> None:
     """Put ``experts`` (``find_experts``) into ``plan``: the ``experts`` style and placements, and
     ``replicate_local`` for the other whole modules of their MoE blocks (the router): those compute
     on plain tensors with local views of their parameters, so buffers the block's routing code
-    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors."""
-    plan.experts = experts
+    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors. Experts stacked
+    in a submodule (DBRX): that submodule ``per_channel`` on its pieces, the widths the experts module
+    views them by local (``Plan.local_sizes``)."""
+    plan.experts = dict(experts)
     blocks = {fqn.rpartition(".")[0] for fqn in experts}
     for fqn, style in plan.styles.items():
         if fqn in experts:
             plan.styles[fqn] = Style.EXPERTS.value
         elif fqn.rpartition(".")[0] in blocks and style == Style.REPLICATE:
             plan.styles[fqn] = Style.REPLICATE_LOCAL.value
+    for fqn, layout in experts.items():
+        if any("." in name for name in layout):
+            _place_stacked(plan, model, fqn, layout, tp)
+    plan.styles = {fqn: plan.styles[fqn] for fqn, _ in model.named_modules() if fqn in plan.styles}  # model order
+
+
+def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, ExpertParam], tp: int) -> None:
+    """Stacked experts (``expert_blocks.py``): the module ``experts`` with no parameter of its own, the
+    submodules holding the stacks ``per_channel`` (their own pieces), the widths local."""
+    plan.styles[fqn], plan.experts[fqn] = Style.EXPERTS.value, {}
+    for name, param in layout.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = f"{fqn}.{owner}"
+        plan.styles[sub] = Style.PER_CHANNEL.value
+        plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
+    module = model.get_submodule(fqn)
+    width = next(module.parameters()).shape[0] // stacked_count(module)
+    for path, attrs in width_attrs(module, width).items():
+        local = plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {})
+        local.update({attr: width // tp for attr in attrs})
 
 
 def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
@@ -130,36 +170,44 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
         cls = type(module).__name__
         covered = f"{name}.".startswith(owners) or any(owner.startswith(f"{name}.") for owner in owners)
         if name.startswith(blocks) and not covered and _MOE_CLASS.search(cls.removeprefix(family)):
-            raise cannot_split(
-                f"{name} ({cls}) is a mixture-of-experts layer whose experts are not fused 3-D "
-                f"parameters shardlm can split"
-            )
+            raise cannot_split(f"{name} ({cls}) is a mixture-of-experts layer {_unsplit_experts(module)}")
     if handled:
         return
     configs = [model.config, config_value(model.config, "text_config")]
     for key in _MOE_COUNTS:
         counts = [config_value(c, key) for c in configs if c is not None]
-        if any(isinstance(n, int) and n > 1 for n in counts):
+        count = max((n for n in counts if isinstance(n, int)), default=0)
+        if count > 1:
+            rows = [f for f, m in model.named_modules() if isinstance(m, nn.Embedding) and m.num_embeddings == count]
+            if rows and all(f.startswith(blocks) for f in rows):
+                raise cannot_split(
+                    f"{type(model).__name__}'s {count} experts ({key}) are rows of embeddings ({any_block(rows[0])}, "
+                    "...): each expert is one neuron, with no intermediate width to split over TP"
+                )
             raise cannot_split(
-                f"{type(model).__name__} is a mixture-of-experts model "
-                f"({key}={max(n or 0 for n in counts)}) in which shardlm finds no fused experts module"
+                f"{type(model).__name__} is a mixture-of-experts model ({key}={count}) in which shardlm finds no "
+                "fused experts module"
             )
 
 
-def local_positions(size: int, parts: int, tp: int, rank: int) -> torch.Tensor:
-    """Positions along a dim of ``size`` that rank holds when it is split ``tp`` ways in ``parts``
-    parts each on its own (``_StridedShard(dim, split_factor=parts)``; parts 1: ``Shard``)."""
-    return torch.cat([part.chunk(tp)[rank] for part in torch.arange(size).chunk(parts)])
+def _unsplit_experts(module: nn.Module) -> str:
+    """What about MoE layer ``module``'s experts keeps the probes from it (the refusal's words)."""
+    own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    if len(own) >= 2 and len({s[0] for s in own.values()}) > 1:
+        return f"whose experts' parameters hold different expert counts ({own}: experts without weights among them)"
+    linears = sorted({type(m).__name__ for m in module.modules() if m is not module and is_experts_like(m)})
+    if linears:
+        return (
+            f"whose experts are per-expert linear modules ({', '.join(linears)}) called by the layer itself, "
+            "not an experts forward of (hidden_states, top_k_index, top_k_weights) a probe can split"
+        )
+    return "whose experts are not fused 3-D parameters shardlm can split"
 
 
-def _options(shape: tuple[int, ...], hidden: int, tp: int) -> list[ExpertParam]:
-    """Candidate placements of one parameter, preferred first (see the module docstring)."""
-    dims = sorted(range(1, len(shape)), key=lambda d: shape[d] == hidden)
-    options = [ExpertParam(d, parts) for d in dims for parts in (1, 2) if shape[d] % (tp * parts) == 0]
-    if len(shape) == 2:
-        once = ExpertParam(None, once=True)
-        options = [once, *options] if shape[1] == hidden else [*options, once]
-    return options
+def is_experts_like(module: nn.Module) -> bool:
+    """A module owning one 3-D parameter of leading size > 1 (JetMoE's per-expert linear)."""
+    own = list(module.parameters(recurse=False))
+    return len(own) == 1 and own[0].dim() == 3 and own[0].shape[0] > 1
 
 
 def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -185,19 +233,6 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
 _KERNEL_CALL = "(hidden_states, top_k_index, top_k_weights)"
 
 
-def _probe_inputs(experts: int, hidden: int, folded: bool, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Random fp64 inputs of an experts forward on ``experts`` experts: transformers' kernels' hidden
-    states, top-2 expert indices and routing weights; with the routing folded in
-    (``model.experts.routing_folded``, Llama 4) every expert's rows ``[experts * tokens, hidden]``."""
-    if folded:
-        return (torch.randn(experts * _PROBE_TOKENS, hidden, generator=g, dtype=torch.float64),)
-    top_k = min(2, experts)
-    x = torch.randn(_PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
-    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(_PROBE_TOKENS)])
-    weights = torch.rand(_PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
-    return x, index, weights
-
-
 @torch.no_grad()
 def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertParam] | str:
     """The placement of each parameter of experts ``module`` at TP degree ``tp`` whose per-rank
@@ -207,7 +242,7 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
     folded = routing_folded(module)
     try:
         probe, values = _probe_copy(module, experts, g)
-        inputs = _probe_inputs(experts, hidden, folded, g)
+        inputs = probe_inputs(experts, hidden, folded, g)
         want = probe.forward(*inputs)
     except Exception as exc:  # noqa: BLE001 - a module that is not called like transformers' experts
         detail = " ".join(str(exc).split())[:120]
@@ -218,8 +253,8 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
         return "its forward does not return one tensor shaped like its hidden states"
     scale = want.abs().max().item() or 1.0
     shapes = {name: tuple(v.shape) for name, v in values.items()}
-    options = [_options(shape, hidden, tp) for shape in shapes.values()]
-    for choice in itertools.product(*options):
+    candidates = [options(shape, hidden, tp) for shape in shapes.values()]
+    for choice in itertools.product(*candidates):
         layout = dict(zip(shapes, choice))
         total = torch.zeros_like(want)
         try:
@@ -235,7 +270,7 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
                 total += probe.forward(*inputs)
         except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
             continue
-        if (total - want).abs().max().item() <= _PROBE_RTOL * scale and any(p.dim is not None for p in choice):
+        if (total - want).abs().max().item() <= PROBE_RTOL * scale and any(p.dim is not None for p in choice):
             return layout
     return (
         f"no split of its parameters {shapes} over tp={tp} reproduces its output (per expert: an intermediate "

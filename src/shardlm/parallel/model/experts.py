@@ -17,10 +17,13 @@ def block_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Own parameters all of leading size E > 1, at least two of them 3-D (fused experts)."""
+    """Own parameters all of one leading size E, at least two of them 3-D (fused experts); E > 1, or
+    1 in a module whose class names it experts (Hunyuan-MoE's default config has a single expert)."""
     own = [p for p in module.parameters(recurse=False)]
     three_d = [p for p in own if p.dim() == 3]
-    return len(three_d) >= 2 and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] > 1
+    if len(three_d) < 2 or len({p.shape[0] for p in own}) != 1:
+        return False
+    return own[0].shape[0] > 1 or "Experts" in type(module).__name__
 
 
 def experts_modules(model: nn.Module) -> list[str]:
