@@ -12,6 +12,11 @@ bite), the NoPE layer's temperature tuning at a ``floor_scale`` the positions re
 every other layer as Llama 4 Maverick publishes (``interleave_moe_layer_step=2``: dense MLPs of
 ``intermediate_size_mlp`` between them).
 
+DBRX: its experts stacked ``[E * I, H]`` in a submodule, each stack split on its own and the width
+its forward views them by made local (``infer/expert_blocks.py``). Hunyuan-MoE: fused experts
+beside a shared MLP (its default config's single expert found too; trained with 4). Doge (experts as
+embedding rows) and LongCat-Flash (zero-computation experts) are refused in one line naming why.
+
 Reference: the plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5
 steps; tolerances of the issue: loss 1e-5 and grad_norm 1e-4 relative. One 2-rank world (tp=2)
 and one 4-rank world (tp=2 x fsdp=2) train every family here.
@@ -126,3 +131,32 @@ def _report(label: str, got: list, ref: list) -> None:
     loss = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(got, ref))
     norm = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, ref))
     print(f"{label}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
+
+
+def test_unsplit_experts_are_refused_for_what_they_are(tmp_path):
+    """Where no probe splits a mixture-of-experts layer, its one-line refusal names the model's property:
+    Doge's experts are embedding rows (one neuron each); LongCat-Flash's zero-computation experts have
+    gate/up rows but no weights after them. Doge's published default is dense (``is_moe`` false): split."""
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.infer.autotp import infer_plan
+
+    paths = {}
+    for name, model_type, overrides in (
+        ("doge_moe", "doge", {"is_moe": True}),
+        ("doge", "doge", {}),
+        ("longcat_flash", "longcat_flash", {}),
+    ):
+        config = tiny_config(model_type)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        config.save_pretrained(tmp_path / name)
+        paths[name] = str(tmp_path / name)
+    for name, words in (
+        ("doge_moe", "whose experts are rows of embeddings (down_embed, up_embed), each expert one neuron"),
+        ("longcat_flash", "whose experts' parameters hold different expert counts"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            infer_plan(_meta(paths[name]), 2)
+        assert words in str(info.value) and "\n" not in str(info.value), (name, str(info.value))
+    plan = infer_plan(_meta(paths["doge"]), 2)
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"

@@ -177,13 +177,7 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
     for key in _MOE_COUNTS:
         counts = [config_value(c, key) for c in configs if c is not None]
         count = max((n for n in counts if isinstance(n, int)), default=0)
-        if count > 1:
-            rows = [f for f, m in model.named_modules() if isinstance(m, nn.Embedding) and m.num_embeddings == count]
-            if rows and all(f.startswith(blocks) for f in rows):
-                raise cannot_split(
-                    f"{type(model).__name__}'s {count} experts ({key}) are rows of embeddings ({any_block(rows[0])}, "
-                    "...): each expert is one neuron, with no intermediate width to split over TP"
-                )
+        if count > 1 and not any(config_value(c, "is_moe") is False for c in configs if c is not None):
             raise cannot_split(
                 f"{type(model).__name__} is a mixture-of-experts model ({key}={count}) in which shardlm finds no "
                 "fused experts module"
@@ -192,9 +186,19 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
 
 def _unsplit_experts(module: nn.Module) -> str:
     """What about MoE layer ``module``'s experts keeps the probes from it (the refusal's words)."""
-    own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    own = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 3}
     if len(own) >= 2 and len({s[0] for s in own.values()}) > 1:
-        return f"whose experts' parameters hold different expert counts ({own}: experts without weights among them)"
+        return (
+            f"whose experts' parameters hold different expert counts ({own}): experts without weights among them "
+            "(zero-computation experts pass their tokens through inside the experts' sum, which every TP rank's "
+            "partial sum would add again)"
+        )
+    rows = [n for n, m in module.named_modules() if isinstance(m, nn.Embedding)]
+    if rows:
+        return (
+            f"whose experts are rows of embeddings ({', '.join(rows)}), each expert one neuron: "
+            "there is no intermediate width to split over TP"
+        )
     linears = sorted({type(m).__name__ for m in module.modules() if m is not module and is_experts_like(m)})
     if linears:
         return (
