@@ -160,3 +160,48 @@ def test_unsplit_experts_are_refused_for_what_they_are(tmp_path):
         assert words in str(info.value) and "\n" not in str(info.value), (name, str(info.value))
     plan = infer_plan(_meta(paths["doge"]), 2)
     assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
+
+
+def test_inkling_shared_experts_split_sums_to_the_whole(tmp_path):
+    """Inkling's shared experts run every expert on every token, scaled by the router's gammas
+    (``forward(hidden_states, gammas)``): the probe calls them so and splits each expert's intermediate
+    dim; on real numbers (a CPU model, not meta) the two ranks' pieces sum to the whole module's output.
+    (Inkling at tp=2 is still refused before its experts, for its normed embedding.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.parallel.infer.expert_split import local_positions
+    from shardlm.parallel.infer.experts import find_experts
+
+    config = tiny_config("inkling_text")
+    config.save_pretrained(tmp_path / "inkling")
+    fqn = next(f for f in find_experts(_meta(str(tmp_path / "inkling")), 2) if f.endswith("shared_experts"))
+    layout = find_experts(_meta(str(tmp_path / "inkling")), 2)[fqn]
+    assert {n: (p.dim, p.parts) for n, p in layout.items()} == {
+        "gate_proj": (1, 1),
+        "up_proj": (1, 1),
+        "down_proj": (2, 1),
+    }
+    torch.manual_seed(0)
+    module = AutoModelForCausalLM.from_config(config).float().get_submodule(fqn)
+    whole = {n: torch.randn_like(p) * p.shape[-1] ** -0.5 for n, p in module.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, config.hidden_size, generator=g)
+    gammas = torch.rand(7, whole["gate_proj"].shape[0], generator=g)
+
+    def run(params):
+        for name, value in params.items():
+            module._parameters[name] = torch.nn.Parameter(value)
+        return module(x, gammas)
+
+    want = run(whole)
+    total = sum(
+        run(
+            {
+                n: v.index_select(layout[n].dim, local_positions(v.shape[layout[n].dim], 1, 2, r))
+                for n, v in whole.items()
+            }
+        )
+        for r in range(2)
+    )
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)

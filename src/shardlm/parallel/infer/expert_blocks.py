@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, probe_inputs
+from shardlm.parallel.model.experts import KERNEL
 from shardlm.parallel.plan.styles import ExpertParam
 
 _PROBE_EXPERTS = 4
@@ -95,7 +96,7 @@ def probe_stacked(module: nn.Module, hidden: int, tp: int) -> tuple[dict[str, Ex
     keep = min(_PROBE_EXPERTS, count)
     try:
         probe, values = _cut(module, count, keep, g)
-        inputs = probe_inputs(keep, hidden, False, g)
+        inputs = probe_inputs(keep, hidden, KERNEL, g)
         want = _run(probe, values, sizes, width, inputs)
         total = torch.zeros_like(want)
         for rank in range(tp):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.parallel.model.experts import EVERY_TOKEN, FOLDED
 from shardlm.parallel.plan.styles import ExpertParam
 
 PROBE_TOKENS = 5
@@ -33,14 +34,17 @@ def options(shape: tuple[int, ...], hidden: int, tp: int, once: bool = True) -> 
     return split
 
 
-def probe_inputs(experts: int, hidden: int, folded: bool, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Random fp64 inputs of an experts forward on ``experts`` experts: transformers' kernels' hidden
-    states, top-2 expert indices and routing weights; with the routing folded in
-    (``model.experts.routing_folded``, Llama 4) every expert's rows ``[experts * tokens, hidden]``."""
-    if folded:
+def probe_inputs(experts: int, hidden: int, call: str, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random fp64 inputs of an experts forward on ``experts`` experts, as it is called
+    (``model.experts.experts_call``): transformers' kernels' hidden states, top-2 expert indices and
+    routing weights; the routing folded in (Llama 4): every expert's rows ``[experts * tokens, hidden]``;
+    every expert on every token (Inkling's shared experts): the hidden states and each token's weights."""
+    if call == FOLDED:
         return (torch.randn(experts * PROBE_TOKENS, hidden, generator=g, dtype=torch.float64),)
-    top_k = min(2, experts)
     x = torch.randn(PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
+    if call == EVERY_TOKEN:
+        return x, torch.rand(PROBE_TOKENS, experts, generator=g, dtype=torch.float64) + 0.5
+    top_k = min(2, experts)
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(PROBE_TOKENS)])
     weights = torch.rand(PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
     return x, index, weights

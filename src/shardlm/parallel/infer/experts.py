@@ -8,7 +8,8 @@ and runs them with whichever ``experts_implementation`` is active (an eager loop
 experts, batched or grouped matmuls); every kernel takes ``(hidden_states, top_k_index,
 top_k_weights)`` and returns the weighted sum of the chosen experts' outputs. Llama 4's experts take
 the hidden states alone, the routing folded in (every expert's copy of the rows, scaled by the
-router's score for it: ``model.experts.routing_folded``); the probe calls them so, the split is the same.
+router's score for it), Inkling's shared experts the hidden states and every token's weight of each expert
+(``model.experts.experts_call``); the probe calls them so, the split is the same.
 
 Under TP (the ``experts`` style, ``runtime.experts.ExpertsParallel``) each expert's intermediate dim is split:
 rank r holds its chunk of the gate half and of the up half of ``gate_up_proj`` (each part on its
@@ -48,7 +49,15 @@ import torch.nn as nn
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
-from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module, routing_folded
+from shardlm.parallel.model.experts import (
+    EVERY_TOKEN,
+    FOLDED,
+    KERNEL,
+    block_prefixes,
+    count_attrs,
+    experts_call,
+    is_experts_module,
+)
 from shardlm.parallel.model.hf import config_size, config_value, is_linear
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style
@@ -234,7 +243,11 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
     return probe, values
 
 
-_KERNEL_CALL = "(hidden_states, top_k_index, top_k_weights)"
+_CALLS = {  # how ``model.experts.experts_call`` says each kind is called (the refusal's words)
+    KERNEL: "(hidden_states, top_k_index, top_k_weights)",
+    FOLDED: "(hidden_states) with every expert's rows stacked",
+    EVERY_TOKEN: "(hidden_states, every token's expert weights)",
+}
 
 
 @torch.no_grad()
@@ -243,15 +256,14 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
     outputs sum to the module's output (see the module docstring), or why there is none."""
     g = torch.Generator().manual_seed(0)
     experts = min(_PROBE_EXPERTS, next(module.parameters()).shape[0])
-    folded = routing_folded(module)
+    call = experts_call(module)
     try:
         probe, values = _probe_copy(module, experts, g)
-        inputs = probe_inputs(experts, hidden, folded, g)
+        inputs = probe_inputs(experts, hidden, call, g)
         want = probe.forward(*inputs)
     except Exception as exc:  # noqa: BLE001 - a module that is not called like transformers' experts
         detail = " ".join(str(exc).split())[:120]
-        call = "(hidden_states) with every expert's rows stacked" if folded else _KERNEL_CALL
-        return f"its forward does not run as {call} ({type(exc).__name__}: {detail})"
+        return f"its forward does not run as {_CALLS[call]} ({type(exc).__name__}: {detail})"
     x = inputs[0]
     if not isinstance(want, torch.Tensor) or want.shape != x.shape:
         return "its forward does not return one tensor shaped like its hidden states"

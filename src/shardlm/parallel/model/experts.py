@@ -1,6 +1,6 @@
 """Mixture-of-experts modules as the model holds them: fused 3-D experts (``is_experts_module``),
 where they sit (``experts_modules``, inside the decoder blocks), the attributes holding their count
-(``count_attrs``) and how their forward is called (``routing_folded``). Read off the model only; the
+(``count_attrs``) and how their forward is called (``experts_call``). Read off the model only; the
 plan's placement of their parameters is ``infer/experts.py``'s, their sizes for the estimate
 ``estimate/moe.py``'s.
 """
@@ -43,11 +43,16 @@ def count_attrs(module: nn.Module) -> list[str]:
     ]
 
 
-def routing_folded(module: nn.Module) -> bool:
-    """Whether an experts module's forward takes the hidden states alone, the routing folded in
-    (Llama 4's ``Llama4TextExperts``: every expert's rows stacked ``[E * tokens, H]``, each already
-    scaled by the router's score for it, zero where the expert was not chosen), rather than
-    transformers' kernels' ``(hidden_states, top_k_index, top_k_weights)``."""
+KERNEL, FOLDED, EVERY_TOKEN = "kernel", "folded", "every_token"
+
+
+def experts_call(module: nn.Module) -> str:
+    """How an experts module's forward is called, by its positional arguments: ``KERNEL``, transformers'
+    kernels' ``(hidden_states, top_k_index, top_k_weights)``; ``FOLDED``, the hidden states alone with
+    the routing folded in (Llama 4's ``Llama4TextExperts``: every expert's rows stacked ``[E * tokens, H]``,
+    each already scaled by the router's score for it, zero where the expert was not chosen);
+    ``EVERY_TOKEN``, ``(hidden_states, weights [tokens, E])``: every expert on every token, scaled
+    (Inkling's shared experts and their gammas)."""
     params = inspect.signature(module.forward).parameters.values()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) == 1
+    return {1: FOLDED, 2: EVERY_TOKEN}.get(len(positional), KERNEL)

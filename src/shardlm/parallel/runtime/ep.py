@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.model.experts import count_attrs, experts_modules, routing_folded
+from shardlm.parallel.model.experts import KERNEL, count_attrs, experts_call, experts_modules
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style, local_shape, sharded_dim
 from shardlm.parallel.runtime.experts import expert_placements
@@ -50,7 +50,8 @@ from shardlm.parallel.runtime.regions import CopyToRegion, reduce_from_region
 
 def check_ep(model: nn.Module, ep: int) -> None:
     """Refuse ``parallel.ep`` for a model without fused experts, with experts that take every token
-    (``routing_folded``: Llama 4), or whose expert count ``ep`` does not divide (preflight, before spawning)."""
+    (not called with top-k indices, ``experts_call``: Llama 4, Inkling's shared experts), or whose expert
+    count ``ep`` does not divide (preflight, before spawning)."""
     if ep == 1:
         return
     found = experts_modules(model)
@@ -61,10 +62,10 @@ def check_ep(model: nn.Module, ep: int) -> None:
         )
     for fqn in found:
         module = model.get_submodule(fqn)
-        if routing_folded(module):
+        if experts_call(module) != KERNEL:
             raise ConfigError(
-                f"parallel.ep={ep}: {fqn} ({type(module).__name__}) runs every expert on every token, the router's "
-                "scores folded into its input, so no token is sent to one expert's rank; set parallel.ep to 1"
+                f"parallel.ep={ep}: {fqn} ({type(module).__name__}) runs every expert on every token (its "
+                "forward takes no top-k expert indices), so no token is sent to one expert's rank; set parallel.ep to 1"
             )
         count = next(module.parameters()).shape[0]
         if count % ep:
