@@ -192,7 +192,7 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
     path = _write(tmp_path, "jetmoe")
     assert main(["plan", path, "--tp", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "mixture-of-experts layer whose experts are not fused" in lines[0], lines
+    assert len(lines) == 1 and "whose experts are per-expert linear modules (JetMoeParallelExperts)" in lines[0], lines
     assert "parallel.fsdp trains it" in lines[0], lines
 
 

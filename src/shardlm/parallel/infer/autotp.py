@@ -225,7 +225,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             plan = _assemble(model, tp, traced, geo, latents)
             failure = dry_run(model, plan, tp, traced)
             if failure is None:
-                place_experts(plan, experts)  # MoE: the trace saw the experts replicated (opaque to it)
+                place_experts(plan, experts, model, tp)  # MoE: the trace saw the experts replicated (opaque to it)
                 plan.experts.update(channel_placements(model, plan))
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)

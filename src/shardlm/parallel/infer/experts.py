@@ -6,7 +6,10 @@ transformers 5 stores a layer's experts fused, as 3-D parameters (Qwen3-MoE's
 ``gate_up_proj [E, H, 2I]`` with gate and up interleaved, ``down_proj [E, I, H]``, and biases),
 and runs them with whichever ``experts_implementation`` is active (an eager loop over the hit
 experts, batched or grouped matmuls); every kernel takes ``(hidden_states, top_k_index,
-top_k_weights)`` and returns the weighted sum of the chosen experts' outputs.
+top_k_weights)`` and returns the weighted sum of the chosen experts' outputs. Llama 4's experts take
+the hidden states alone, the routing folded in (every expert's copy of the rows, scaled by the
+router's score for it), Inkling's shared experts the hidden states and every token's weight of each expert
+(``model.experts.experts_call``); the probe calls them so, the split is the same.
 
 Under TP (the ``experts`` style, ``runtime.experts.ExpertsParallel``) each expert's intermediate dim is split:
 rank r holds its chunk of the gate half and of the up half of ``gate_up_proj`` (each part on its
@@ -43,8 +46,18 @@ import re
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
+from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
-from shardlm.parallel.model.experts import block_prefixes, count_attrs, is_experts_module
+from shardlm.parallel.model.experts import (
+    EVERY_TOKEN,
+    FOLDED,
+    KERNEL,
+    block_prefixes,
+    count_attrs,
+    experts_call,
+    is_experts_module,
+)
 from shardlm.parallel.model.hf import config_size, config_value, is_linear
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style
@@ -57,12 +70,6 @@ _MOE_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 
 
 _PROBE_EXPERTS = 4  # experts kept in the probe copy
-
-
-_PROBE_TOKENS = 5
-
-
-_PROBE_RTOL = 1e-6  # of the output's largest value; a wrong placement is off by O(1)
 
 
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
@@ -84,7 +91,29 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
         if isinstance(layout, str):
             raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
         found[name] = layout
+    found.update(_stacked(model, blocks, hidden, tp, found))
     refuse_unhandled_moe(model, found)
+    return found
+
+
+def _stacked(
+    model: nn.Module, blocks: tuple[str, ...], hidden: int | None, tp: int, fused: dict
+) -> dict[str, dict[str, ExpertParam]]:
+    """The experts modules whose experts are stacked in a submodule (DBRX, ``expert_blocks.py``), by fqn,
+    with the placement of every parameter under them; refused in one line where the probe splits none."""
+    found: dict[str, dict[str, ExpertParam]] = {}
+    probed: dict[tuple, tuple | str] = {}
+    for name, module in model.named_modules():
+        if not hidden or not name.startswith(blocks) or name in fused or not _MOE_CLASS.search(type(module).__name__):
+            continue
+        if stacked_count(module) is None:
+            continue
+        key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+        if key not in probed:
+            probed[key] = probe_stacked(module, hidden, tp)
+        if isinstance(probed[key], str):
+            raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {probed[key]}")
+        found[name] = probed[key][0]
     return found
 
 
@@ -100,18 +129,40 @@ def own_forward_routers(model: nn.Module, experts: dict[str, dict[str, ExpertPar
     }
 
 
-def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]]) -> None:
+def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]], model: nn.Module, tp: int) -> None:
     """Put ``experts`` (``find_experts``) into ``plan``: the ``experts`` style and placements, and
     ``replicate_local`` for the other whole modules of their MoE blocks (the router): those compute
     on plain tensors with local views of their parameters, so buffers the block's routing code
-    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors."""
-    plan.experts = experts
+    reads (DeepSeek-V3's ``e_score_correction_bias``) stay plain tensors, not DTensors. Experts stacked
+    in a submodule (DBRX): that submodule ``per_channel`` on its pieces, the widths the experts module
+    views them by local (``Plan.local_sizes``)."""
+    plan.experts = dict(experts)
     blocks = {fqn.rpartition(".")[0] for fqn in experts}
     for fqn, style in plan.styles.items():
         if fqn in experts:
             plan.styles[fqn] = Style.EXPERTS.value
         elif fqn.rpartition(".")[0] in blocks and style == Style.REPLICATE:
             plan.styles[fqn] = Style.REPLICATE_LOCAL.value
+    for fqn, layout in experts.items():
+        if any("." in name for name in layout):
+            _place_stacked(plan, model, fqn, layout, tp)
+    plan.styles = {fqn: plan.styles[fqn] for fqn, _ in model.named_modules() if fqn in plan.styles}  # model order
+
+
+def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, ExpertParam], tp: int) -> None:
+    """Stacked experts (``expert_blocks.py``): the module ``experts`` with no parameter of its own, the
+    submodules holding the stacks ``per_channel`` (their own pieces), the widths local."""
+    plan.styles[fqn], plan.experts[fqn] = Style.EXPERTS.value, {}
+    for name, param in layout.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = f"{fqn}.{owner}"
+        plan.styles[sub] = Style.PER_CHANNEL.value
+        plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
+    module = model.get_submodule(fqn)
+    width = next(module.parameters()).shape[0] // stacked_count(module)
+    for path, attrs in width_attrs(module, width).items():
+        local = plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {})
+        local.update({attr: width // tp for attr in attrs})
 
 
 def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
@@ -128,36 +179,48 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
         cls = type(module).__name__
         covered = f"{name}.".startswith(owners) or any(owner.startswith(f"{name}.") for owner in owners)
         if name.startswith(blocks) and not covered and _MOE_CLASS.search(cls.removeprefix(family)):
-            raise cannot_split(
-                f"{name} ({cls}) is a mixture-of-experts layer whose experts are not fused 3-D "
-                f"parameters shardlm can split"
-            )
+            raise cannot_split(f"{name} ({cls}) is a mixture-of-experts layer {_unsplit_experts(module)}")
     if handled:
         return
     configs = [model.config, config_value(model.config, "text_config")]
     for key in _MOE_COUNTS:
         counts = [config_value(c, key) for c in configs if c is not None]
-        if any(isinstance(n, int) and n > 1 for n in counts):
+        count = max((n for n in counts if isinstance(n, int)), default=0)
+        if count > 1 and not any(config_value(c, "is_moe") is False for c in configs if c is not None):
             raise cannot_split(
-                f"{type(model).__name__} is a mixture-of-experts model "
-                f"({key}={max(n or 0 for n in counts)}) in which shardlm finds no fused experts module"
+                f"{type(model).__name__} is a mixture-of-experts model ({key}={count}) in which shardlm finds no "
+                "fused experts module"
             )
 
 
-def local_positions(size: int, parts: int, tp: int, rank: int) -> torch.Tensor:
-    """Positions along a dim of ``size`` that rank holds when it is split ``tp`` ways in ``parts``
-    parts each on its own (``_StridedShard(dim, split_factor=parts)``; parts 1: ``Shard``)."""
-    return torch.cat([part.chunk(tp)[rank] for part in torch.arange(size).chunk(parts)])
+def _unsplit_experts(module: nn.Module) -> str:
+    """What about MoE layer ``module``'s experts keeps the probes from it (the refusal's words)."""
+    own = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 3}
+    if len(own) >= 2 and len({s[0] for s in own.values()}) > 1:
+        return (
+            f"whose experts' parameters hold different expert counts ({own}): experts without weights among them "
+            "(zero-computation experts pass their tokens through inside the experts' sum, which every TP rank's "
+            "partial sum would add again)"
+        )
+    rows = [n for n, m in module.named_modules() if isinstance(m, nn.Embedding)]
+    if rows:
+        return (
+            f"whose experts are rows of embeddings ({', '.join(rows)}), each expert one neuron: "
+            "there is no intermediate width to split over TP"
+        )
+    linears = sorted({type(m).__name__ for m in module.modules() if m is not module and is_experts_like(m)})
+    if linears:
+        return (
+            f"whose experts are per-expert linear modules ({', '.join(linears)}) called by the layer itself, "
+            "not an experts forward of (hidden_states, top_k_index, top_k_weights) a probe can split"
+        )
+    return "whose experts are not fused 3-D parameters shardlm can split"
 
 
-def _options(shape: tuple[int, ...], hidden: int, tp: int) -> list[ExpertParam]:
-    """Candidate placements of one parameter, preferred first (see the module docstring)."""
-    dims = sorted(range(1, len(shape)), key=lambda d: shape[d] == hidden)
-    options = [ExpertParam(d, parts) for d in dims for parts in (1, 2) if shape[d] % (tp * parts) == 0]
-    if len(shape) == 2:
-        once = ExpertParam(None, once=True)
-        options = [once, *options] if shape[1] == hidden else [*options, once]
-    return options
+def is_experts_like(module: nn.Module) -> bool:
+    """A module owning one 3-D parameter of leading size > 1 (JetMoE's per-expert linear)."""
+    own = list(module.parameters(recurse=False))
+    return len(own) == 1 and own[0].dim() == 3 and own[0].shape[0] > 1
 
 
 def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -180,30 +243,34 @@ def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn
     return probe, values
 
 
+_CALLS = {  # how ``model.experts.experts_call`` says each kind is called (the refusal's words)
+    KERNEL: "(hidden_states, top_k_index, top_k_weights)",
+    FOLDED: "(hidden_states) with every expert's rows stacked",
+    EVERY_TOKEN: "(hidden_states, every token's expert weights)",
+}
+
+
 @torch.no_grad()
 def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertParam] | str:
     """The placement of each parameter of experts ``module`` at TP degree ``tp`` whose per-rank
     outputs sum to the module's output (see the module docstring), or why there is none."""
     g = torch.Generator().manual_seed(0)
     experts = min(_PROBE_EXPERTS, next(module.parameters()).shape[0])
-    top_k = min(2, experts)
+    call = experts_call(module)
     try:
         probe, values = _probe_copy(module, experts, g)
-        x = torch.randn(_PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
-        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(_PROBE_TOKENS)])
-        weights = torch.rand(_PROBE_TOKENS, top_k, generator=g, dtype=torch.float64) + 0.5
-        want = probe.forward(x, index, weights)
+        inputs = probe_inputs(experts, hidden, call, g)
+        want = probe.forward(*inputs)
     except Exception as exc:  # noqa: BLE001 - a module that is not called like transformers' experts
         detail = " ".join(str(exc).split())[:120]
-        return (
-            f"its forward does not run as (hidden_states, top_k_index, top_k_weights) ({type(exc).__name__}: {detail})"
-        )
+        return f"its forward does not run as {_CALLS[call]} ({type(exc).__name__}: {detail})"
+    x = inputs[0]
     if not isinstance(want, torch.Tensor) or want.shape != x.shape:
         return "its forward does not return one tensor shaped like its hidden states"
     scale = want.abs().max().item() or 1.0
     shapes = {name: tuple(v.shape) for name, v in values.items()}
-    options = [_options(shape, hidden, tp) for shape in shapes.values()]
-    for choice in itertools.product(*options):
+    candidates = [options(shape, hidden, tp) for shape in shapes.values()]
+    for choice in itertools.product(*candidates):
         layout = dict(zip(shapes, choice))
         total = torch.zeros_like(want)
         try:
@@ -216,10 +283,10 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
                     elif param.once and rank:
                         value = torch.zeros_like(value)
                     probe._parameters[name] = nn.Parameter(value, requires_grad=False)
-                total += probe.forward(x, index, weights)
+                total += probe.forward(*inputs)
         except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
             continue
-        if (total - want).abs().max().item() <= _PROBE_RTOL * scale and any(p.dim is not None for p in choice):
+        if (total - want).abs().max().item() <= PROBE_RTOL * scale and any(p.dim is not None for p in choice):
             return layout
     return (
         f"no split of its parameters {shapes} over tp={tp} reproduces its output (per expert: an intermediate "

@@ -1,10 +1,13 @@
 """Mixture-of-experts modules as the model holds them: fused 3-D experts (``is_experts_module``),
-where they sit (``experts_modules``, inside the decoder blocks) and the attributes holding their count
-(``count_attrs``). Read off the model only; the plan's placement of their parameters is
-``infer/experts.py``'s, their sizes for the estimate ``estimate/moe.py``'s.
+where they sit (``experts_modules``, inside the decoder blocks), the attributes holding their count
+(``count_attrs``) and how their forward is called (``experts_call``). Read off the model only; the
+plan's placement of their parameters is ``infer/experts.py``'s, their sizes for the estimate
+``estimate/moe.py``'s.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch.nn as nn
 
@@ -14,10 +17,13 @@ def block_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Own parameters all of leading size E > 1, at least two of them 3-D (fused experts)."""
+    """Own parameters all of one leading size E, at least two of them 3-D (fused experts); E > 1, or
+    1 in a module whose class names it experts (Hunyuan-MoE's default config has a single expert)."""
     own = [p for p in module.parameters(recurse=False)]
     three_d = [p for p in own if p.dim() == 3]
-    return len(three_d) >= 2 and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] > 1
+    if len(three_d) < 2 or len({p.shape[0] for p in own}) != 1:
+        return False
+    return own[0].shape[0] > 1 or "Experts" in type(module).__name__
 
 
 def experts_modules(model: nn.Module) -> list[str]:
@@ -35,3 +41,18 @@ def count_attrs(module: nn.Module) -> list[str]:
         for name, value in vars(module).items()
         if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and value == count
     ]
+
+
+KERNEL, FOLDED, EVERY_TOKEN = "kernel", "folded", "every_token"
+
+
+def experts_call(module: nn.Module) -> str:
+    """How an experts module's forward is called, by its positional arguments: ``KERNEL``, transformers'
+    kernels' ``(hidden_states, top_k_index, top_k_weights)``; ``FOLDED``, the hidden states alone with
+    the routing folded in (Llama 4's ``Llama4TextExperts``: every expert's rows stacked ``[E * tokens, H]``,
+    each already scaled by the router's score for it, zero where the expert was not chosen);
+    ``EVERY_TOKEN``, ``(hidden_states, weights [tokens, E])``: every expert on every token, scaled
+    (Inkling's shared experts and their gammas)."""
+    params = inspect.signature(module.forward).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {1: FOLDED, 2: EVERY_TOKEN}.get(len(positional), KERNEL)

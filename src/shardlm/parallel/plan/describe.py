@@ -33,8 +33,8 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
             source += "; its sub-block is kept replicated (listed below)"
-        if fqn in plan.experts and style == "experts":  # MoE
-            source += f"; {describe_experts(plan.experts[fqn])}"
+        if fqn in plan.experts and (style == "experts" or (style == "per_channel" and fqn not in plan.channels)):
+            source += f"; {describe_experts(plan.experts[fqn])}"  # MoE (a per_channel one: DBRX's stacked experts)
         if set(plan.channels.get(fqn, {}).values()) == {fqn}:  # ``summed.place_direct``: its own rows
             source += "; column-parallel, its weight multiplied directly by its parent (split by rows, local views)"
         for pname, linear in plan.channels.get(fqn, {}).items():
@@ -83,4 +83,4 @@ def describe_experts(layout: dict[str, ExpertParam]) -> str:
             words.append(f"{name} dim {p.dim}" + (f" in {p.parts} parts" if p.parts > 1 else ""))
         else:
             words.append(f"{name} {'whole, added by one rank' if p.once else 'whole'}")
-    return "probed: " + ", ".join(words)
+    return "probed: " + (", ".join(words) or "its experts stacked in the module under it, split there")

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.model.experts import count_attrs, experts_modules
+from shardlm.parallel.model.experts import KERNEL, count_attrs, experts_call, experts_modules
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import ExpertParam, Style, local_shape, sharded_dim
 from shardlm.parallel.runtime.experts import expert_placements
@@ -52,8 +52,9 @@ from shardlm.parallel.runtime.regions import CopyToRegion, reduce_from_region
 
 
 def check_ep(model: nn.Module, ep: int) -> None:
-    """Refuse ``parallel.ep`` for a model without fused experts, or whose expert count ``ep``
-    does not divide (preflight, before spawning)."""
+    """Refuse ``parallel.ep`` for a model without fused experts, with experts that take every token
+    (not called with top-k indices, ``experts_call``: Llama 4, Inkling's shared experts), or whose expert
+    count ``ep`` does not divide (preflight, before spawning)."""
     if ep == 1:
         return
     found = experts_modules(model)
@@ -63,7 +64,13 @@ def check_ep(model: nn.Module, ep: int) -> None:
             "ranks; set parallel.ep to 1"
         )
     for fqn in found:
-        count = next(model.get_submodule(fqn).parameters()).shape[0]
+        module = model.get_submodule(fqn)
+        if experts_call(module) != KERNEL:
+            raise ConfigError(
+                f"parallel.ep={ep}: {fqn} ({type(module).__name__}) runs every expert on every token (its "
+                "forward takes no top-k expert indices), so no token is sent to one expert's rank; set parallel.ep to 1"
+            )
+        count = next(module.parameters()).shape[0]
         if count % ep:
             raise ConfigError(
                 f"parallel.ep={ep} must divide the {count} experts of {fqn}; set parallel.ep to a divisor of {count}"

@@ -25,7 +25,9 @@ def expert_placements(module: nn.Module, params: dict[str, ExpertParam]) -> dict
 
 class ExpertsParallel(ParallelStyle):
     """``experts``: a mixture-of-experts module of fused 3-D parameters, each expert's intermediate
-    dim sharded (see the module docstring and ``parallel/infer/experts.py``).
+    dim sharded (see the module docstring and ``parallel/infer/experts.py``); or one whose experts are
+    stacked in a submodule (DBRX: that submodule ``per_channel``, its pieces read as local tensors here
+    too, as the module views them before calling it; ``parallel/infer/expert_blocks.py``).
 
     While the module runs, its own parameters are local pieces (the hidden states and routing
     weights it reads are plain replicated tensors), so any experts kernel computes this rank's
@@ -48,10 +50,11 @@ class ExpertsParallel(ParallelStyle):
         params = LocalParams()
 
         def to_local(mod, args, kwargs):
-            for name, param in list(mod._parameters.items()):
-                if isinstance(param, DTensor):
-                    local = param.to_local()
-                    params.swap(mod, name, local * 0 if muted and name in once else local)
+            for path, sub in mod.named_modules():  # DBRX's experts read their submodule's stacked pieces
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        local = param.to_local()
+                        params.swap(sub, name, local * 0 if muted and not path and name in once else local)
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
