@@ -49,10 +49,9 @@ def sequence_dim(x: torch.Tensor) -> int:
 
 
 def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``x`` (replicated; or its replicated DTensor view, shared by the layers reading it) with the same
-    values, its gradient summed over TP on the way back."""
-    view = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return view.to_local(grad_placements=[Partial()])
+    """``x`` (replicated) with the same values, its gradient summed over TP on the way back (an all-reduce
+    of a plain tensor: no DTensor dispatch)."""
+    return _CopyToRegion.apply(x, mesh)
 
 
 def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -66,6 +65,17 @@ def all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     redistributions issue, on a plain tensor (no DTensor dispatch)."""
     group = mesh.get_group().group_name
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", group))
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad, ctx.mesh), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
