@@ -15,7 +15,7 @@ input gradient, summed over TP inside it, is sliced on the way back, and its out
 
 The stream enters its slices at the first block (the embeddings, learned positions included, stay
 whole: the token embedding's all-reduce as without SP) and is gathered again after the last one,
-so the final norm and the LM head (vocabulary-parallel, ``loss_parallel``) see the whole sequence.
+so the final norm and the LM head (vocabulary-parallel, and so the loss) see the whole sequence.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class Colwise(ParallelStyle):
     computed on local tensors (Megatron's ``ColumnParallelLinear``): the replicated input enters the
     region shared with its column-parallel siblings (``column_input``).
     The output is this rank's columns, a plain tensor; the LM head's is wrapped as a ``Shard(-1)``
-    DTensor for ``loss_parallel``. Parameters stay DTensors (FSDP, clipping, checkpoints)."""
+    DTensor (its loss: ``cross_entropy.py``). Parameters stay DTensors (FSDP, clipping, checkpoints)."""
 
     def __init__(self, sharded_output: bool = False):
         super().__init__()

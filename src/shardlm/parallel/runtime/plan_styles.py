@@ -54,7 +54,7 @@ def make_style(
             # vocab rows sharded; each rank looks up its rows on local tensors, the partial sums all-reduced
             return VocabParallelEmbedding()
         case Style.LM_HEAD:
-            # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+            # logits stay sharded over the vocabulary: the loss is computed on them (runtime/cross_entropy.py)
             return Colwise(sharded_output=True)
         case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
             return ReplicateParallel()

@@ -24,9 +24,10 @@ rank's slice of the sequence (``sequence_dim``), and three more regions, Megatro
                                 scattered to the slices (a reduce-scatter); backward: the slices' gradients
                                 all-gathered (``linear.Rowwise("scattered")``).
 
-The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``.
-Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded LM head
-(``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own ``Shard`` placements.
+The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``, and
+the vocabulary-parallel cross-entropy (``cross_entropy.py``) its max, sum-exp and target logit with ``all_reduce``.
+Megatron's gather and scatter regions are not hand-written here: sequence shapes and FSDP gather and scatter
+through DTensor's own ``Shard`` placements.
 ``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
 backward all-reduce of the gradient) on its own, and the per-step sum of the TP-partial gradients is
 ``grads.sum_tp_partial_grads``.
@@ -60,11 +61,11 @@ def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _ReduceFromRegion.apply(t, mesh)
 
 
-def all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The bare sum over ``mesh`` (no autograd): torch's functional all-reduce, the op DTensor's own
-    redistributions issue, on a plain tensor (no DTensor dispatch)."""
+def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
+    """The bare sum (``op``: or ``"max"``) over ``mesh`` (no autograd): torch's functional all-reduce, the op
+    DTensor's own redistributions issue, on a plain tensor (no DTensor dispatch)."""
     group = mesh.get_group().group_name
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", group))
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, op, group))
 
 
 class _CopyToRegion(torch.autograd.Function):
