@@ -269,17 +269,16 @@ def model_collectives(model, mesh) -> list[dict]:
     """Collectives of one micro-batch of ``model``: forward, loss, backward, and the trainer's sum
     of TP-partial gradients."""
     from shardlm.parallel.runtime.grads import sum_tp_partial_grads
-    from shardlm.train.loss import loss_context, token_loss_sum
+    from shardlm.train.loss import token_loss_sum
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     modes = [CountCollectives() for _ in range(4)]
     with modes[0]:
         logits = model.module(input_ids=ids).logits
-    with loss_context(True):
-        with modes[1]:
-            loss = token_loss_sum(logits, ids)
-        with modes[2]:
-            loss.backward()
+    with modes[1]:
+        loss = token_loss_sum(logits, ids)
+    with modes[2]:
+        loss.backward()
     with modes[3]:
         if model.tp_partial_grads:
             sum_tp_partial_grads(model.module, model.tp_partial_grads, mesh.tp.get_group())

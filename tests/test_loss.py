@@ -1,9 +1,9 @@
 """Token-weighted cross-entropy on vocabulary shards equals ``F.cross_entropy`` on the full logits.
 
-The sharded path (a ``Shard(-1)`` DTensor under ``loss_parallel``) never gathers the logits;
-its loss and its gradient must still be those of one process on the full tensor, ignored
-positions must get exactly zero gradient, and a micro-batch with no real label must add
-exactly 0 (never NaN) to the loss and to the gradients.
+The sharded path (a ``Shard(-1)`` DTensor: ``parallel/runtime/cross_entropy.py`` on its local pieces)
+never gathers the logits; its loss and its gradient must still be those of one process on the full
+tensor (a vocabulary that does not split evenly too), ignored positions must get exactly zero gradient,
+and a micro-batch with no real label must add exactly 0 (never NaN) to the loss and to the gradients.
 """
 
 import pytest
@@ -13,7 +13,7 @@ from helpers import run_ranks
 
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.shards import as_local
-from shardlm.train.loss import loss_context, token_loss_sum
+from shardlm.train.loss import token_loss_sum
 
 BATCH, SEQ, VOCAB = 3, 8, 64
 
@@ -32,7 +32,8 @@ def _logits_and_labels(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(full: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and d loss / d logits of one process on the full tensor."""
     leaf = full.clone().requires_grad_(True)
-    loss = F.cross_entropy(leaf.reshape(-1, VOCAB), labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX)
+    flat = leaf.reshape(-1, full.shape[-1])
+    loss = F.cross_entropy(flat, labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX)
     loss.backward()
     return loss.detach(), leaf.grad
 
@@ -41,9 +42,8 @@ def _sharded_loss_and_grad(full: torch.Tensor, labels: torch.Tensor, tp_mesh) ->
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     logits = distribute_tensor(full.clone(), tp_mesh, [Shard(-1)]).requires_grad_(True)
-    with loss_context(isinstance(logits, DTensor)):
-        loss = token_loss_sum(logits, labels)
-        loss.backward()
+    loss = token_loss_sum(logits, labels)
+    loss.backward()
     assert isinstance(logits.grad, DTensor) and logits.grad.placements == (Shard(2),)
     return as_local(loss).detach(), logits.grad.full_tensor()
 
@@ -60,7 +60,13 @@ def _sharded_checks() -> dict:
     ref_loss, ref_grad = _reference(full, labels)
     empty_labels = torch.full_like(labels, IGNORE_INDEX)
     empty_loss, empty_grad = _sharded_loss_and_grad(full, empty_labels, mesh.tp)
+    # a vocabulary of 63: rows 0-31 on rank 0, 32-62 on rank 1 (``Shard`` splits as torch.chunk)
+    odd_labels = torch.where(labels == VOCAB - 1, 31, labels)
+    odd_loss, odd_grad = _sharded_loss_and_grad(full[..., :-1], odd_labels, mesh.tp)
+    odd_ref_loss, odd_ref_grad = _reference(full[..., :-1], odd_labels)
     return {
+        "odd_loss_rel_diff": abs(odd_loss.item() - odd_ref_loss.item()) / abs(odd_ref_loss.item()),
+        "odd_grad_max_abs_diff": (odd_grad - odd_ref_grad).abs().max().item(),
         "loss": loss.item(),
         "ref_loss": ref_loss.item(),
         "grad_max_abs_diff": (grad - ref_grad).abs().max().item(),
@@ -77,6 +83,7 @@ def test_vocab_sharded_loss_matches_full_cross_entropy():
     got = run_ranks(_sharded_checks, 2)
     assert abs(got["loss"] - got["ref_loss"]) <= 1e-6 * abs(got["ref_loss"]), got
     assert got["grad_max_abs_diff"] <= 1e-6, got
+    assert got["odd_loss_rel_diff"] <= 1e-6 and got["odd_grad_max_abs_diff"] <= 1e-6, got
     assert got["ignored_rows"] == 6
     assert got["ignored_grad_max_abs"] == 0.0, got
     # a micro-batch with no real label: exactly 0, and exactly zero gradient, on vocab shards too
@@ -87,9 +94,8 @@ def test_vocab_sharded_loss_matches_full_cross_entropy():
 def test_plain_loss_matches_cross_entropy():
     full, labels = _logits_and_labels(seed=1)
     leaf = full.clone().requires_grad_(True)
-    with loss_context(False):
-        loss = token_loss_sum(leaf, labels)
-        loss.backward()
+    loss = token_loss_sum(leaf, labels)
+    loss.backward()
     ref_loss, ref_grad = _reference(full, labels)
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())

@@ -22,13 +22,12 @@ def embedding_grads(paths: list[str]) -> dict[str, dict]:
     same rows of one process's gradient (the same seeded model, the same batch)."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
 
     from shardlm import build_mesh, init_distributed, parallelize
     from shardlm.config import ParallelConfig
     from shardlm.distributed.shards import local_index
     from shardlm.parallel.weights.fill import reference_model
-    from shardlm.train.loss import loss_context, token_loss_sum
+    from shardlm.train.loss import token_loss_sum
 
     init_distributed()
     mesh = build_mesh(ParallelConfig(tp=2))
@@ -38,8 +37,7 @@ def embedding_grads(paths: list[str]) -> dict[str, dict]:
     for path in paths:
         model = parallelize(path, mesh).module
         logits = model(input_ids=ids).logits
-        with loss_context(isinstance(logits, DTensor)):
-            token_loss_sum(logits, labels).backward()
+        token_loss_sum(logits, labels).backward()
         weight = model.get_input_embeddings().weight
         ref = reference_model(path, 0)
         F.cross_entropy(ref(input_ids=ids).logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()

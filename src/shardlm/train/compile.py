@@ -15,7 +15,7 @@ for a model without dropout; a model that trains with dropout therefore runs eag
 (``docs/config.md``). The numbers are the same either way: the compiled block computes what the
 eager one does (tests/test_compile.py, against one plain process).
 
-Under TP one function runs eagerly between two graphs: ``linear.replicated_view`` (its cache is
+Under TP one function runs eagerly between two graphs: ``linear.column_input`` (its cache is
 Python state a graph cannot carry; ``torch.compiler.disable`` on the function itself).
 """
 

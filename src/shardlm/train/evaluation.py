@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from shardlm.data.dataset import Batch, TokenDataset
 from shardlm.data.rows import IGNORE_INDEX
@@ -23,7 +22,7 @@ from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import as_local
 from shardlm.parallel.plan.stages import stage_owner
 from shardlm.parallel.runtime.context import ContextShard, context_parallel
-from shardlm.train.loss import loss_context, token_loss_sum
+from shardlm.train.loss import token_loss_sum
 
 
 def eval_batches(ds: TokenDataset, dp_rank: int, dp_size: int, per_device: int, max_batches: int | None):
@@ -69,8 +68,7 @@ def eval_loss(
             with context_parallel(shard):
                 logits = logits_of(batch.input_ids, batch.position_ids)
             if logits is not None:
-                with loss_context(isinstance(logits, DTensor)):
-                    totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
+                totals[0] += as_local(token_loss_sum(logits, batch.labels)).double()
             totals[1] += (batch.labels != IGNORE_INDEX).sum()
     finally:
         module.train(was_training)

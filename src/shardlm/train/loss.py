@@ -7,34 +7,29 @@ gradients are summed (FSDP2 divide factor 1), which gives exactly the gradient o
 would compute on the global batch, whatever the padding per rank. Averaging per-rank means
 instead would weight a rank's tokens by how many other tokens it happened to hold.
 
-With sharded logits (a DTensor ``Shard(-1)``) the cross-entropy runs under torch's
-``loss_parallel``: max and sum-exp are all-reduced over the TP group and the target logit
-comes from the rank that owns it, so full logits are never gathered. Ignored tokens
-contribute neither loss nor gradient; a micro-batch with no real labels adds exactly 0.
+With sharded logits (the LM head's ``Shard(-1)`` DTensor) the cross-entropy is the vocabulary-parallel
+one of ``parallel/runtime/cross_entropy.py`` on the local logits: max, sum-exp and the target logit are
+all-reduced over the TP group, so full logits are never gathered. Ignored tokens contribute neither loss
+nor gradient; a micro-batch with no real labels adds exactly 0.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlm.data.rows import IGNORE_INDEX
-
-
-def loss_context(vocab_sharded: bool):
-    """Context for the loss forward *and* backward (``loss_parallel`` must cover both)."""
-    return loss_parallel() if vocab_sharded else nullcontext()
+from shardlm.parallel.runtime.cross_entropy import is_vocab_sharded, vocab_parallel_token_losses
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy over labels != IGNORE_INDEX, in fp32.
 
-    ``logits``: ``[..., vocab]`` (plain or vocab-sharded DTensor); ``labels``: ``[...]``,
-    already aligned with the logits (next-token shift done by the data pipeline).
-    Call inside ``loss_context(isinstance(logits, DTensor))``.
+    ``logits``: ``[..., vocab]`` (plain or the vocab-sharded DTensor of a TP-sharded head); ``labels``:
+    ``[...]``, already aligned with the logits (next-token shift done by the data pipeline). A plain tensor
+    either way.
     """
+    if is_vocab_sharded(logits):
+        return vocab_parallel_token_losses(logits, labels, IGNORE_INDEX).sum()
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(flat, labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX)

@@ -32,7 +32,7 @@ from shardlm.distributed.shards import as_local
 from shardlm.parallel.plan.stages import stage_owner
 from shardlm.parallel.runtime.dropout import DropoutKey
 from shardlm.parallel.runtime.pipeline import PipelineStageModule, RankStages
-from shardlm.train.loss import loss_context, token_loss_sum
+from shardlm.train.loss import token_loss_sum
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what hidden states between stages can be
 
@@ -59,9 +59,6 @@ class PipelineStep:
         self.schedule = schedule(stages, n_microbatches=parallel.pp_chunks, loss_fn=self._loss, scale_grads=False)
         self.last = dist.get_global_rank(self.group, self.owner[-1])
         self.denom = 1.0
-        # under TP the head's logits are vocabulary shards (a ``Shard(-1)`` DTensor): the loss's forward and
-        # its backward, which the schedule runs later, are both inside the step, so ``loss_parallel`` covers it
-        self.vocab_sharded = parallel.tp > 1
         self.shared_group = _first_and_last(mesh) if self.parts[0].tied else None
 
     def _sum_shared(self) -> None:
@@ -101,8 +98,7 @@ class PipelineStep:
         self.denom, losses = denom, []
         args = (ids,) if self.parts[0].first else ()
         try:
-            with loss_context(self.vocab_sharded):
-                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         finally:
             for part in self.parts:
                 part.dropout = None

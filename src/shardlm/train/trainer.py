@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from shardlm.checkpoint import manager as checkpoint
 from shardlm.checkpoint.layout import should_save
@@ -74,7 +73,7 @@ from shardlm.parallel.runtime.grads import sum_tp_partial_grads
 from shardlm.train import faults
 from shardlm.train.compile import compile_blocks
 from shardlm.train.evaluation import eval_loss
-from shardlm.train.loss import loss_context, token_loss_sum
+from shardlm.train.loss import token_loss_sum
 from shardlm.train.metrics import (
     MetricsWriter,
     count_params,
@@ -253,13 +252,12 @@ class Trainer:
                 outputs = self.outputs(local.input_ids, local.position_ids)
             if mode is not None and self._has_dropout is None:
                 self._has_dropout = mode.used
-            with loss_context(isinstance(outputs.logits, DTensor)):
-                micro_loss = token_loss_sum(outputs.logits, local.labels)
-                roots = [micro_loss / denom]
-                if self.router_loss is not None:  # one backward for both (train/router_loss.py)
-                    term, router_total = self.router_loss.terms(outputs.router_logits, self.mesh.sum_over_tokens)
-                    roots.append(term)
-                torch.autograd.backward(roots)
+            micro_loss = token_loss_sum(outputs.logits, local.labels)
+            roots = [micro_loss / denom]
+            if self.router_loss is not None:  # one backward for both (train/router_loss.py)
+                term, router_total = self.router_loss.terms(outputs.router_logits, self.mesh.sum_over_tokens)
+                roots.append(term)
+            torch.autograd.backward(roots)
         return as_local(micro_loss).detach(), router_total.detach()
 
     def train_step(self) -> dict:

@@ -20,7 +20,7 @@ them), the final norm computes on the slices (its gradient summed over TP with t
 head's input is gathered as a column-parallel layer's (backward: reduce-scatter). Otherwise (learned
 positions: GPT-2, OPT; a norm of the embeddings, a projection, a vision tower) the stream enters its
 slices at the first block (the embeddings all-reduced, computed whole) and is gathered again after the
-last one, so the final norm and the LM head (vocabulary-parallel, ``loss_parallel``) see the whole sequence.
+last one, so the final norm and the LM head (vocabulary-parallel, and so the loss) see the whole sequence.
 """
 
 from __future__ import annotations

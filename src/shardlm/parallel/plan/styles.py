@@ -83,7 +83,7 @@ PLACEMENTS: dict[Style, Placement] = {
         doc="token embedding sharded by vocabulary rows",
     ),
     Style.LM_HEAD: Placement(
-        0, 0, "replicated", "logits sharded by vocabulary (the loss runs under loss_parallel)",
+        0, 0, "replicated", "logits sharded by vocabulary (a vocabulary-parallel loss)",
         doc="output projection sharded by vocabulary",
     ),
     Style.REPLICATE_GRAD_ALLREDUCE: Placement(

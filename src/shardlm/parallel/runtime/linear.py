@@ -72,24 +72,54 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, obje
         module.register_parameter(name, parameter(param, mesh, placements[name], src))
 
 
-class _SharedViews:
-    """The shared input views of the column-parallel readers of one activation (``replicated_view``), and
+class _SharedInput:
+    """The one region input shared by the column-parallel readers of one activation (``column_input``), and
     under sequence parallelism the gathered sequence they read (``gathered_input``): Python state kept
     between the readers' calls, keyed by the activation's identity and the TP mesh object."""
 
-    last: tuple = (None, None, None)  # (weakref to the plain input, mesh, its DTensor view)
-    # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence, its DTensor view)
-    gathered: tuple = (None, None, None, None)
+    last: tuple = (None, None, None)  # (weakref to the activation, mesh, what its readers read)
+    # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence)
+    gathered: tuple = (None, None, None)
+
+
+@torch.compiler.disable
+def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` (replicated) for layers computing on local column shards: the same values, but its gradient,
+    which covers only their output columns, is summed over TP on the way back (``copy_to_region``,
+    Megatron's "f"). One per (activation, mesh), shared by every column-parallel reader of ``x``
+    (``Colwise``, packed, sliced, LoRA layers): q/k/v (gate/up) add their partial input gradients up
+    locally, and one all-reduce per sub-block remains (Megatron's minimum; torch's ``ColwiseParallel``
+    per layer would all-reduce each: 5 per Llama block).
+
+    Kept out of ``train.compile``'s graphs (``train/compile.py``): the cached input is Python state
+    between calls that a graph cannot carry."""
+    ref, last_mesh, shared = _SharedInput.last
+    if ref is None or ref() is not x or last_mesh is not mesh:
+        shared = copy_to_region(x, mesh)
+        _SharedInput.last = (weakref.ref(x), mesh, shared)
+    return shared
+
+
+def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Under sequence parallelism, the whole sequence of ``chunk`` (this rank's slice) for a sub-block
+    of column-parallel readers (``runtime/sequence.py``): one all-gather per activation, shared by the
+    sub-blocks reading the same one (a parallel residual's one norm output). Its readers read it as it
+    is (``column_input`` gives it back): their gradients, partial sums, add up on it and its backward
+    reduce-scatters them over TP once."""
+    ref, last_mesh, full = _SharedInput.gathered
+    if ref is None or ref() is not chunk or last_mesh is not mesh:
+        full = gather_to_column_region(chunk, mesh).to_local(grad_placements=[Partial()])
+        _SharedInput.gathered = (weakref.ref(chunk), mesh, full)
+    _SharedInput.last = (weakref.ref(full), mesh, full)
+    return full
 
 
 class Colwise(ParallelStyle):
     """``colwise`` (and, ``sharded_output``, ``lm_head``): Linear/Conv1D sharded by output features,
     computed on local tensors (Megatron's ``ColumnParallelLinear``): the replicated input enters the
-    region through the view shared by its column-parallel siblings (``column_input``), so q/k/v (and
-    gate/up) add their partial input gradients locally and one all-reduce per sub-block remains
-    (Megatron's minimum; torch's ``ColwiseParallel`` per layer would all-reduce each: 5 per Llama block).
+    region shared with its column-parallel siblings (``column_input``).
     The output is this rank's columns, a plain tensor; the LM head's is wrapped as a ``Shard(-1)``
-    DTensor for ``loss_parallel``. Parameters stay DTensors (FSDP, clipping, checkpoints)."""
+    DTensor (its loss: ``cross_entropy.py``). Parameters stay DTensors (FSDP, clipping, checkpoints)."""
 
     def __init__(self, sharded_output: bool = False):
         super().__init__()
@@ -105,37 +135,6 @@ class Colwise(ParallelStyle):
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
     out = local_linear(module, column_input(x, mesh))
     return DTensor.from_local(out, mesh, [Shard(-1)], run_check=False) if sharded_output else out
-
-
-@torch.compiler.disable
-def replicated_view(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """One replicated DTensor view per (activation, mesh), shared by every column-parallel reader
-    of ``x`` (``Colwise``, LoRA layers): their partial input gradients add up on the view, and
-    its backward all-reduces them once.
-
-    Kept out of ``train.compile``'s graphs (``train/compile.py``): the cached view is Python state
-    between calls that a graph cannot carry; traced, it becomes a graph output whose backward AOT
-    autograd gets wrong ("Expected a DTensor tangent but got a plain Tensor")."""
-    ref, last_mesh, view = _SharedViews.last
-    if ref is None or ref() is not x or last_mesh is not mesh:
-        view = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        _SharedViews.last = (weakref.ref(x), mesh, view)
-    return view
-
-
-def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Under sequence parallelism, the whole sequence of ``chunk`` (this rank's slice) for a sub-block
-    of column-parallel readers (``runtime/sequence.py``): one all-gather per activation, shared by the
-    sub-blocks reading the same one (a parallel residual's one norm output). Its readers' shared view
-    (``replicated_view``) is the gathered DTensor itself, and what the sub-block adds to the plain
-    tensor's gradient is declared partial too, so one reduce-scatter sums them all over TP."""
-    ref, last_mesh, full, view = _SharedViews.gathered
-    if ref is None or ref() is not chunk or last_mesh is not mesh:
-        view = gather_to_column_region(chunk, mesh)
-        full = view.to_local(grad_placements=[Partial()])
-        _SharedViews.gathered = (weakref.ref(chunk), mesh, full, view)
-    _SharedViews.last = (weakref.ref(full), mesh, view)
-    return full
 
 
 class Rowwise(ParallelStyle):
@@ -172,12 +171,6 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
     return copy_to_region(out, mesh) if output == "summed" else out
 
 
-def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``x`` (replicated) for a layer computing on local column shards: the same values, but its
-    gradient, which covers only this rank's output columns, is summed over TP on the way back."""
-    return copy_to_region(replicated_view(x, mesh), mesh)
-
-
 def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
     weight = module.weight.to_local()
@@ -193,7 +186,7 @@ def _local_linear_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) 
     """Linear/Conv1D on the local shards of packed parameters (rank r's rows of every part).
 
     ``mesh``: the style's TP mesh, the object the sibling column-parallel layers key their shared
-    view of ``x`` by (``replicated_view``); the weight's ``device_mesh`` is an equal but distinct
+    input by (``column_input``); the weight's ``device_mesh`` is an equal but distinct
     object, with which this layer's input gradient was all-reduced on its own (Qwen3.5's
     ``in_proj_qkv`` beside ``in_proj_z/b/a``: one all-reduce more per mixer backward)."""
     return local_linear(module, column_input(x, mesh))

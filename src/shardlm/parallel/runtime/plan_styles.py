@@ -56,7 +56,7 @@ def make_style(
             # (reduce-scattered where the stream enters its sequence slices there: ``plan.sequence.stream_ends``)
             return VocabParallelEmbedding(scattered=sequence_parallel)
         case Style.LM_HEAD:
-            # logits stay sharded over the vocabulary: the loss runs under loss_parallel
+            # logits stay sharded over the vocabulary: the loss is computed on them (runtime/cross_entropy.py)
             return Colwise(sharded_output=True)
         case Style.REPLICATE | Style.REPLICATE_GRAD_ALLREDUCE:
             return ReplicateParallel()

@@ -29,9 +29,10 @@ rank's slice of the sequence (``sequence_dim``), and three more regions, Megatro
                             reduce-scattered embeddings, where the model's forward still runs between them).
 
 The vocabulary-parallel embedding (``embedding.py``) sums its masked lookups with ``reduce_from_region``
-(``reduce_scatter_in_place`` where the stream enters its slices there: ``plan.sequence.stream_ends``).
-Megatron's gather and scatter regions are not hand-written here: the vocabulary-sharded LM head
-(``loss_parallel``), sequence shapes and FSDP gather and scatter through DTensor's own ``Shard`` placements.
+(``reduce_scatter_in_place`` where the stream enters its slices there: ``plan.sequence.stream_ends``), and
+the vocabulary-parallel cross-entropy (``cross_entropy.py``) its max, sum-exp and target logit with ``all_reduce``.
+Megatron's gather and scatter regions are not hand-written here: sequence shapes and FSDP gather and scatter
+through DTensor's own ``Shard`` placements.
 ``ShardedRMSNorm`` (``replicate.py``) sums its squares both ways (forward all-reduce,
 backward all-reduce of the gradient) on its own, and the per-step sum of the TP-partial gradients is
 ``grads.sum_tp_partial_grads``.
@@ -54,10 +55,9 @@ def sequence_dim(x: torch.Tensor) -> int:
 
 
 def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``x`` (replicated; or its replicated DTensor view, shared by the layers reading it) with the same
-    values, its gradient summed over TP on the way back."""
-    view = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return view.to_local(grad_placements=[Partial()])
+    """``x`` (replicated) with the same values, its gradient summed over TP on the way back (an all-reduce
+    of a plain tensor: no DTensor dispatch)."""
+    return _CopyToRegion.apply(x, mesh)
 
 
 def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -66,11 +66,22 @@ def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _ReduceFromRegion.apply(t, mesh)
 
 
-def all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The bare sum over ``mesh`` (no autograd): torch's functional all-reduce, the op DTensor's own
-    redistributions issue, on a plain tensor (no DTensor dispatch)."""
+def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
+    """The bare sum (``op``: or ``"max"``) over ``mesh`` (no autograd): torch's functional all-reduce, the op
+    DTensor's own redistributions issue, on a plain tensor (no DTensor dispatch)."""
     group = mesh.get_group().group_name
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", group))
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, op, group))
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad, ctx.mesh), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
