@@ -168,3 +168,38 @@ def test_virtual_stages_at_pp4_match_one_process(tmp_path_factory):
         loss = max(abs(a - b) / b for (a, _), (b, _) in zip(losses, ref))
         norm = max(abs(a - b) / b for (_, a), (_, b) in zip(losses, ref))
         print(f"llama {layout}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
+
+
+RESUME_LAYOUTS = {"pp2_ep2": LAYOUTS["pp2_ep2"], "fsdp2": ({"fsdp": 2}, 1, 2)}
+
+
+def moe_train_and_save(path: str, layout: str, output_dir: str, resume: str | bool = False) -> list[float]:
+    """Rank body: 10 steps of ``RESUME_LAYOUTS[layout]`` saving at step 5 (``resume``: from that checkpoint);
+    the losses."""
+    from helpers import token_dataset, train_config
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    shape, per_device, accum = RESUME_LAYOUTS[layout]
+    cfg = train_config(path, shape, per_device, accum, 10, output_dir=output_dir, save_steps=5, resume=resume)
+    mesh = build_mesh(cfg.parallel)
+    return [h["loss"] for h in Trainer(parallelize(path, mesh), cfg, token_dataset(), mesh).train()]
+
+
+@pytest.mark.ranks
+def test_pp_ep_checkpoint_resumes_at_fsdp2(qwen3_moe, tmp_path):
+    """Each stage of pp=2 x fsdp=2 x ep=2 saves its part of one DCP checkpoint (its experts as the ep ranks
+    hold them) under the whole model's names: its step 5 resumed at fsdp=2 gives steps 6-10 of the
+    uninterrupted fsdp=2 run (1e-5), and the step-5 losses of both runs agree (the same training)."""
+    path, _ = qwen3_moe
+    piped = run_ranks(moe_train_and_save, 4, path, "pp2_ep2", str(tmp_path / "pp"))
+    full = run_ranks(moe_train_and_save, 2, path, "fsdp2", str(tmp_path / "fsdp"))
+    resumed = run_ranks(
+        moe_train_and_save, 2, path, "fsdp2", str(tmp_path / "resumed"), str(tmp_path / "pp/checkpoints/step-5")
+    )
+    assert len(resumed) == 5, resumed
+    for step, (a, b) in enumerate(zip(piped[:5], full[:5]), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: pp2 x ep2 {a} vs fsdp2 {b}"
+    for step, (a, b) in enumerate(zip(resumed, full[5:]), start=6):
+        assert abs(a - b) <= 1e-5 * abs(b), f"fsdp2 from pp2 x ep2 step {step}: {a} vs {b}"

@@ -259,12 +259,12 @@ def _validate_pp(cfg: Config) -> None:
     unsupported = {
         "parallel.fsdp_offload": p.fsdp_offload != "none",
         "train.compile": t.compile,
-        "parallel.cp": p.cp > 1,
     }
     for key, on in unsupported.items():
         if on:
             why = f"{key} with parallel.pp={p.pp} is not supported yet (docs/pipeline.md)"
             raise ConfigError(f"{why}; turn it off or set parallel.pp: 1")
+    _validate_pp_cp(cfg)
     if cfg.lora is not None and cfg.lora.dropout > 0:
         raise ConfigError(
             f"lora.dropout={cfg.lora.dropout} with parallel.pp={p.pp}: the stages do not key the adapters' dropout "
@@ -276,6 +276,28 @@ def _validate_pp(cfg: Config) -> None:
             f"parallel.fsdp/dp_replicate with parallel.pp_schedule={p.pp_schedule} is not supported yet (its split "
             "backward does not reach one process's gradients under FSDP); set parallel.pp_schedule: Interleaved1F1B"
         )
+
+
+def _validate_pp_cp(cfg: Config) -> None:
+    """``parallel.cp`` with ``parallel.pp``: the all-gather attention on one stage a rank (Llama pp=2 x cp=2
+    matched one process); what was not run together is refused by name. Activation checkpointing would
+    recompute a block in the schedule's backward, outside the stage forward that holds the attention's shard."""
+    p, t = cfg.parallel, cfg.train
+    untested = {  # what -> (on, the fix)
+        "train.gradient_checkpointing": (t.gradient_checkpointing, "set train.gradient_checkpointing: false"),
+        "parallel.cp_attention=ulysses": (p.cp_attention == "ulysses", "set parallel.cp_attention: all_gather"),
+        "parallel.sequence_parallel": (p.sequence_parallel, "set parallel.sequence_parallel: false"),
+        f"parallel.pp_schedule={p.pp_schedule} (several stages a rank)": (
+            p.pp_stages_per_rank > 1,
+            "set parallel.pp_schedule: 1F1B",
+        ),
+    }
+    for key, (on, fix) in untested.items():
+        if p.cp > 1 and on:
+            raise ConfigError(
+                f"parallel.cp={p.cp} with parallel.pp={p.pp} and {key} is not supported yet (docs/pipeline.md); "
+                f"{fix} or parallel.cp: 1"
+            )
 
 
 def _validate_virtual_stages(p: ParallelConfig) -> None:

@@ -19,6 +19,8 @@ through identical optimizer steps; the norm counts the weight once (on the first
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -26,6 +28,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from shardlm.config import ParallelConfig
+from shardlm.data.context_split import chunk_index, split_batch, window_positions
 from shardlm.data.dataset import Batch
 from shardlm.distributed.mesh import Mesh
 from shardlm.distributed.shards import as_local
@@ -50,8 +53,13 @@ class PipelineStep:
         per_rank, v_shaped = parallel.pp_stages_per_rank, parallel.pp_v_shaped
         total = parallel.pp * per_rank
         self.stages = []
+        # under parallel.cp each stage's ranks split every window as without stages (``_context_split``)
+        self.context = None
+        if parallel.cp > 1:
+            self.context = (parallel.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), parallel.cp_attention)
         for part in self.parts:
             part.autocast = mesh.device.type if autocast else None
+            part.context = self.context
             self.stages.append(PipelineStage(part, part.index, total, mesh.device, group=self.group))
         self.owner = [stage_owner(i, parallel.pp, per_rank, v_shaped) for i in range(total)]  # pp rank of stage i
         schedule = get_schedule_class(parallel.pp_schedule)
@@ -86,9 +94,11 @@ class PipelineStep:
         gradients of ``sum of token losses / denom`` accumulated; this rank's token-loss sum (the same
         on every stage). ``dropout``: the step's dropout key, ``positions`` those of every sample of
         ``batches`` in the global batch, cut into micro-batches with them."""
+        kwargs = {}
+        if self.context is not None:
+            batches, kwargs["window"], dropout = self._context_split(batches, dropout)
         ids = torch.cat([b.input_ids for b in batches])
         labels = torch.cat([b.labels for b in batches])
-        kwargs = {}
         if batches[0].position_ids is not None:
             kwargs["position_ids"] = torch.cat([b.position_ids for b in batches])
         if dropout is not None and self.parts[0].draws_dropout:
@@ -109,6 +119,22 @@ class PipelineStep:
         total = torch.stack(losses).sum() * denom if losses else torch.zeros((), device=ids.device)
         dist.broadcast(total, src=self.last, group=self.group)
         return total
+
+    def _context_split(
+        self, batches: list[Batch], dropout: DropoutKey | None
+    ) -> tuple[list[Batch], torch.Tensor, DropoutKey | None]:
+        """Under context parallelism: this rank's tokens of each of ``batches`` (``data/context_split.py``: two
+        chunks of every window, head and tail, with their position ids), the position ids of the whole
+        windows, which the schedule cuts into micro-batches with the tokens and every stage builds its
+        attention's shard from (``PipelineStageModule.forward``), and the dropout key placing this rank's
+        tokens in the window (as ``Trainer.dropout_mode`` does without stages)."""
+        cp, rank = self.context[0], self.context[1]
+        windows = [window_positions(b) for b in batches]
+        seq_len = windows[0].shape[1]
+        index = chunk_index(seq_len, cp, rank, windows[0].device)
+        if dropout is not None:
+            dropout = replace(dropout, sequence=(index, seq_len))
+        return [split_batch(b, index) for b in batches], torch.cat(windows), dropout
 
     @torch.no_grad()
     def logits_of(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:

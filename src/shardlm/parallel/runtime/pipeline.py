@@ -32,6 +32,7 @@ from torch import nn
 
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.stages import StageLayout
+from shardlm.parallel.runtime.context import ContextShard, context_parallel
 from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, resume_at
 
 
@@ -142,6 +143,7 @@ class PipelineStageModule(nn.Module):
         self.index = stage
         self.first, self.last = stage == 0, stage == layout.split.stages - 1
         self.autocast: str | None = None
+        self.context: tuple | None = None  # under parallel.cp: ContextShard's (cp, rank, group, attention)
         self.tied = layout.tied
         self.draws_dropout = bool(layout.sites)
         self.received: torch.Tensor | None = None  # the hidden states this forward started from
@@ -165,10 +167,17 @@ class PipelineStageModule(nn.Module):
         return args, {**kwargs, "hidden_states": self.received}
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, samples: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        samples: torch.Tensor | None = None,
+        window: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``samples``: the micro-batch's positions in the global batch, which its dropout masks are keyed by
-        (``runtime/dropout.py``), while ``dropout`` holds the step's key."""
+        (``runtime/dropout.py``), while ``dropout`` holds the step's key. ``window``: under context
+        parallelism, the position ids of the micro-batch's whole windows (``x`` and ``position_ids`` hold
+        this rank's tokens of them): the shard its attention gathers the other cp ranks' keys and values
+        over (``runtime/context.py``), as the trainer's micro-step does without stages."""
         self.received = x
         inputs = {"input_ids" if self.first else "inputs_embeds": x}
         if position_ids is not None:
@@ -176,7 +185,8 @@ class PipelineStageModule(nn.Module):
         drop = self.dropout is not None and samples is not None
         mode = DeterministicDropout(replace(self.dropout, positions=samples)) if drop else nullcontext()
         autocast = torch.autocast(self.autocast, dtype=torch.bfloat16) if self.autocast else nullcontext()
-        with mode, autocast:
+        shard = ContextShard(window, *self.context) if window is not None and self.context else None
+        with context_parallel(shard), mode, autocast:
             if self.last:
                 return self.model(**inputs).logits
             return self.model.base_model(**inputs).last_hidden_state
