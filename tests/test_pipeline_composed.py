@@ -101,7 +101,8 @@ def four_rank_runs(llama):
 def test_pp2_tp2_matches_one_process(llama, four_rank_runs):
     """pp=2 x tp=2 (4 ranks): each stage's projections split over its two tp ranks as the whole model's
     plan says, the hidden states between stages replicated over tp, the last stage's loss on vocabulary
-    shards (the vocabulary-parallel cross-entropy), the norm summed over stages and TP placements: one process's numbers."""
+    shards (the vocabulary-parallel cross-entropy), the norm summed over stages and TP placements: one
+    process's numbers."""
     assert_parity(four_rank_runs["pp2_tp2"], llama[1], label="pp2 x tp2")
 
 
