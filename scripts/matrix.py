@@ -247,13 +247,14 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split), and what the plan stores "
         "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). A column "
         "named after another size set (`--sizes`, `scripts/tiny.py: SIZE_SETS`; `unequal`: 8 heads, 4 kv heads, "
-        "hidden 96, intermediate 160, vocabulary 253) holds that set's tp=2 result, else its plan or build cell. "
-        f"Took {seconds / 60:.1f} min on "
-        f"{os.cpu_count()} CPU cores.",
+        "hidden 96, intermediate 160, vocabulary 253; `unequal_even`: the same with vocabulary 254, since a "
+        "vocabulary tp does not divide is refused before anything else shows) holds that set's tp=2 result, else "
+        f"its plan or build cell. Took {seconds / 60:.1f} min on {os.cpu_count()} CPU cores.",
         "",
         f"Counts: {counts['built']} build at tiny sizes; of them {counts['parity']} train at tp=2 with parity, "
         f"{counts['refused']} are refused with one line, {counts['mismatch']} mismatch, {counts['run_error']} fail "
         f"in training at tp=2, {counts['plan_error']} raise in the plan.",
+        *_other_counts(rows),
         "",
         "**published weights** (types with checkpoint conversion rules; `scripts/published_sweep.py`, "
         "[published_weights.md](published_weights.md)): a checkpoint `save_pretrained` writes in the published "
@@ -339,6 +340,20 @@ def _run_cell(p: dict | None) -> str:
     return f"{p['status']} ({p['loss_rel']:.1e}, {p['grad_norm_rel']:.1e})"
 
 
+def _other_counts(rows: list[dict]) -> list[str]:
+    """One counts line for each further size set (its cells are the rows' ``sizes_<name>`` entries)."""
+    names = sorted({k.removeprefix("sizes_") for r in rows for k in r if k.startswith("sizes_")})
+    lines = []
+    for name in names:
+        c = _counts([r[f"sizes_{name}"] for r in rows if f"sizes_{name}" in r])
+        lines.append(
+            f"At the `{name}` sizes: {c['built']} build; of them {c['parity']} train at tp=2 with parity, "
+            f"{c['refused']} are refused with one line, {c['mismatch']} mismatch, {c['run_error']} fail in training, "
+            f"{c['plan_error']} raise in the plan."
+        )
+    return [""] + lines if lines else []
+
+
 def _counts(rows: list[dict]) -> dict:
     built = [r for r in rows if r["build"] == "ok"]
     status = [r.get("tp2", {}).get("status") for r in built]
@@ -387,7 +402,7 @@ def main() -> None:
         "--sizes",
         default="equal",
         help="size sets of scripts/tiny.py (SIZE_SETS), comma-separated: the first makes the rows, each other "
-        "one a column of its own (build, plan, tp=2): 'equal,unequal' for issue 27's two (default equal)",
+        "one a column of its own (build, plan, tp=2): 'equal,unequal_even' for issue 27's two, as make matrix runs (default equal)",
     )
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
     parser.add_argument(
