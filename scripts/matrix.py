@@ -402,7 +402,8 @@ def main() -> None:
         "--sizes",
         default="equal",
         help="size sets of scripts/tiny.py (SIZE_SETS), comma-separated: the first makes the rows, each other "
-        "one a column of its own (build, plan, tp=2): 'equal,unequal_even' for issue 27's two, as make matrix runs (default equal)",
+        "one a column of its own (build, plan, tp=2): 'equal,unequal_even' for issue 27's two, as make matrix "
+        "runs (default equal)",
     )
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)
     parser.add_argument(
