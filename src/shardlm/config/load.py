@@ -295,7 +295,8 @@ def _validate_pp_cp(cfg: Config) -> None:
 
 def _validate_virtual_stages(p: ParallelConfig) -> None:
     """A schedule that runs several stages a rank gets at least two, one that runs one gets one; the V-shaped
-    ones exactly two; interleaved micro-batches come in equal rounds of ``pp`` (torch's rule)."""
+    ones exactly two; DualPipeV a micro-batch per stage or more, and interleaved micro-batches in equal
+    rounds of ``pp`` (torch's rules)."""
     multi = p.pp_schedule.lower() in (name.lower() for name in PP_MULTI_STAGE)
     v = p.pp_stages_per_rank
     if multi and v < 2:
