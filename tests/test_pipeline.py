@@ -77,7 +77,6 @@ def test_refusals_before_spawning(tmp_path):
     train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     cases = [
         (nested, {"pp": 2}, {}, r"decoder blocks \(model.language_model.layers\) are not a child of its base model"),
-        (llama, {"pp": 2, "pp_schedule": "DualPipeV"}, {}, "parallel.pp_schedule 'DualPipeV'"),
         (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
         (llama, {"pp": 2, "pp_microbatches": 3}, {}, "parallel.pp_microbatches=3 must divide"),

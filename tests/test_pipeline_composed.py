@@ -25,10 +25,12 @@ RUNS = {
     "interleaved_fsdp2": ({**INTERLEAVED, "fsdp": 2}, 1, 2, {}),
     "interleaved_tp2": ({**INTERLEAVED, "tp": 2}, 2, 2, {}),
     "zbv_tp2": ({**ZBV, "tp": 2}, 2, 2, {}),
+    "zbv_fsdp2": ({**ZBV, "fsdp": 2}, 1, 2, {}),  # the blocks not resharded between forward and weight pass
+    "izb_fsdp2": ({**INTERLEAVED, "pp_schedule": "InterleavedZeroBubble", "fsdp": 2}, 1, 2, {}),
     "interleaved_checkpointed": (INTERLEAVED, 2, 2, {"gradient_checkpointing": True}),
     "zbv_checkpointed": (ZBV, 2, 2, {"gradient_checkpointing": True}),
 }
-FOUR_RANK_RUNS = ["pp2_tp2", "interleaved_fsdp2", "interleaved_tp2", "zbv_tp2"]
+FOUR_RANK_RUNS = ["pp2_tp2", "interleaved_fsdp2", "interleaved_tp2", "zbv_tp2", "zbv_fsdp2"]
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +112,12 @@ def test_pp2_tp2_matches_one_process(llama, four_rank_runs):
 def test_virtual_stages_composed_match_one_process(llama, four_rank_runs):
     """Two stages a rank composed: Interleaved1F1B with FSDP2 in each stage (pp=2 x fsdp=2: each stage its
     own FSDP root, unsharded and resharded by the schedule) and with TP (pp=2 x tp=2), ZBVZeroBubble (the V
-    and the split backward) with TP; and, on 2 ranks, both schedules with activation checkpointing (the
+    and the split backward) with TP and with FSDP2 (pp=2 x fsdp=2: the weight pass needs the blocks still
+    unsharded, ``apply_fsdp``); and, on 2 ranks, both schedules with activation checkpointing (the
     split backward's input and weight passes each recompute the checkpointed blocks). One process's loss
     and grad_norm at every step (the LoRA runs are in ``test_lora_on_stages_matches_one_process_peft``)."""
     path, ref = llama
-    for run in ("interleaved_fsdp2", "interleaved_tp2", "zbv_tp2"):
+    for run in ("interleaved_fsdp2", "interleaved_tp2", "zbv_tp2", "zbv_fsdp2"):
         assert_parity(four_rank_runs[run], ref, label=run)
     two = ["interleaved_checkpointed", "zbv_checkpointed"]
     for run, losses in zip(two, run_ranks(runs_losses, 2, path, two), strict=True):

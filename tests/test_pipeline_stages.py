@@ -27,6 +27,8 @@ LAYOUTS = {
     "pp2_interleaved": ({"pp": 2, "pp_schedule": "Interleaved1F1B"}, 2, 2),
     "pp2_interleaved_zb": ({"pp": 2, "pp_schedule": "InterleavedZeroBubble"}, 2, 2),
     "pp2_zbv": ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 2, 2),
+    "pp2_looped_bfs": ({"pp": 2, "pp_schedule": "LoopedBFS"}, 2, 2),
+    "pp2_dualpipev": ({"pp": 2, "pp_schedule": "DualPipeV", "pp_microbatches": 4}, 2, 2),  # a micro-batch a stage
     "one": ({}, 2, 2),
 }
 
@@ -153,6 +155,8 @@ VIRTUAL_RUNS = [
     ("llama", "pp2_interleaved"),
     ("llama", "pp2_interleaved_zb"),
     ("llama", "pp2_zbv"),
+    ("llama", "pp2_looped_bfs"),
+    ("llama", "pp2_dualpipev"),
     ("gpt2", "pp2_interleaved"),
     ("llama_tied", "pp2_zbv"),  # the V holds both copies' stages on rank 0: one parameter there
 ]
@@ -212,8 +216,8 @@ def test_virtual_stages_are_slices_of_the_model(models):
 def test_virtual_stage_refusals(models, tmp_path):
     """One line each before spawning, naming the key: a multi-stage schedule with one stage a rank, virtual
     stages under a one-stage schedule, a V with other than 2, micro-batches that do not come in torch's
-    rounds, more stages than blocks, FSDP under the zero-bubble schedules (their split backward missed one
-    process's gradients); Interleaved1F1B with FSDP, TP, LoRA and activation checkpointing loads."""
+    rounds, more stages than blocks, DualPipeV with fewer micro-batches than stages (torch's rule) or other than
+    2 stages a rank; Interleaved1F1B with FSDP, TP, LoRA and activation checkpointing loads."""
     (tmp_path / "d.txt").write_text("a b c\n")
     llama = models["llama"][0]
     zbv = {"pp": 2, "pp_schedule": "ZBVZeroBubble"}
@@ -224,8 +228,8 @@ def test_virtual_stage_refusals(models, tmp_path):
         (llama, {**zbv, "pp_virtual_stages": 3}, {}, "places exactly 2 stages on each rank"),
         (llama, {**interleaved, "pp_microbatches": 5}, {"per_device_train_batch_size": 5}, "in rounds of"),
         (llama, {**interleaved, "pp_virtual_stages": 4}, {}, "8 pipeline stages .* model has 4 decoder blocks"),
-        (llama, {**zbv, "fsdp": 2}, {}, "parallel.fsdp/dp_replicate with parallel.pp_schedule=ZBVZeroBubble"),
-        (llama, {"pp": 2, "pp_schedule": "InterleavedZeroBubble", "dp_replicate": 2}, {}, "split backward"),
+        (llama, {"pp": 2, "pp_schedule": "DualPipeV"}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),
+        (llama, {"pp": 2, "pp_schedule": "DualPipeV", "pp_virtual_stages": 3}, {}, "places exactly 2 stages"),
     ]
     for model, parallel, extra, match in cases:
         raw = {"model": model, "data": {"path": str(tmp_path / "d.txt")}, "parallel": parallel}

@@ -60,8 +60,10 @@ class DataConfig:
 
 # the schedules of torch.distributed.pipelining that run several (virtual) stages on each rank, the V-shaped
 # ones (stage ``s`` and ``2 pp - 1 - s`` on rank ``s``) named by PP_V_SHAPED; the others loop (``s``, ``s + pp``, ...)
-PP_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-PP_V_SHAPED = ("ZBVZeroBubble",)
+PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+PP_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# the schedules that split a stage's backward into an input pass and a weight pass run later (zero bubble)
+PP_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass
@@ -100,7 +102,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None  # None: ``pp``
-    # stages each rank holds under a multi-stage schedule (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble)
+    # stages each rank holds under a multi-stage schedule (PP_MULTI_STAGE)
     pp_virtual_stages: int | None = None  # None: 2 under those, 1 under 1F1B and GPipe
     cp: int = 1
     cp_attention: str = "all_gather"  # all_gather | ulysses
@@ -121,6 +123,11 @@ class ParallelConfig:
     def pp_v_shaped(self) -> bool:
         """Whether the schedule places the stages in a V (``PP_V_SHAPED``) rather than in loops."""
         return self.pp_schedule.lower() in (name.lower() for name in PP_V_SHAPED)
+
+    @property
+    def pp_split_backward(self) -> bool:
+        """Whether the schedule runs each stage's weight gradients in a pass of their own (``PP_SPLIT_BACKWARD``)."""
+        return self.pp > 1 and self.pp_schedule.lower() in (name.lower() for name in PP_SPLIT_BACKWARD)
 
     @property
     def pp_chunks(self) -> int:

@@ -94,12 +94,20 @@ def apply_fsdp(
 
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
     already normalized by the global token count, see ``train/loss.py``.
+
+    Under a schedule that splits the backward (``ParallelConfig.pp_split_backward``) the blocks stay
+    unsharded after their forward, as torchtitan keeps them under pp: torch's input pass finds the
+    weights' gradient nodes from the stage's registered parameters, and a block resharded after its
+    forward registers shards the graph never used, so its weight gradients were never computed
+    (measured: ZBVZeroBubble x fsdp=2 left a stage's blocks without gradients, grad_norm 1.4423
+    against one process's 1.5209). The schedule reshards a stage once its step is done.
     """
     kwargs = {
         "mesh": mesh.dp,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "ignored_params": ignored,
         "offload_policy": offload_policy(mesh),
+        "reshard_after_forward": not mesh.parallel.pp_split_backward,
     }
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
