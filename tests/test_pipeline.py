@@ -135,18 +135,21 @@ PP2_RUNS = [("llama", "pp2_1f1b"), ("llama", "pp2_gpipe"), ("qwen3_sliding", "pp
 FOUR_RANK_RUNS = [("llama", "pp2_fsdp2"), ("llama", "pp4")]
 
 
+def runs_in_one_world(models: dict, runs: list[tuple[str, str]], world: int, layouts: dict = LAYOUTS) -> dict:
+    """Every ``(model name, layout)`` of ``runs`` in one ``world``-rank world, each trained and evaluated
+    (``eval_runs``): ``{run: (losses, eval losses)}``."""
+    jobs = [(models[name][0], *layouts[layout]) for name, layout in runs]
+    return dict(zip(runs, run_ranks(eval_runs, world, jobs), strict=True))
+
+
 @pytest.fixture(scope="module")
 def pp2_runs(models):
-    """Every 2-rank run of ``PP2_RUNS`` in one world, each trained and evaluated (``eval_runs``)."""
-    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in PP2_RUNS]
-    return dict(zip(PP2_RUNS, run_ranks(eval_runs, 2, jobs), strict=True))
+    return runs_in_one_world(models, PP2_RUNS, 2)
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs(models):
-    """Every 4-rank run of ``FOUR_RANK_RUNS`` in one world, each trained and evaluated (``eval_runs``)."""
-    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in FOUR_RANK_RUNS]
-    return dict(zip(FOUR_RANK_RUNS, run_ranks(eval_runs, 4, jobs), strict=True))
+    return runs_in_one_world(models, FOUR_RANK_RUNS, 4)
 
 
 @pytest.mark.ranks

@@ -10,7 +10,7 @@ import pool
 import pytest
 import torch
 from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
-from test_pipeline import eval_run, eval_runs
+from test_pipeline import eval_run, runs_in_one_world
 
 from shardlm import ConfigError
 from shardlm.parallel.infer.stages import stage_layout
@@ -164,9 +164,7 @@ VIRTUAL_RUNS = [
 
 @pytest.fixture(scope="module")
 def virtual_runs(models):
-    """Every run of ``VIRTUAL_RUNS`` in one 2-rank world, each trained and evaluated (``test_pipeline.eval_runs``)."""
-    jobs = [(models[name][0], *LAYOUTS[layout]) for name, layout in VIRTUAL_RUNS]
-    return dict(zip(VIRTUAL_RUNS, run_ranks(eval_runs, 2, jobs), strict=True))
+    return runs_in_one_world(models, VIRTUAL_RUNS, 2, LAYOUTS)
 
 
 @pytest.mark.ranks
