@@ -12,7 +12,7 @@ import pool
 import pytest
 import torch.distributed as dist
 from families import write_tiny_dir
-from helpers import plain_reference, run_ranks, train_jobs, write_model_dir
+from helpers import plain_reference, run_ranks, train_jobs, write_gemma3, write_model_dir
 
 from shardlm import init_distributed
 
@@ -75,6 +75,22 @@ def pp_llama(tmp_path_factory) -> tuple[str, list]:
     test_pipeline.py, test_pipeline_stages.py and test_pipeline_composed.py."""
     path = write_model_dir(str(tmp_path_factory.mktemp("pp_llama") / "llama"), "llama", num_hidden_layers=4)
     return path, plain_reference(path, 4)
+
+
+@pytest.fixture(scope="session")
+def pp_families(tmp_path_factory) -> dict[str, tuple[str, list]]:
+    """The pipeline tests' other families, 4 blocks each, with their one-process references (as ``pp_llama``),
+    computed once for test_pipeline.py, test_pipeline_stages.py and test_pipeline_families.py: Qwen3 whose last
+    two blocks slide over 4 tokens (stage 1's ``layer_types`` must be its own blocks'); Gemma 3 (sliding and
+    full blocks, untied; ``helpers.write_gemma3``); GPT-2 (learned positions, tied embeddings)."""
+    root = tmp_path_factory.mktemp("pp_families")
+    sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    paths = {
+        "qwen3_sliding": write_model_dir(str(root / "qwen3"), "qwen3", num_hidden_layers=4, **sliding),
+        "gemma3": write_gemma3(str(root / "gemma3")),
+        "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
+    }
+    return {name: (path, plain_reference(path, 4)) for name, path in paths.items()}
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -44,6 +44,21 @@ def write_model_dir(path: str, family: str = "llama", **overrides) -> str:
     return path
 
 
+def write_gemma3(path: str, blocks: int = 4) -> str:
+    """Gemma 3 text, untied, ``blocks`` blocks of which the second is full attention and the rest slide over 4
+    tokens (its embedding scales inside the embedding module, so a later stage starts from what it receives)."""
+    from transformers import Gemma3TextConfig
+
+    kinds = ["sliding_attention", "full_attention"] + ["sliding_attention"] * (blocks - 2)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = Gemma3TextConfig(
+        **sizes, num_hidden_layers=blocks, head_dim=8, sliding_window=4, layer_types=kinds, tie_word_embeddings=False
+    )
+    config.max_position_embeddings = 64
+    config.save_pretrained(path)
+    return path
+
+
 def token_dataset(n: int = 24, seq: int = SEQ, seed: int = 1) -> TokenDataset:
     """Random tokens with padding-like IGNORE labels, including wholly ignored samples."""
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from families import write_tiny_dir
-from helpers import assert_parity, load_checked, plain_reference, run_ranks, shardlm_losses, write_model_dir
+from helpers import assert_parity, load_checked, run_ranks, shardlm_losses, write_model_dir
 from transformers import MixtralConfig
 
 from shardlm import ConfigError
@@ -92,32 +92,11 @@ def test_refusals_before_spawning(tmp_path):
     assert load_checked(raw={**raw, "model": llama, "parallel": {"pp": 2}}).parallel.world_size == 2
 
 
-def write_gemma3(path: str) -> str:
-    """Gemma 3 text, untied, 4 blocks of which the second is full attention and the rest slide over 4
-    tokens (its embedding scales inside the embedding module, so a later stage starts from what it receives)."""
-    from transformers import Gemma3TextConfig
-
-    kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-    config = Gemma3TextConfig(
-        **sizes, num_hidden_layers=4, head_dim=8, sliding_window=4, layer_types=kinds, tie_word_embeddings=False
-    )
-    config.max_position_embeddings = 64
-    config.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def models(pp_llama, tmp_path_factory):
-    """Llama (conftest's, shared with the other pipeline tests); Qwen3 whose last two blocks slide over 4
-    tokens (stage 1's ``layer_types`` must be its own blocks'); Gemma 3: each with its one-process reference."""
-    root = tmp_path_factory.mktemp("pp")
-    sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
-    paths = {
-        "qwen3_sliding": write_model_dir(str(root / "qwen3"), "qwen3", num_hidden_layers=4, **sliding),
-        "gemma3": write_gemma3(str(root / "gemma3")),
-    }
-    return {"llama": pp_llama, **{name: (path, plain_reference(path, GLOBAL_BATCH)) for name, path in paths.items()}}
+def models(pp_llama, pp_families):
+    """Llama, Qwen3 with sliding blocks on the second stage and Gemma 3 (conftest's, shared with the other
+    pipeline tests), each with its one-process reference."""
+    return {"llama": pp_llama, **{name: pp_families[name] for name in ("qwen3_sliding", "gemma3")}}
 
 
 @pytest.fixture(scope="module")

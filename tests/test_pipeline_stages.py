@@ -34,7 +34,7 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def models(pp_llama, tmp_path_factory):
+def models(pp_llama, pp_families, tmp_path_factory):
     """Llama (untied: conftest's, shared with the other pipeline tests, and tied), GPT-2 (learned positions,
     tied), Granite (its forward scales the embeddings by ``embedding_multiplier``) and GPT-2 with its
     published dropout 0.1, 4 blocks each, with their one-process references (the dropout masks drawn as
@@ -43,13 +43,12 @@ def models(pp_llama, tmp_path_factory):
     tied = {"num_hidden_layers": 4, "tie_word_embeddings": True}
     paths = {
         "llama_tied": write_model_dir(str(root / "llama_tied"), "llama", **tied),
-        "gpt2": write_model_dir(str(root / "gpt2"), "gpt2", n_layer=4),
         "granite": write_model_dir(str(root / "granite"), "granite", num_hidden_layers=4),
         "gpt2_dropout": write_model_dir(str(root / "gpt2_dropout"), "gpt2", n_layer=4, **GPT2_DROPOUT),
     }
     drop = {name: name == "gpt2_dropout" for name in paths}
     refs = {name: (path, plain_reference(path, GLOBAL_BATCH, dropout=drop[name])) for name, path in paths.items()}
-    return {"llama": pp_llama, **refs}
+    return {"llama": pp_llama, "gpt2": pp_families["gpt2"], **refs}
 
 
 def test_tied_weight_on_first_and_last_stage(models):

@@ -189,7 +189,10 @@ class PipelineStageModule(nn.Module):
         with context_parallel(shard), mode, autocast:
             if self.last:
                 return self.model(**inputs).logits
-            return self.model.base_model(**inputs).last_hidden_state
+            hidden = self.model.base_model(**inputs).last_hidden_state
+        # The zero-bubble schedules' input pass detaches a stage's output in place once its gradient is taken
+        # (torch's ``stage_backward_input``), which a view cannot be: GPT-2's forward ends in a ``view``.
+        return hidden.clone() if hidden._is_view() else hidden
 
 
 class RankStages(nn.ModuleList):
