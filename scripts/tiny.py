@@ -323,13 +323,16 @@ def _cut_layers(d: dict) -> list[int] | None:
 
 
 def _shrink_layer_entry(entry: dict, d: dict) -> dict:
-    """One per_layer_config entry: sizes shrunk as the global ones, kv heads as in ``_kv_heads``."""
+    """One per_layer_config entry: sizes shrunk as the global ones, kv heads as in ``_kv_heads`` (an MLA
+    entry's, Dots 3's sliding layers, stay its heads)."""
     out = {k: _small(k, v, d.get(k)) if k in SIZES and _int(v) else v for k, v in entry.items()}
     heads = next((out[k] for k in HEADS if _int(out.get(k))), None)
+    mla = _int(out.get("kv_lora_rank", d.get("kv_lora_rank")))
     for k in KV_HEADS:
         if _int(entry.get(k)) and heads:
             orig_heads = next(entry[j] for j in HEADS if _int(entry.get(j)))
-            out[k] = heads if entry[k] >= orig_heads and not KV["always"] else min(KV["heads"], heads)
+            same = entry[k] >= orig_heads and (not KV["always"] or mla and k == "num_key_value_heads")
+            out[k] = heads if same else _kv_divisor(heads)
     return out
 
 
@@ -470,13 +473,26 @@ def _routing(d: dict, original: dict) -> None:
 
 def _kv_heads(d: dict, original: dict) -> None:
     """As many kv heads as heads if there were (a None default means that too: Nemotron), else 2 (the
-    second size set: 4 kv heads in every case, ``SIZE_SETS``)."""
+    second size set: 4 kv heads in every case, ``SIZE_SETS``), a divisor of the heads (nanochat keeps
+    its 6 heads: 2 kv heads, even ones first so that tp=2 divides them). MLA (DeepSeek-V3: a
+    ``kv_lora_rank``) has one key and value per query head, up-projected from the latent, so its kv
+    heads stay the heads in every size set (Dots 3 validates it; the others repeat the keys by
+    heads / kv heads and fail in the attention)."""
     heads = next((d[k] for k in HEADS if _int(d.get(k))), None)
+    mla = _int(d.get("kv_lora_rank"))
     for k in KV_HEADS:
         if heads and _int(d.get(k)):
-            d[k] = heads if d[k] >= heads and not KV["always"] else min(KV["heads"], heads)
+            same = d[k] >= heads and (not KV["always"] or mla and k == "num_key_value_heads")
+            d[k] = heads if same else _kv_divisor(heads)
         elif heads and k == "num_key_value_heads" and k in d and d[k] is None:
-            d[k] = min(KV["heads"], heads) if KV["always"] else heads
+            d[k] = _kv_divisor(heads) if KV["always"] and not mla else heads
+
+
+def _kv_divisor(heads: int) -> int:
+    """The kv heads of the size set (``KV["heads"]``) for ``heads`` query heads: the largest divisor of
+    them not above it, an even one if there is."""
+    fits = [n for n in range(1, min(KV["heads"], heads) + 1) if heads % n == 0]
+    return max([n for n in fits if n % 2 == 0] or fits)
 
 
 def _rotary_factor(d: dict) -> float | None:
@@ -491,19 +507,33 @@ def _rotary_factor(d: dict) -> float | None:
 
 def _rotary(d: dict, original: dict) -> None:
     """A partial rotary factor leaves an even number of rotary dims, as the published head size does
-    (MiMo-V2-Flash: 0.334 of 192 is 64; of 16 it would be 5): the head grows to the next size that does."""
+    (MiMo-V2-Flash: 0.334 of 192 is 64; of 16 it would be 5): the head grows to the next size that does,
+    by 8 (by 4 where 8 never does: Qwen3.5's 0.25 of 12, 20, 28, ...). A head size the model derives as
+    hidden / heads (StableLM: no ``head_dim``; 96 / 8 = 12, 0.25 of it 3) grows with the hidden size."""
     factor, head = _rotary_factor(d), d.get("head_dim")
+    heads = next((d[k] for k in HEADS if _int(d.get(k))), None)
+    derived = head is None and _int(d.get("hidden_size")) and _int(heads) and d["hidden_size"] % heads == 0
+    if derived:
+        head = d["hidden_size"] // heads
     if factor is None or not _int(head) or (int(head * factor) % 2 == 0 and int(head * factor) > 0):
         return
-    new = next(h for h in range(head + 8, 8 * head, 8) if int(h * factor) % 2 == 0 and int(h * factor) > 0)
+    sizes = [*range(head + 8, 8 * head, 8), *range(head + 4, 8 * head, 4)]
+    new = next(h for h in sizes if int(h * factor) % 2 == 0 and int(h * factor) > 0)
+    if derived:
+        d["hidden_size"] = new * heads
+        return
     for k in HEAD_DIM:
         if d.get(k) == head and original.get(k) == original.get("head_dim"):
             d[k] = new
 
 
 def _ssm_heads(d: dict) -> None:
-    """SSMs (Mamba-2 style): heads * head_dim must equal expand * hidden."""
+    """SSMs (Mamba-2 style): heads * head_dim must equal the mixer's width: ``mamba_d_ssm`` where the
+    config sets it (Falcon-H1: 1024 beside expand x hidden 8192; shrunk, 160 at the second size set),
+    else expand * hidden."""
     hidden, expand = d.get("hidden_size"), d.get("expand") or d.get("mamba_expand")
+    if _int(d.get("mamba_d_ssm")) and _int(expand):
+        hidden, expand = d["mamba_d_ssm"], 1
     pairs = (
         ("num_heads", "head_dim"),
         ("mamba_n_heads", "mamba_d_head"),

@@ -14,7 +14,9 @@ every other layer as Llama 4 Maverick publishes (``interleave_moe_layer_step=2``
 
 DBRX: its experts stacked ``[E * I, H]`` in a submodule, each stack split on its own and the width
 its forward views them by made local (``infer/expert_blocks.py``). Hunyuan-MoE: fused experts
-beside a shared MLP (its default config's single expert found too; trained with 4). Doge (experts as
+beside a shared MLP (its default config's single expert found too; trained with 4). Inkling: its
+shared experts every expert on every token, its input embedding normed (``hf.lookup_norm``: the
+vocabulary-parallel rows summed over TP before the norm, which runs whole on every rank). Doge (experts as
 embedding rows) and LongCat-Flash (zero-computation experts) are refused in one line naming why.
 
 Reference: the plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5
@@ -48,6 +50,9 @@ FAMILIES = {
     # fused experts behind one shared MLP; the default config's single expert and top-1 routing as
     # Hunyuan-A13B's 64 experts, top-8, shrunk (4, top-2)
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+    # a normed embedding (``embed_norm(lookup)``): vocabulary-parallel, the rows summed over TP before its norm
+    # (``runtime/embedding.py``); fused routed experts beside shared experts run on every token
+    "inkling_text": {},
 }
 
 
@@ -165,8 +170,7 @@ def test_unsplit_experts_are_refused_for_what_they_are(tmp_path):
 def test_inkling_shared_experts_split_sums_to_the_whole(tmp_path):
     """Inkling's shared experts run every expert on every token, scaled by the router's gammas
     (``forward(hidden_states, gammas)``): the probe calls them so and splits each expert's intermediate
-    dim; on real numbers (a CPU model, not meta) the two ranks' pieces sum to the whole module's output.
-    (Inkling at tp=2 is still refused before its experts, for its normed embedding.)"""
+    dim; on real numbers (a CPU model, not meta) the two ranks' pieces sum to the whole module's output."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -205,3 +209,19 @@ def test_inkling_shared_experts_split_sums_to_the_whole(tmp_path):
         for r in range(2)
     )
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_normed_embedding_is_found_by_its_norm():
+    """Inkling's embedding normalizes its lookup in its own forward: ``lookup_norm`` names the norm (where the
+    vocabulary-parallel style sums the ranks' rows); a plain embedding, or one whose forward is nn.Embedding's
+    with a submodule beside, has none."""
+    import torch.nn as nn
+    from transformers.models.inkling.modeling_inkling import InklingNormedEmbedding
+
+    from shardlm.parallel.model.hf import lookup_norm
+
+    assert lookup_norm(InklingNormedEmbedding(16, 8, 0, 1e-6)) == "embed_norm"
+    assert lookup_norm(nn.Embedding(16, 8)) is None
+    beside = nn.Embedding(16, 8)
+    beside.norm = nn.LayerNorm(8)
+    assert lookup_norm(beside) is None

@@ -43,6 +43,28 @@ def test_derived_sizes_stay_derived():
     assert gemma3n.kv_sharing_modes and gemma3n.vocab_size_per_layer_input == gemma3n.vocab_size
 
 
+def test_unequal_sizes_keep_what_each_config_needs():
+    """The second size set (8 heads, 4 kv heads, hidden 96, intermediate 160) where a rule must bend:
+    MLA's kv heads stay its heads (one key per query head, from the latent; Dots 3 validates it per
+    layer too), kv heads divide the heads (nanochat's 6), Falcon-H1's SSM heads fill its mamba_d_ssm,
+    and a head derived as hidden / heads (StableLM) or set (Qwen3.5) keeps even rotary dims."""
+    for model_type in ("deepseek_v3", "axk1", "dots3_note_text"):
+        mla = tiny_config(model_type, "unequal_even")
+        assert mla.num_key_value_heads == mla.num_attention_heads == 8, model_type
+    sliding = mla.per_layer_config["sliding_attention"]  # Dots 3's sliding layers' own heads
+    assert sliding.num_key_value_heads == sliding.num_attention_heads
+    nanochat = tiny_config("nanochat", "unequal_even")
+    assert nanochat.num_attention_heads % nanochat.num_key_value_heads == 0 and nanochat.num_key_value_heads % 2 == 0
+    falcon = tiny_config("falcon_h1", "unequal_even")
+    assert falcon.mamba_n_heads * falcon.mamba_d_head == falcon.mamba_d_ssm == 160
+    stablelm = tiny_config("stablelm", "unequal_even")
+    head = stablelm.hidden_size // stablelm.num_attention_heads
+    assert int(head * stablelm.rope_parameters["partial_rotary_factor"]) % 2 == 0
+    qwen = tiny_config("qwen3_5_text", "unequal_even")
+    assert int(qwen.head_dim * qwen.rope_parameters["partial_rotary_factor"]) % 2 == 0
+    assert tiny_config("deepseek_v3").num_key_value_heads == 4  # the first set as before
+
+
 @pytest.mark.parametrize("model_type", ["xlstm", "marian", "nemotron"])
 def test_builds_and_trains_a_step(model_type):
     from transformers import AutoModelForCausalLM

@@ -105,7 +105,14 @@ from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
 from shardlm.parallel.model.geometry import Geometry, read_geometry
-from shardlm.parallel.model.hf import MODULE_KV_COUNT_ATTRS, geometry, is_linear, out_features
+from shardlm.parallel.model.hf import (
+    MODULE_KV_COUNT_ATTRS,
+    geometry,
+    is_linear,
+    looks_up_rows,
+    lookup_norm,
+    out_features,
+)
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, SPLIT_STYLES
@@ -178,7 +185,11 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
         ) from None
 
 
-_MAX_ROUNDS = 8
+# Every round that does not end the search adds to the modules kept whole (or to the wholes held, or learns
+# that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-connections make it
+# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13), Gemma 3n's
+# LAuReL and AltUp in 29
+_MAX_ROUNDS = 32
 
 
 def _infer(model: nn.Module, tp: int) -> Plan:
@@ -349,7 +360,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
       ``replicate`` one becomes ``replicate_own``: its parameters act on whole activations only);
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
       prediction head), other than tied input/output embeddings;
-    * an input embedding or LM head with parameters in submodules (Inkling 2's).
+    * an input embedding or LM head with parameters in submodules, other than an embedding's norm of its
+      lookup (Inkling's ``embed_norm``: ``hf.lookup_norm``, the rows summed over TP before it).
     """
     split_all = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
     for owner, user in traced.foreign.items():
@@ -382,7 +394,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
         # an input embedding / LM head of several parameterized modules (Inkling 2's): torch's vocabulary
         # styles place only a module's own parameters (found with MoE models, which planned from here on)
         module = model.get_submodule(fqn)
-        if style in ("embedding", "lm_head") and any("." in n for n, _ in module.named_parameters()):
+        normed = style == "embedding" and looks_up_rows(module) and lookup_norm(module) is not None  # Inkling's
+        if style in ("embedding", "lm_head") and not normed and any("." in n for n, _ in module.named_parameters()):
             raise cannot_split(
                 f"{fqn} ({type(module).__name__}), the {style.replace('_', ' ')}, holds parameters in "
                 "submodules, which the vocabulary-parallel style cannot place yet"

@@ -64,7 +64,15 @@ TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors a
 
 
 def meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> None:
-    meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+    """One forward of ``meta`` on a batch of ``shape``. ``torch.distributions`` check their arguments'
+    values (BLT's patcher takes the entropy of a ``Categorical``), which meta tensors do not hold: the
+    checks are off while it runs (only values are checked; shapes are still computed)."""
+    validate = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
 
 
 def trace_model(

@@ -103,10 +103,15 @@ def geometry(config) -> dict[str, int]:
 
 
 def per_layer_values(config, name: str) -> set[int]:
-    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any."""
+    """Values of ``name`` in a per-layer config (Gemma 4's ``per_layer_config``), if any. BLT's top-level
+    config holds an empty one whose length reads a ``num_hidden_layers`` only its sub-configs have: none."""
     found = set()
     per_layer = config_value(config, "per_layer_config")
-    for layer in per_layer.values() if isinstance(per_layer, dict) else per_layer or []:
+    try:
+        layers = list(per_layer.values() if isinstance(per_layer, dict) else per_layer or [])
+    except AttributeError:
+        layers = []
+    for layer in layers:
         value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
         if isinstance(value, int):
             found.add(value)
@@ -167,6 +172,17 @@ def looks_up_rows(module: nn.Module) -> bool:
     if not isinstance(module, nn.Embedding) or module.max_norm is not None:
         return False
     return not module.scale_grad_by_freq and not module.sparse
+
+
+def lookup_norm(module: nn.Module) -> str | None:
+    """The child a normed embedding applies to its lookup (Inkling's ``embed_norm(super().forward(ids))``):
+    an ``nn.Embedding`` subclass with a forward of its own and exactly one parameterized submodule, a
+    direct child, read by the vocabulary-parallel style (``runtime/embedding.py``) as the place where
+    the rows are whole. None for a plain embedding or any other shape."""
+    if not isinstance(module, nn.Embedding) or type(module).forward is nn.Embedding.forward:
+        return None
+    owners = {n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))}
+    return next(iter(owners)) if len(owners) == 1 and "." not in next(iter(owners)) else None
 
 
 def out_dim(module: nn.Module) -> int:

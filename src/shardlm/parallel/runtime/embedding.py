@@ -16,7 +16,9 @@ summing after it is the same), on the local weight swapped in by the style's hoo
 as ``replicate.LocalReplicate`` does) and a ``padding_idx`` moved to local rows. A tied LM head holds the
 same ``Shard(0)`` parameter (``build.apply_tp``): both gradients are ``Shard(0)`` pieces and add up.
 ``max_norm`` / ``scale_grad_by_freq`` / ``sparse`` embeddings act on the rows the ids meet, which the
-masked ids would distort: they keep torch's DTensor style.
+masked ids would distort: they keep torch's DTensor style. A normed embedding (Inkling's
+``embed_norm(lookup)``, ``hf.lookup_norm``) is zeroed and summed at its norm's input instead: the
+norm is not linear, so it runs on the whole rows (its weight replicated, the same on every rank).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from shardlm.distributed.shards import LocalParams, local_index
-from shardlm.parallel.model.hf import looks_up_rows
+from shardlm.parallel.model.hf import looks_up_rows, lookup_norm
 from shardlm.parallel.runtime.linear import shard_params
 from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_in_place
 
@@ -51,6 +53,10 @@ class VocabParallelEmbedding(ParallelStyle):
         padding = module.padding_idx
         local_padding = padding - start if padding is not None and start <= padding < end else None
         params, outside = LocalParams(), []
+        norm = lookup_norm(module)  # Inkling's embed_norm: the rows summed before it, not after
+
+        def summed(out):
+            return reduce(out.masked_fill(outside.pop().unsqueeze(-1), 0), device_mesh)
 
         def enter(mod, args, kwargs):
             key = "input" if "input" in kwargs else "input_ids"
@@ -65,10 +71,12 @@ class VocabParallelEmbedding(ParallelStyle):
         def leave(mod, args, kwargs, out):
             params.restore()
             mod.padding_idx = padding
-            return reduce(out.masked_fill(outside.pop().unsqueeze(-1), 0), device_mesh)
+            return out if norm else summed(out)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)
+        if norm:  # the lookup is the norm's input: masked and summed there, the norm on whole rows
+            module.get_submodule(norm).register_forward_pre_hook(lambda mod, args: (summed(args[0]), *args[1:]))
         return module
 
 
