@@ -1,8 +1,7 @@
 """The vocabulary-parallel input embedding (``parallel/runtime/embedding.py``) at tp=2 without FSDP: each rank
 holds and computes only its ``Shard(0)`` rows of the embedding gradient, equal to those rows of one process's
 gradient; training matches one process, with a ``padding_idx`` in the second rank's rows (its gradient row stays
-zero), and with an LM head tied to the embedding. (A vocabulary tp does not divide is refused before any
-rank starts: ``autotp.check_config_geometry``, as for the head and the loss.)
+zero), and with an LM head tied to the embedding.
 """
 
 import pytest
