@@ -214,15 +214,16 @@ LAYOUTS = {
 STEPS = 10
 
 
-def train(model_path: str, layout: str, output_dir: str, **train_kw) -> list[float]:
-    """One shardlm run on this process's world (any rank); the logged losses."""
+def train(model_path: str, layout: str, output_dir: str, vocab: int = VOCAB, **train_kw) -> list[float]:
+    """One shardlm run on this process's world (any rank); the logged losses (``vocab``: the data's ids)."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
     shape, per_device, accum = LAYOUTS[layout]
     cfg = train_config(model_path, shape, per_device, accum, STEPS, output_dir=output_dir, save_steps=5, **train_kw)
     mesh = build_mesh(cfg.parallel)
-    return [h["loss"] for h in Trainer(parallelize(model_path, mesh), cfg, token_dataset(), mesh).train()]
+    data = token_dataset(vocab=vocab)
+    return [h["loss"] for h in Trainer(parallelize(model_path, mesh), cfg, data, mesh).train()]
 
 
 def train_jobs(jobs: list[tuple]) -> list[list[float]]:
