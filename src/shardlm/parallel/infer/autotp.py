@@ -108,6 +108,7 @@ from shardlm.parallel.model.geometry import Geometry, read_geometry
 from shardlm.parallel.model.hf import MODULE_KV_COUNT_ATTRS, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import chunk_rows
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, SPLIT_STYLES
 
 
@@ -502,7 +503,7 @@ def holds_vocab_rows(vocab: int, tp: int) -> bool:
     need not divide by tp: it is split in torch's chunks of ``ceil(vocab / tp)`` rows, the last rank
     holding fewer (GPT-2's 50257 at tp=2: 25129 and 25128), as ``Shard(0)`` places any dim (Megatron pads
     instead); only a vocabulary so small that a chunk is left empty is refused."""
-    return (tp - 1) * -(-vocab // tp) < vocab
+    return all(chunk_rows(vocab, tp))
 
 
 def check_config_geometry(config, tp: int) -> None:
