@@ -488,7 +488,7 @@ def _valid_tps(sizes: dict[str, int], vocab: int | None = None) -> list[int]:
     rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated),
     and leave every rank rows of ``vocab`` (``holds_vocab_rows``)."""
     kv = sizes.get("num_key_value_heads")
-    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv or vocab or 1]
+    rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv or 1]
     return [
         t
         for t in range(1, min(rest) + 1)
