@@ -51,7 +51,7 @@ clean:
 
 # Compatibility matrix of every causal-LM type of the installed transformers (docs/compatibility.md)
 matrix: setup
-	$(PY) scripts/matrix.py --sizes equal,unequal_even
+	$(PY) scripts/matrix.py --sizes equal,unequal
 
 # Published checkpoint layouts of every causal-LM type with conversion rules (docs/published_weights.md),
 # then the matrix's "published weights" column from it (the matrix itself is not rerun)

@@ -92,6 +92,17 @@ def _quiet() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def data_vocab(path: str) -> int:
+    """The token ids a model at ``path`` (``<root>/<type>/<size set>/model``) is trained on: ``[0, 64)`` (the
+    tests' ``token_dataset``) at the first size set, as before; its whole vocabulary at the others, so that an
+    odd one's last TP rank, holding fewer rows (issue 27), holds targets too."""
+    if Path(path).parent.name == "equal":
+        return 64
+    with open(os.path.join(path, "config.json")) as fh:
+        config = json.load(fh)
+    return (config.get("text_config") or config).get("vocab_size") or config.get("vocab_size") or 64
+
+
 def survey(model_type: str, root: str, sizes: str = "equal") -> dict:
     """Build, train one step in one process, plan at tp=2; reference losses when a plan is made; the tiny
     config of the size set ``sizes`` (``scripts/tiny.py: SIZE_SETS``)."""
@@ -149,7 +160,7 @@ def survey(model_type: str, root: str, sizes: str = "equal") -> dict:
             _alarm(120)
             # under shardlm's dropout mode: dropout is off, but a router's random draws (Phi-MoE's
             # sampling) are keyed as shardlm's ranks draw them (parallel/runtime/dropout.py)
-            row["reference"] = plain_reference(path, 4, steps=STEPS, dropout=True)
+            row["reference"] = plain_reference(path, 4, steps=STEPS, dropout=True, vocab=data_vocab(path))
             row["path"] = path
         except (Exception, _Timeout) as exc:  # noqa: BLE001
             row["plan_note"] = f"reference failed: {type(exc).__name__}"
@@ -172,7 +183,7 @@ def rank_body(paths: list[str], layout: dict, per_device: int, results: str) -> 
             cfg = train_config(path, layout, per_device, 1, STEPS)
             mesh = build_mesh(cfg.parallel)
             model = parallelize(path, mesh, seed=cfg.train.seed)
-            history = Trainer(model, cfg, token_dataset(), mesh).train()
+            history = Trainer(model, cfg, token_dataset(vocab=data_vocab(path)), mesh).train()
             out = {"path": path, "losses": [(h["loss"], h["grad_norm"]) for h in history]}
         except Exception as exc:  # noqa: BLE001 - recorded per model
             out = {"path": path, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"}
@@ -247,8 +258,9 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path) -> None:
         "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split), and what the plan stores "
         "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). A column "
         "named after another size set (`--sizes`, `scripts/tiny.py: SIZE_SETS`; `unequal`: 8 heads, 4 kv heads, "
-        "hidden 96, intermediate 160, vocabulary 253; `unequal_even`: the same with vocabulary 254, since a "
-        "vocabulary tp does not divide is refused before anything else shows) holds that set's tp=2 result, else "
+        "hidden 96, intermediate 160, vocabulary 253, split 127 and 126 rows, trained on ids over all of it; "
+        "`unequal_even`: the same with vocabulary 254, the second set while a vocabulary tp does not divide was "
+        "refused) holds that set's tp=2 result, else "
         f"its plan or build cell. Took {seconds / 60:.1f} min on {os.cpu_count()} CPU cores.",
         "",
         f"Counts: {counts['built']} build at tiny sizes; of them {counts['parity']} train at tp=2 with parity, "
@@ -402,7 +414,7 @@ def main() -> None:
         "--sizes",
         default="equal",
         help="size sets of scripts/tiny.py (SIZE_SETS), comma-separated: the first makes the rows, each other "
-        "one a column of its own (build, plan, tp=2): 'equal,unequal_even' for issue 27's two, as make matrix "
+        "one a column of its own (build, plan, tp=2): 'equal,unequal' for issue 27's two, as make matrix "
         "runs (default equal)",
     )
     parser.add_argument("--rank-chunk", help=argparse.SUPPRESS)

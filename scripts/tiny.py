@@ -153,8 +153,8 @@ SIZE_SETS = {
         {"heads": 4, "always": True},
     ),
 }
-# the same with an even vocabulary (254, not a multiple of 4): shardlm refuses a vocabulary tp does not divide
-# (``autotp.check_config_geometry``), so at 253 every type is refused at tp=2 before anything else shows
+# the same with an even vocabulary (254): the second set while shardlm refused a vocabulary tp does not divide
+# (now split in torch's chunks, issue 27); kept for the matrix rows measured with it
 SIZE_SETS["unequal_even"] = (
     {**SIZE_SETS["unequal"][0], **{k: 254 for k, v in OTHER.items() if v == VOCAB}},
     SIZE_SETS["unequal"][1],

@@ -59,10 +59,11 @@ def write_gemma3(path: str, blocks: int = 4) -> str:
     return path
 
 
-def token_dataset(n: int = 24, seq: int = SEQ, seed: int = 1) -> TokenDataset:
-    """Random tokens with padding-like IGNORE labels, including wholly ignored samples."""
+def token_dataset(n: int = 24, seq: int = SEQ, seed: int = 1, vocab: int = VOCAB) -> TokenDataset:
+    """Random tokens of ``[0, vocab)`` with padding-like IGNORE labels, including wholly ignored samples
+    (``vocab``: the model's whole vocabulary where every rank's rows of an uneven split must be targets)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
+    ids = torch.randint(0, vocab, (n, seq + 1), generator=g)
     labels = ids[:, 1:].clone()
     for i in range(n):
         pad = int(torch.randint(0, seq // 2, (1,), generator=g))
@@ -101,10 +102,16 @@ def load_checked(path: str | None = None, overrides: list[str] | None = None, ra
 
 
 def shardlm_losses(
-    model_paths: list[str], layout: dict, per_device: int, accum: int, steps: int = 5, train: dict | None = None
+    model_paths: list[str],
+    layout: dict,
+    per_device: int,
+    accum: int,
+    steps: int = 5,
+    train: dict | None = None,
+    vocab: int = VOCAB,
 ) -> dict:
     """Rank body: train each model with shardlm's API on this rank's layout; (loss, grad_norm) per step;
-    ``train``: ``TrainConfig`` values other than ``train_config``'s."""
+    ``train``: ``TrainConfig`` values other than ``train_config``'s; ``vocab``: the data's ids (``token_dataset``)."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
@@ -113,7 +120,7 @@ def shardlm_losses(
         cfg = train_config(path, layout, per_device, accum, steps, **(train or {}))
         mesh = build_mesh(cfg.parallel)
         model = parallelize(path, mesh, seed=cfg.train.seed)
-        history = Trainer(model, cfg, token_dataset(), mesh).train()
+        history = Trainer(model, cfg, token_dataset(vocab=vocab), mesh).train()
         out[path] = [(h["loss"], h["grad_norm"]) for h in history]
     return out
 
@@ -142,6 +149,7 @@ def plain_reference(
     wrap=None,
     dropout=False,
     router_losses: list | None = None,
+    vocab: int = VOCAB,
     **train,
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model (its seeded init values from
@@ -152,8 +160,9 @@ def plain_reference(
     (``shardlm.parallel.runtime.dropout``, keyed by seed, step and the sample's position in the global batch);
     otherwise torch's own (use it only with dropout 0). A model whose config turns the router's
     load-balancing loss on (``output_router_logits``) adds ``router_aux_loss_coef * outputs.aux_loss``,
-    as transformers does; ``router_losses`` collects that term per step. ``train``: ``TrainConfig`` values
-    other than ``train_config``'s (as ``shardlm_losses`` takes them)."""
+    as transformers does; ``router_losses`` collects that term per step. ``vocab``: the data's ids
+    (``token_dataset``). ``train``: ``TrainConfig`` values other than ``train_config``'s (as ``shardlm_losses``
+    takes them)."""
     from contextlib import nullcontext
 
     from transformers import get_scheduler
@@ -178,7 +187,7 @@ def plain_reference(
     else:
         opt = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
     sched = get_scheduler(t.lr_scheduler_type, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    data = token_dataset()
+    data = token_dataset(vocab=vocab)
     order = GlobalBatchOrder(len(data), global_batch, t.seed)
     out = []
     for step in range(steps):
@@ -220,15 +229,16 @@ LAYOUTS = {
 STEPS = 10
 
 
-def train(model_path: str, layout: str, output_dir: str, **train_kw) -> list[float]:
-    """One shardlm run on this process's world (any rank); the logged losses."""
+def train(model_path: str, layout: str, output_dir: str, vocab: int = VOCAB, **train_kw) -> list[float]:
+    """One shardlm run on this process's world (any rank); the logged losses (``vocab``: the data's ids)."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
     shape, per_device, accum = LAYOUTS[layout]
     cfg = train_config(model_path, shape, per_device, accum, STEPS, output_dir=output_dir, save_steps=5, **train_kw)
     mesh = build_mesh(cfg.parallel)
-    return [h["loss"] for h in Trainer(parallelize(model_path, mesh), cfg, token_dataset(), mesh).train()]
+    data = token_dataset(vocab=vocab)
+    return [h["loss"] for h in Trainer(parallelize(model_path, mesh), cfg, data, mesh).train()]
 
 
 def train_jobs(jobs: list[tuple]) -> list[list[float]]:

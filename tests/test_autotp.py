@@ -11,7 +11,7 @@ without its module hooks, which break on in-place adds) and must be the Megatron
 import pytest
 import torch
 from families import TINY, write_family_dir, write_tiny_dir
-from helpers import assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses, train
+from helpers import STEPS, assert_parity, model_collectives, plain_reference, run_ranks, shardlm_losses, train
 
 # Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q_norm/k_norm), Gemma (tied, scaled embeddings),
 # Granite (multipliers), Phi-3 (packed qkv and gate_up), GPT-2 (Conv1D, packed c_attn, learned
@@ -76,6 +76,10 @@ TP4 = ["llama", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon"]  # with 4 kv head
 TP2_FSDP2 = ["qwen3", "phi3", "gpt2", "falcon", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm3"]
 # Falcon-H1, GraniteMoE-hybrid, Mamba, Falcon-Mamba at tp=2 x fsdp=2: in the matrix (docs/compatibility.md)
 TP2_FSDP2 += ["kimi_linear", "jamba", "mamba2", "nemotron_h", "bamba"]
+# a vocabulary tp does not divide (issue 27; published GPT-2's 50257): GPT-2 (tied head, learned positions) and
+# Llama (untied) with 253 rows, split in torch's chunks (127 and 126 at tp=2), on ids over the whole vocabulary
+ODD_VOCAB = 253
+ODD = ("gpt2", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -249,15 +253,33 @@ def save_packed(paths: dict, root: str) -> tuple[list[float], list[float]]:
     return tuple(train(paths[f], "tp2", f"{root}/{f}") for f in ("gpt2", "phi3"))
 
 
-def tp2_fsdp2_body(paths: list[str], packed: dict, root: str) -> tuple[dict, tuple]:
+def odd_vocab_saves(odd: dict, root: str) -> tuple[dict, dict]:
+    """Rank body (2 ranks): each odd-vocabulary model (``ODD``) 10 steps at tp=2 saving at 5 and 10, then resumed
+    from step-5 at fsdp=2, where FSDP's even chunks replace TP's uneven ones; (loss, grad_norm) per step."""
+    full, resumed = {}, {}
+    for f, path in odd.items():
+        saves = {"output_dir": f"{root}/{f}_odd", "save_steps": 5}
+        full.update(shardlm_losses([path], {"tp": 2}, 4, 1, STEPS, saves, ODD_VOCAB))
+        resume = {"output_dir": f"{root}/{f}_odd_fsdp2", "resume": f"{root}/{f}_odd/checkpoints/step-5"}
+        resumed.update(shardlm_losses([path], {"fsdp": 2}, 1, 2, STEPS, resume, ODD_VOCAB))
+    return full, resumed
+
+
+def tp2_saves(packed: dict, odd: dict, root: str) -> tuple:
+    """Rank body (2 ranks): ``save_packed`` and ``odd_vocab_saves`` in one job."""
+    return save_packed(packed, root), odd_vocab_saves(odd, root)
+
+
+def tp2_fsdp2_body(paths: list[str], packed: dict, root: str, odd: list[str]) -> tuple[dict, tuple, dict]:
     """Rank body (4 ranks): parity runs at tp=2 x fsdp=2, then GPT-2 and Phi-3 saved at tp=2
-    (step 5, by ``save_packed``) resumed at tp=2 x fsdp=2 (one spawn: a 4-rank start costs ~10 s)."""
+    (step 5, by ``save_packed``) resumed at tp=2 x fsdp=2, then the odd-vocabulary models at tp=2 x fsdp=2
+    (one spawn: a 4-rank start costs ~10 s)."""
     losses = shardlm_losses(paths, {"tp": 2, "fsdp": 2}, 2, 1)
     resumed = tuple(
         train(packed[f], "tp2_fsdp2", f"{root}/{f}_resumed", resume=f"{root}/{f}/checkpoints/step-5")
         for f in ("gpt2", "phi3")
     )
-    return losses, resumed
+    return losses, resumed, shardlm_losses(odd, {"tp": 2, "fsdp": 2}, 2, 1, vocab=ODD_VOCAB)
 
 
 @pytest.mark.ranks
@@ -272,8 +294,9 @@ def test_tp2_fsdp2_parity_and_packed_checkpoints_resume_there_and_consolidate(di
     tp2, _ = dirs
     paths = [tp2[f] for f in TP2_FSDP2]
     packed = {f: tp2[f] for f in ("gpt2", "phi3")}
-    full = run_ranks(save_packed, 2, packed, str(tmp_path))
-    got, resumed = run_ranks(tp2_fsdp2_body, 4, paths, packed, str(tmp_path))
+    odd = {f: write_family_dir(str(tmp_path / f"{f}_vocab{ODD_VOCAB}"), f, vocab_size=ODD_VOCAB) for f in ODD}
+    full, (odd_full, odd_resumed) = run_ranks(tp2_saves, 2, packed, odd, str(tmp_path))
+    got, resumed, odd_tp2_fsdp2 = run_ranks(tp2_fsdp2_body, 4, paths, packed, str(tmp_path), list(odd.values()))
     for family, path in zip(TP2_FSDP2, paths):
         assert_parity(got[path], plain_reference(path, 4), label=family)
     for uninterrupted, cont in zip(full, resumed):
@@ -284,6 +307,40 @@ def test_tp2_fsdp2_parity_and_packed_checkpoints_resume_there_and_consolidate(di
     assert "Save correctness check passed" in capsys.readouterr().out
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    for family, path in odd.items():
+        assert_parity(odd_tp2_fsdp2[path], plain_reference(path, 4, vocab=ODD_VOCAB), label=f"{family} odd tp2xfsdp2")
+        _check_odd_vocab_run(family, path, odd_full[path], odd_resumed[path], str(tmp_path), capsys)
+
+
+def _check_odd_vocab_run(family: str, path: str, full: list, resumed: list, root: str, capsys) -> None:
+    """An odd-vocabulary model's 10 tp=2 steps against one process (plain transformers), its step-5 checkpoint
+    resumed at fsdp=2 against steps 6-10, and its step-10 checkpoint consolidated: the [253, 32] embedding (and
+    Llama's untied head) and every other tensor equal to one process's trained ones."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.cli import main
+
+    trained = []
+    ref = plain_reference(path, 4, STEPS, vocab=ODD_VOCAB, wrap=lambda m: trained.append(m) or m)
+    assert_parity(full, ref, label=f"{family} odd tp2")
+    assert_parity(resumed, full[5:], label=f"{family} odd tp2 resumed at fsdp2")
+    out = f"{root}/{family}_odd_hf"
+    assert main(["consolidate", f"{root}/{family}_odd", out]) == 0
+    assert "Save correctness check passed" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.get_input_embeddings().weight.shape == (ODD_VOCAB, 32)
+    assert model.get_output_embeddings().weight.shape == (ODD_VOCAB, 32)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == (family == "gpt2")
+    reference = dict(trained[0].named_parameters())
+    assert dict(model.named_parameters()).keys() == reference.keys()
+    for key, param in model.named_parameters():
+        expected = reference[key].detach()
+        if key.endswith("attn.c_attn.bias"):
+            # not GPT-2's key bias (rows 32:64): softmax ignores it, so its gradient is rounding noise, which
+            # AdamW scales to lr-sized steps (1.3e-5 apart after 10 steps, vocabulary or not)
+            kept = torch.cat((torch.arange(32), torch.arange(64, 96)))
+            param, expected = param[kept], expected[kept]
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=2e-6, msg=key)
 
 
 def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):

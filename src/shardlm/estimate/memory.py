@@ -5,7 +5,8 @@ failed launch. Parameter shapes come from the meta model and the same TP plan ``
 applies (``autotp.infer_plan``), so the model-state numbers are what the ranks really hold:
 
 * TP: ``colwise``/``packed_colwise``/``lm_head`` shard a weight's output dim, ``rowwise`` its
-  input dim (its bias stays replicated), ``embedding`` the vocabulary rows; ``replicate`` and
+  input dim (its bias stays replicated), ``embedding`` the vocabulary rows (in torch's chunks: where tp
+  does not divide the vocabulary, rank 0's are the most, and counted; ``Estimate.vocab_rows``); ``replicate`` and
   ``replicate_grad_allreduce`` (norms) are whole on every TP rank, and so are the plan's
   ``sliced`` projections (k/v when kv heads < tp, Phi-3's GQA qkv_proj).
 * FSDP2 then chunks dim 0 of each TP-local tensor over ``fsdp`` (the largest chunk, rank 0's,
@@ -153,7 +154,7 @@ from shardlm.parallel.model.hf import is_conv1d
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.rows import lead_dim
+from shardlm.parallel.plan.rows import chunk_rows, lead_dim
 from shardlm.parallel.plan.sequence import sequence_refusal, stream_ends
 from shardlm.parallel.plan.styles import Style, local_shape, lora_dims, sharded_dim
 from shardlm.parallel.runtime.ep import check_ep
@@ -184,6 +185,9 @@ class Estimate:
     runtime_bytes: int = 0  # resident memory of torch + transformers alone (not in the total)
     # under ``pp``: every stage's blocks, parameters, micro-batches in flight and peak (``pipeline_estimate``)
     stages: list[dict] = field(default_factory=list)
+    # the vocabulary rows of each TP rank where tp does not divide it (torch's chunks, ``rows.chunk_rows``); the
+    # counts above hold rank 0's, the largest
+    vocab_rows: list[int] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -607,8 +611,12 @@ def estimate(
     if sequence_parallel:
         _check_sequence_parallel(model, plan, tp, seq, cp)
     if pp > 1:
-        return pipeline_estimate(model, plan, layout, memory_gib, baseline)
-    return model_estimate(model, model.config, plan, layout, memory_gib, baseline)
+        est = pipeline_estimate(model, plan, layout, memory_gib, baseline)
+    else:
+        est = model_estimate(model, model.config, plan, layout, memory_gib, baseline)
+    vocab = read_geometry(model.config).vocab
+    est.vocab_rows = chunk_rows(vocab, tp) if vocab and vocab % tp else []
+    return est
 
 
 def model_estimate(
@@ -756,6 +764,12 @@ def format_table(est: Estimate) -> str:
             f"{' of the stage with the highest peak' if est.stages else ''}, {est.trainable_local:,} trainable"
         ),
     ]
+    if est.vocab_rows:
+        rows = " | ".join(map(str, est.vocab_rows))
+        lines.append(
+            f"vocabulary: {sum(est.vocab_rows):,} rows in torch's chunks, {rows} per TP rank "
+            "(the embedding and LM head counted at rank 0's, the largest)"
+        )
     if est.stages:
         lines += stage_lines(est)
     for key, value in est.bytes.items():

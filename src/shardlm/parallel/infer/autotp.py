@@ -107,7 +107,6 @@ from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, tra
 from shardlm.parallel.model.geometry import Geometry, read_geometry
 from shardlm.parallel.model.hf import (
     MODULE_KV_COUNT_ATTRS,
-    geometry,
     is_linear,
     looks_up_rows,
     lookup_norm,
@@ -115,6 +114,7 @@ from shardlm.parallel.model.hf import (
 )
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import chunk_rows
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, SPLIT_STYLES
 
 
@@ -439,7 +439,7 @@ def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
     norms = [f for f, style in plan.styles.items() if style == "sharded_norm"]
     norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms  # k_norm first
     if replicated and norms:
-        valid = [t for t in _valid_tps(geo) if kv % t == 0]
+        valid = [t for t in _valid_tps(geo, plan.geometry.vocab) if kv % t == 0]
         raise ConfigError(
             f"parallel.tp={tp} exceeds the model's num_key_value_heads={kv}, and {norms[0]} normalizes across all "
             f"kv heads, which replicated kv heads cannot do; valid tp values: {', '.join(map(str, valid))}"
@@ -466,7 +466,7 @@ def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
         for name in plan.attention:
             module = model.get_submodule(name)
             if name not in owners and any(isinstance(getattr(module, a, None), int) for a in MODULE_KV_COUNT_ATTRS):
-                valid = [t for t in _valid_tps(geo) if kv % t == 0]
+                valid = [t for t in _valid_tps(geo, plan.geometry.vocab) if kv % t == 0]
                 raise ConfigError(
                     f"parallel.tp={tp} exceeds the model's num_key_value_heads={kv} and {name} "
                     f"({type(module).__name__}) fuses them in a layout shardlm cannot replicate per rank; "
@@ -495,24 +495,36 @@ def infer_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     return infer_plan(model, tp).styles
 
 
-def _valid_tps(sizes: dict[str, int]) -> list[int]:
+def _valid_tps(sizes: dict[str, int], vocab: int | None = None) -> list[int]:
     """TP degrees that divide every size, and divide or are a multiple of the kv head count (a
-    rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated)."""
+    rank's query heads must read whole kv heads: with fewer kv heads than tp they are replicated),
+    and leave every rank rows of ``vocab`` (``holds_vocab_rows``)."""
     kv = sizes.get("num_key_value_heads")
     rest = [v for k, v in sizes.items() if k != "num_key_value_heads"] or [kv or 1]
     return [
         t
         for t in range(1, min(rest) + 1)
-        if all(s % t == 0 for s in rest) and (kv is None or kv % t == 0 or t % kv == 0)
+        if all(s % t == 0 for s in rest)
+        and (kv is None or kv % t == 0 or t % kv == 0)
+        and (vocab is None or holds_vocab_rows(vocab, t))
     ]
+
+
+def holds_vocab_rows(vocab: int, tp: int) -> bool:
+    """Every TP rank holds rows of a ``vocab``-row embedding and columns of the LM head. The vocabulary
+    need not divide by tp: it is split in torch's chunks of ``ceil(vocab / tp)`` rows, the last rank
+    holding fewer (GPT-2's 50257 at tp=2: 25129 and 25128), as ``Shard(0)`` places any dim (Megatron pads
+    instead); only a vocabulary so small that a chunk is left empty is refused."""
+    return all(chunk_rows(vocab, tp))
 
 
 def check_config_geometry(config, tp: int) -> None:
     """Refuse a TP degree the model's shapes cannot be split by, naming the numbers."""
     if tp == 1:
         return
-    present = geometry(config)
-    valid = ", ".join(map(str, _valid_tps(present)))
+    geo = read_geometry(config)
+    present, vocab = geo.split_sizes, geo.vocab
+    valid = ", ".join(map(str, _valid_tps(present, vocab)))
     for key, size in present.items():
         if size % tp and key != "num_key_value_heads":
             raise ConfigError(
@@ -523,6 +535,11 @@ def check_config_geometry(config, tp: int) -> None:
         raise ConfigError(
             f"parallel.tp={tp} neither divides nor is a multiple of the model's num_key_value_heads={kv} (a rank's "
             f"query heads would read parts of two kv heads); valid tp values for this model: {valid}"
+        )
+    if vocab is not None and not holds_vocab_rows(vocab, tp):
+        raise ConfigError(
+            f"parallel.tp={tp} leaves a rank no row of the model's vocab_size={vocab} (split in chunks of "
+            f"{-(-vocab // tp)} rows); valid tp values for this model: {valid}"
         )
 
 

@@ -29,8 +29,9 @@ CONFIG_NAMES = {
     "ssm_groups": ("n_groups", "mamba_n_groups"),
     "ssm_chunk": ("chunk_size", "mamba_chunk_size"),
 }
-# the sizes tensor parallelism must divide (``autotp.check_config_geometry``)
-SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+# the sizes tensor parallelism must divide (``autotp.check_config_geometry``); not ``vocab_size``, split in
+# torch's chunks, the last rank's shorter where tp does not divide it (``autotp.holds_vocab_rows``)
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 # attribute names attention modules keep their head counts under (localized per rank by ``plan/local_geometry.py``)
 MODULE_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 MODULE_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")

@@ -1,6 +1,7 @@
 """The ``shardlm plan`` table: one row per styled module of an inferred plan, and why it is so.
 
-Per module: its style, global and per-rank parameter shapes and fp32 bytes, and where the decision
+Per module: its style, global and per-rank parameter shapes and fp32 bytes (rank 0's, the largest, where a
+vocabulary tp does not divide is split in torch's chunks: the rows of each rank are named), and where the decision
 came from (the trace, cross-checked against the model's own ``base_model_tp_plan``; tied, kept
 replicated with its sub-block, experts, channels followed, rows sliced, latents, summed outputs),
 so a user can read what each rank will hold before training (``cli.py``).
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import chunk_rows
 from shardlm.parallel.plan.styles import ExpertParam, local_shape, sharded_dim
 
 
@@ -25,10 +27,10 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         tied = [seen[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in seen]
         seen.update({id(p): f"{fqn}.{n}" for n, p in params})
-        local = {
-            n: local_shape(tuple(p.shape), sharded_dim(style, module, n, plan.experts.get(fqn)), tp) for n, p in params
-        }
+        dims = {n: sharded_dim(style, module, n, plan.experts.get(fqn)) for n, _ in params}
+        local = {n: local_shape(tuple(p.shape), dims[n], tp) for n, p in params}
         source = f"inferred, tied to {tied[0]}" if tied else "inferred"
+        source += _uneven(params, dims, tp)
         if fqn in plan.agrees_with_hf:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
@@ -66,6 +68,18 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             }
         )
     return rows
+
+
+def _uneven(params: list[tuple[str, nn.Parameter]], dims: dict[str, int | None], tp: int) -> str:
+    """``; rows 127 | 126 per rank (weight: 253 in torch's chunks)``: a split dim tp does not divide (the
+    vocabulary), whose local shape and bytes are rank 0's, the largest."""
+    notes = []
+    for name, p in params:
+        dim = dims[name]
+        if dim is not None and dim < p.ndim and p.shape[dim] % tp:
+            rows = " | ".join(map(str, chunk_rows(p.shape[dim], tp)))
+            notes.append(f"; rows {rows} per rank ({name}: {p.shape[dim]} in torch's chunks, rank 0's shown)")
+    return "".join(notes)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

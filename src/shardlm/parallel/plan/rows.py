@@ -14,6 +14,14 @@ def lead_dim(t: torch.Tensor) -> int:
     return next((d for d, n in enumerate(t.shape) if n > 1), 0)
 
 
+def chunk_rows(n: int, tp: int) -> list[int]:
+    """Rows each of ``tp`` ranks holds of a dim of ``n`` split as ``Shard`` splits it (``torch.chunk``): pieces
+    of ``ceil(n / tp)``, the last ones shorter or empty. Uneven only for the vocabulary (GPT-2's 50257 at
+    tp=2: 25129, 25128), the one split size tp need not divide (``autotp.holds_vocab_rows``)."""
+    size = -(-n // tp)
+    return [max(0, min(size, n - r * size)) for r in range(tp)]
+
+
 def rank_rows(
     parts: tuple[int, ...] | list[int], rank: int, tp: int, whole: list[bool] | None = None
 ) -> list[tuple[int, int]]:

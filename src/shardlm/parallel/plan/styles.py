@@ -167,10 +167,11 @@ def sharded_dim(
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
-    """The shape of one rank's piece when ``dim`` is split ``tp`` ways (evenly: the plan checked it)."""
+    """The shape of the largest rank's piece (rank 0's) when ``dim`` is split ``tp`` ways in torch's chunks
+    (``rows.chunk_rows``): every rank's where tp divides it, as the plan checked for all but the vocabulary."""
     if dim is None or len(shape) <= dim:
         return shape
-    return tuple(s // tp if i == dim else s for i, s in enumerate(shape))
+    return tuple(-(-s // tp) if i == dim else s for i, s in enumerate(shape))
 
 
 def lora_dims(style: str) -> tuple[int | None, int | None]:

@@ -134,7 +134,19 @@ class Colwise(ParallelStyle):
 
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
     out = local_linear(module, column_input(x, mesh))
-    return DTensor.from_local(out, mesh, [Shard(-1)], run_check=False) if sharded_output else out
+    return sharded_logits(out, module.weight.shape[1 if is_conv1d(module) else 0], mesh) if sharded_output else out
+
+
+def sharded_logits(local: torch.Tensor, vocab: int, mesh: DeviceMesh) -> DTensor:
+    """The LM head's local logits as the ``Shard(-1)`` DTensor of ``vocab`` columns. The global size is
+    given, not inferred (``from_local`` takes it as local x tp): with a vocabulary tp does not divide
+    (GPT-2's 50257) torch's chunks leave the last rank fewer columns, and the loss finds each rank's first
+    vocabulary row from the global size (``cross_entropy._vocab_start``)."""
+    shape = (*local.shape[:-1], vocab)
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=torch.Size(shape), stride=tuple(stride))
 
 
 class Rowwise(ParallelStyle):
