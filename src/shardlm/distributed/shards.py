@@ -15,7 +15,7 @@ is saved and loaded in place, by every rank at once, and never gathered whole (w
 
 ``LocalParams``: a module's DTensor parameters seen as their local tensors while it runs (the
 styles that run a module's own forward on local pieces: ``replicate_local``, ``per_channel``,
-``experts``).
+``experts``); ``local_view``: the local piece of a parameter to compute on, what the TP styles read.
 """
 
 from __future__ import annotations
