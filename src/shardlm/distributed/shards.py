@@ -15,11 +15,12 @@ is saved and loaded in place, by every rank at once, and never gathered whole (w
 
 ``LocalParams``: a module's DTensor parameters seen as their local tensors while it runs (the
 styles that run a module's own forward on local pieces: ``replicate_local``, ``per_channel``,
-``experts``).
+``experts``); ``local_view``: the local piece of a parameter to compute on, what the TP styles read.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from itertools import product
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
@@ -358,6 +360,44 @@ class LoadPlanner(DefaultLoadPlanner):
 def as_local(value: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss, a norm) as the plain tensor every rank holds."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+class _LocalView(torch.autograd.Function):
+    """``DTensor.to_local()`` of a parameter, whose backward wraps a gradient of the local piece's strides
+    as a DTensor of the parameter's own spec directly. torch's ``_ToTorchTensor`` recomputes the global
+    stride and wraps through ``DTensor.from_local`` (a second autograd function and a new spec) for each
+    parameter of every step: the largest DTensor entry of a tp=2 step (``benchmarks/README.md``). A
+    gradient of other strides takes torch's own way (its global stride computed)."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.spec = param._spec
+        ctx.set_materialize_grads(False)
+        local = param._local_tensor
+        ctx.stride = local.stride()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None
+        spec = ctx.spec
+        if grad.stride() == ctx.stride and not grad.requires_grad:
+            return DTensor(grad, copy.copy(spec), requires_grad=False)
+        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+        return DTensor.from_local(grad, spec.mesh, spec.placements, shape=spec.shape, stride=tuple(stride))
+
+
+def local_view(param: torch.Tensor) -> torch.Tensor:
+    """The local piece of a (DTensor) parameter, to compute on: ``param.to_local()`` (a parameter's
+    placements are never ``Partial``, so its gradient's are its own) with a cheaper backward
+    (``_LocalView``); a plain tensor as it is."""
+    if not isinstance(param, DTensor) or not (torch.is_grad_enabled() and param.requires_grad):
+        return param.to_local() if isinstance(param, DTensor) else param
+    local = _LocalView.apply(param)
+    if getattr(param, "_is_param", False):  # as ``to_local`` does: a parameter's view is one too
+        local._is_param = True
+    return local
 
 
 class LocalParams:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shardlm.distributed.shards import LocalParams, parameter
+from shardlm.distributed.shards import LocalParams, local_view, parameter
 from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.styles import ExpertParam
 
@@ -44,7 +44,7 @@ class PerChannel(ParallelStyle):
                 sub = mod.get_submodule(path)
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
-                        local = param.to_local()
+                        local = local_view(param)
                         params.swap(sub, name, _rows(local, rows[name]) if name in rows else local)
                 for name, buffer in list(sub._buffers.items()):
                     if name in rows:  # Falcon-H1's mup_vector: its rows along its channel dim

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from shardlm.distributed.shards import LocalParams, local_index
+from shardlm.distributed.shards import LocalParams, local_index, local_view
 from shardlm.parallel.model.hf import looks_up_rows, lookup_norm
 from shardlm.parallel.runtime.linear import shard_params
 from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_in_place
@@ -64,7 +64,7 @@ class VocabParallelEmbedding(ParallelStyle):
             masked = (ids < start) | (ids >= end)
             outside.append(masked)
             local_ids = (ids - start).masked_fill(masked, 0)
-            params.swap(mod, "weight", mod.weight.to_local())
+            params.swap(mod, "weight", local_view(mod.weight))
             mod.padding_idx = local_padding
             return ((local_ids, *args[1:]), kwargs) if args else (args, {**kwargs, key: local_ids})
 

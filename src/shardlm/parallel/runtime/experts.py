@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardlm.distributed.shards import LocalParams
+from shardlm.distributed.shards import LocalParams, local_view
 from shardlm.parallel.plan.styles import ExpertParam
 from shardlm.parallel.runtime.linear import shard_params
 from shardlm.parallel.runtime.regions import CopyToRegion, reduce_from_region
@@ -53,7 +53,7 @@ class ExpertsParallel(ParallelStyle):
             for path, sub in mod.named_modules():  # DBRX's experts read their submodule's stacked pieces
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
-                        local = param.to_local()
+                        local = local_view(param)
                         params.swap(sub, name, local * 0 if muted and not path and name in once else local)
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]

@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shardlm.distributed.shards import packed_placement, parameter
+from shardlm.distributed.shards import local_view, packed_placement, parameter
 from shardlm.parallel.model.hf import (
     is_conv1d,
 )
@@ -177,7 +177,7 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
     else:
         out = reduce_from_region(partial, mesh)
     if module.bias is not None:
-        out = out + module.bias.to_local()
+        out = out + local_view(module.bias)
     elif output == "scattered":
         out = out.clone()  # a view made inside DTensor's redistribute (see the class docstring)
     return copy_to_region(out, mesh) if output == "summed" else out
@@ -185,8 +185,8 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
 
 def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
-    weight = module.weight.to_local()
-    bias = module.bias.to_local() if with_bias and module.bias is not None else None
+    weight = local_view(module.weight)
+    bias = local_view(module.bias) if with_bias and module.bias is not None else None
     if is_conv1d(module):
         flat = x.reshape(-1, x.shape[-1])
         out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
@@ -238,8 +238,8 @@ def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
 
 def sliced_linear(module: nn.Module, x: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
     """Linear on ``rows`` of the module's replicated (DTensor) weight and bias."""
-    bias = take_rows(module.bias.to_local(), rows) if module.bias is not None else None
-    return nn.functional.linear(x, take_rows(module.weight.to_local(), rows), bias)
+    bias = take_rows(local_view(module.bias), rows) if module.bias is not None else None
+    return nn.functional.linear(x, take_rows(local_view(module.weight), rows), bias)
 
 
 class SlicedColwise(ParallelStyle):

@@ -41,7 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.config import LoraConfig
-from shardlm.distributed.shards import as_local, fill_from_full, packed_placement
+from shardlm.distributed.shards import as_local, fill_from_full, local_view, packed_placement
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer, peft_key
 from shardlm.parallel.model.hf import is_conv1d
@@ -235,7 +235,7 @@ def _reduce_add_bias(
         out = reduce_scatter_to_sequence_region(out, mesh)
     else:
         out = reduce_from_region(out, mesh)
-    return out + bias.to_local() if bias is not None else out
+    return out + local_view(bias) if bias is not None else out
 
 
 def lora_styles(model: nn.Module, plan: Plan, scattered: set[str] | frozenset = frozenset()) -> dict:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shardlm.distributed.shards import LocalParams
+from shardlm.distributed.shards import LocalParams, local_view
 from shardlm.parallel.model.hf import (
     rms_norm_eps,
 )
@@ -75,7 +75,7 @@ class LocalReplicate(ParallelStyle):
             for sub in [mod] if self.own_only else mod.modules():
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
-                        params.swap(sub, name, param.to_local(grad_placements=[Replicate()]))
+                        params.swap(sub, name, local_view(param))
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(lambda mod, args, out: params.restore())
@@ -99,7 +99,7 @@ class ShardedRMSNorm(ParallelStyle):
                 h = h * F.silu(gate.float())
             squares = DTensor.from_local(h.pow(2).sum(-1, keepdim=True), device_mesh, [Partial()], run_check=False)
             total = squares.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-            return (module.weight.to_local() * (h * torch.rsqrt(total / width + eps))).to(x.dtype)
+            return (local_view(module.weight) * (h * torch.rsqrt(total / width + eps))).to(x.dtype)
 
         module.forward = forward
         return module
