@@ -58,23 +58,6 @@ def test_stage_plan_holds_the_stage_modules(tmp_path):
     assert "model.layers.0.self_attn.q_proj" in styles[0] and "model.layers.3.mlp.down_proj" in styles[1]
 
 
-def test_lora_dropout_refused_with_stages(tmp_path):
-    """LoRA's dropout under pp: one line naming lora.dropout, before spawning; without it LoRA on stages loads."""
-    from helpers import load_checked
-
-    from shardlm import ConfigError
-
-    (tmp_path / "d.txt").write_text("a b c\n")
-    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
-    raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "parallel": {"pp": 2}}
-    raw["train"] = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
-    raw["lora"] = {"target_modules": ["q_proj"], "dropout": 0.1}
-    with pytest.raises(ConfigError, match=r"^lora.dropout=0.1 with parallel.pp=2: [^\n]*set lora.dropout: 0") as info:
-        load_checked(raw=raw)
-    assert "\n" not in str(info.value)
-    assert load_checked(raw={**raw, "lora": {"target_modules": ["q_proj"]}}).lora is not None
-
-
 def runs_losses(path: str, runs: list[str]) -> list:
     """Rank body: each run of ``RUNS`` in turn in one world; (loss, grad_norm) per step."""
     from helpers import token_dataset, train_config
@@ -186,6 +169,42 @@ def test_lora_on_stages_matches_one_process_peft(llama, llama_adapter, layout, w
     assert any(".layers.0." in key for key in ours) and any(".layers.3." in key for key in ours)
     for key, value in ref_adapter.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+LORA_DROPOUT_LAYOUTS = ["pp2", "pp2_zbv"]  # 1F1B, and the V with its split backward
+
+
+def lora_dropout_losses(path: str, adapter: str, root: str) -> list:
+    """Rank body: ``lora_losses`` of ``adapter`` with ``lora.dropout`` 0.1 at each of ``LORA_DROPOUT_LAYOUTS``."""
+    lora = {"adapter": adapter, "dropout": 0.1}
+    return [lora_losses(path, layout, lora, f"{root}/{layout}") for layout in LORA_DROPOUT_LAYOUTS]
+
+
+@pytest.mark.ranks
+def test_lora_dropout_on_stages_matches_one_process(llama, tmp_path):
+    """peft's LoRA dropout (0.1 on every projection) at pp=2 under 1F1B (4 rows cut into 2 micro-batches) and
+    ZBVZeroBubble: each stage keys its adapters' masks by the row's position in the global batch (the
+    positions travel with the micro-batch) and the adapted layer's name, as one-process peft drawing
+    shardlm's masks (``plain_reference(dropout=True)``) does: loss 1e-5 and grad_norm 1e-4 at every step."""
+    from helpers import make_adapter, plain_reference
+    from peft import PeftModel
+
+    path, _ = llama
+    adapter = make_adapter(path, str(tmp_path / "adapter"), LORA_TARGETS, dropout=0.1)
+    plain = make_adapter(path, str(tmp_path / "plain"), LORA_TARGETS)  # the same adapter without dropout
+
+    def wrap(model, adapter=adapter):
+        return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+
+    ref = plain_reference(path, GLOBAL_BATCH, wrap=wrap, dropout=True)
+    undropped = plain_reference(path, GLOBAL_BATCH, wrap=lambda model: wrap(model, plain))
+    assert abs(ref[0][1] - undropped[0][1]) > 1e-3 * ref[0][1]  # the masks change the gradient
+    runs = run_ranks(lora_dropout_losses, 2, path, adapter, str(tmp_path / "out"))
+    for layout, got in zip(LORA_DROPOUT_LAYOUTS, runs, strict=True):
+        assert_parity(got, ref, label=f"lora dropout {layout}")
+    norm = max(abs(a - b) / b for got in runs for (_, a), (_, b) in zip(got, ref))
+    loss = max(abs(a - b) for got in runs for (a, _), (b, _) in zip(got, ref))
+    print(f"lora dropout on stages: loss {loss:.1e}, grad_norm {norm:.1e} relative")
 
 
 @pytest.mark.ranks

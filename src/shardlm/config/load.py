@@ -264,11 +264,6 @@ def _validate_pp(cfg: Config) -> None:
             why = f"{key} with parallel.pp={p.pp} is not supported yet (docs/pipeline.md)"
             raise ConfigError(f"{why}; turn it off or set parallel.pp: 1")
     _validate_pp_cp(cfg)
-    if cfg.lora is not None and cfg.lora.dropout > 0:
-        raise ConfigError(
-            f"lora.dropout={cfg.lora.dropout} with parallel.pp={p.pp}: the stages do not key the adapters' dropout "
-            "masks yet (docs/pipeline.md); set lora.dropout: 0 or parallel.pp: 1"
-        )
 
 
 def _validate_pp_cp(cfg: Config) -> None:
