@@ -255,14 +255,11 @@ def _validate_pp(cfg: Config) -> None:
             f"least one micro-batch per stage); set parallel.pp_microbatches to {p.pp} or more"
         )
     _validate_virtual_stages(p)
-    unsupported = {
-        "parallel.fsdp_offload": p.fsdp_offload != "none",
-        "train.compile": t.compile,
-    }
-    for key, on in unsupported.items():
-        if on:
-            why = f"{key} with parallel.pp={p.pp} is not supported yet (docs/pipeline.md)"
-            raise ConfigError(f"{why}; turn it off or set parallel.pp: 1")
+    if t.compile:
+        raise ConfigError(
+            f"train.compile with parallel.pp={p.pp} is not supported yet (docs/pipeline.md); turn it off or set "
+            "parallel.pp: 1"
+        )
     _validate_pp_cp(cfg)
 
 

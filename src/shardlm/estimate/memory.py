@@ -701,6 +701,8 @@ def pipeline_estimate(model: nn.Module, plan: Plan, layout: dict, memory_gib: fl
             "in_flight": held,
             "activations": est.bytes["activations"],
             "total": est.bytes["total"],
+            "state": est.state_bytes,  # parameters, gradients, optimizer state: on the host under fsdp_offload
+            "host": est.host_bytes,
         }
         for stage, held, est in rows
     ]
