@@ -122,6 +122,24 @@ def context_parallel(shard: ContextShard | None):
         _active.remove(shard)
 
 
+def recompute_context():
+    """For ``torch.utils.checkpoint``'s ``context_fn``, called in a checkpointed block's forward: a context
+    that runs the block's recompute on the shard the forward ran on. Without stages the micro-step's
+    backward is inside ``context_parallel`` anyway; under ``parallel.pp`` the schedule runs the backward
+    outside the stage's forward that held the shard, so the recompute must bring it back."""
+    shard = _active[-1] if _active else None
+
+    @contextmanager
+    def recompute():
+        if shard is None or (_active and _active[-1] is shard):
+            yield
+            return
+        with context_parallel(shard):
+            yield
+
+    return recompute()
+
+
 def gather_sequence(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """``x`` ``[batch, heads, local, dim]`` of every cp rank, in window order ``[batch, heads, seq_len, dim]``;
     the backward reduce-scatters the gradient (each rank gets the sum over ranks of its rows')."""
