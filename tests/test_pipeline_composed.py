@@ -59,6 +59,26 @@ def test_stage_plan_holds_the_stage_modules(tmp_path):
     assert "model.layers.0.self_attn.q_proj" in styles[0] and "model.layers.3.mlp.down_proj" in styles[1]
 
 
+def test_compile_with_a_split_backward_is_one_line(tmp_path):
+    """``train.compile`` under pp: accepted with 1F1B (tests/test_compile.py), refused in one line under a schedule
+    that splits the backward (torch refuses a compiled backward with donated buffers when the graph is kept)."""
+    from helpers import load_checked
+
+    from shardlm import ConfigError
+
+    (tmp_path / "d.txt").write_text("a b c\n")
+    path = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
+    raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "parallel": {"pp": 2}}
+    raw["train"] = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "compile": True}
+    assert load_checked(raw=raw).train.compile
+    raw["parallel"] = ZBV
+    with pytest.raises(
+        ConfigError, match=r"^train.compile with parallel.pp_schedule=ZBVZeroBubble: [^\n]*donates"
+    ) as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
+
+
 def runs_losses(path: str, runs: list[str]) -> list:
     """Rank body: each run of ``RUNS`` in turn in one world; (loss, grad_norm) per step."""
     from helpers import token_dataset, train_config
