@@ -45,7 +45,7 @@ import logging
 import math
 import os
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -124,15 +124,24 @@ def _checkpoint_contexts():
     (``dropout.checkpoint_context_fn``) and runs on the forward's context shard (``context.recompute_context``:
     under ``parallel.pp`` the schedule's backward runs outside the stage forward that held it)."""
     forward, dropout = checkpoint_context_fn()
-    return forward, _entered(dropout, recompute_context())
+    return forward, _Entered(dropout, recompute_context())
 
 
-@contextmanager
-def _entered(*contexts):
-    with ExitStack() as stack:
-        for context in contexts:
+class _Entered:
+    """``contexts`` entered together; reusable, as each context is (a split backward recomputes twice)."""
+
+    def __init__(self, *contexts) -> None:
+        self.contexts, self.stacks = contexts, []
+
+    def __enter__(self):
+        stack = ExitStack()
+        for context in self.contexts:
             stack.enter_context(context)
-        yield
+        self.stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
