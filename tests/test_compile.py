@@ -4,7 +4,8 @@ tp=2, fsdp=2, and tp=2 with a LoRA adapter and activation checkpointing (one 2-r
 run after the other) against the plain one-process reference (``helpers.plain_reference``; for
 LoRA the same adapter through peft), with the parity tolerances of tests/test_parity.py.
 Compiling on this CPU takes a minute or two per layout (inductor's C++ kernels), so this is the one
-compile test, 4 steps each; the first step runs eagerly (shardlm's dropout masks are drawn then,
+compile world (with the pipeline's below: pp=2 under 1F1B and Interleaved1F1B, 5 steps), 4 steps each;
+the first step runs eagerly (shardlm's dropout masks are drawn then,
 ``train/compile.py``), so steps 2-4 are the compiled ones.
 """
 
@@ -70,6 +71,35 @@ def test_compiled_blocks_match_one_process(model_path, tmp_path):
     for name, run in got.items():
         assert run["compiled"], name
         assert_parity(run["steps"], lora_ref if "lora" in name else ref, label=f"{name} + compile")
+
+
+PP_SCHEDULES = ["1F1B", "Interleaved1F1B"]  # compiled blocks on stages: each schedule a run in one world
+
+
+def _compiled_stages(path: str) -> list[dict]:
+    """Rank body (world 2): pp=2 with ``train.compile`` under each of ``PP_SCHEDULES``, 5 steps (the one-process
+    reference's); whether every block of this rank's stages was compiled, and (loss, grad_norm) per step."""
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+    from shardlm.parallel.model.meta import decoder_blocks
+
+    init_distributed()
+    out = []
+    for schedule in PP_SCHEDULES:
+        cfg = train_config(path, {"pp": 2, "pp_schedule": schedule}, 4, 1, 5, compile=True)
+        mesh = build_mesh(cfg.parallel)
+        trainer = Trainer(parallelize(path, mesh, seed=cfg.train.seed), cfg, token_dataset(), mesh)
+        compiled = all("forward" in vars(block) for block in decoder_blocks(trainer.module))
+        out.append({"compiled": compiled, "steps": [(h["loss"], h["grad_norm"]) for h in trainer.train()]})
+    return out
+
+
+def test_compiled_stages_match_one_process(pp_llama):
+    """pp=2 (2 ranks, Llama with 4 blocks) with each stage's blocks compiled: one process's loss and grad_norm
+    at every step (new processes, as the test above explains)."""
+    path, ref = pp_llama
+    for schedule, run in zip(PP_SCHEDULES, run_fresh_ranks(_compiled_stages, 2, path), strict=True):
+        assert run["compiled"], schedule
+        assert_parity(run["steps"], ref, label=f"pp2 {schedule} + compile")
 
 
 def test_compile_without_a_compiler_is_one_line(model_path, tmp_path, monkeypatch):

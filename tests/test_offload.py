@@ -42,6 +42,55 @@ def test_offload_matches_one_process(model_path):
     assert_parity(got["steps"], plain_reference(model_path, 4), label="fsdp2 + cpu offload")
 
 
+PP_RUNS = {"pp2_fsdp2": {"pp": 2}, "zbv_fsdp2": {"pp": 2, "pp_schedule": "ZBVZeroBubble"}}
+
+
+def _offloaded_pp_runs(path: str) -> list[dict]:
+    """Rank body (world 4): each of ``PP_RUNS`` at fsdp=2 with CPU offload in turn; whether every FSDP parameter
+    of this rank's stages offloads, and (loss, grad_norm) per step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardlm import Trainer, build_mesh, init_distributed, parallelize
+
+    init_distributed()
+    out = []
+    for layout in PP_RUNS.values():
+        cfg = train_config(path, {**layout, "fsdp": 2, "fsdp_offload": "cpu"}, 1, 2)
+        mesh = build_mesh(cfg.parallel)
+        model = parallelize(path, mesh, seed=cfg.train.seed)
+        fsdp = [m._get_fsdp_state()._fsdp_param_group for m in model.module.modules() if isinstance(m, FSDPModule)]
+        flags = [p.offload_to_cpu for g in fsdp if g is not None for p in g.fsdp_params]
+        history = Trainer(model, cfg, token_dataset(), mesh).train()
+        out.append({"offloaded": bool(flags) and all(flags), "steps": [(h["loss"], h["grad_norm"]) for h in history]})
+    return out
+
+
+@pytest.mark.ranks
+def test_offload_on_stages_matches_one_process(pp_llama):
+    """pp=2 x fsdp=2 with CPU offload (4 ranks) under 1F1B and ZBVZeroBubble (two stages a rank, the blocks kept
+    unsharded for the weight pass): every FSDP parameter of every rank's stages offloaded, one process's loss
+    and grad_norm at every step."""
+    path, ref = pp_llama
+    for run, got in zip(PP_RUNS, run_ranks(_offloaded_pp_runs, 4, path), strict=True):
+        assert got["offloaded"], run
+        assert_parity(got["steps"], ref, label=f"{run} + cpu offload")
+        loss = max(abs(a - b) for (a, _), (b, _) in zip(got["steps"], ref))
+        norm = max(abs(a - b) / b for (_, a), (_, b) in zip(got["steps"], ref))
+        print(f"{run} + cpu offload: loss {loss:.1e}, grad_norm {norm:.1e} relative")
+
+
+def test_estimate_moves_each_stage_state_to_the_host(model_path):
+    """Under pp=2 x fsdp=2 each stage's model state leaves the device total and is reported as host memory."""
+    from shardlm.estimate.memory import estimate
+
+    on_device = estimate(model_path, fsdp=2, pp=2)
+    offloaded = estimate(model_path, fsdp=2, pp=2, fsdp_offload=True)
+    for kept, moved in zip(on_device.stages, offloaded.stages, strict=True):
+        assert kept["host"] == 0 and moved["host"] > 0
+        assert moved["activations"] == kept["activations"]
+        assert kept["total"] - moved["total"] >= moved["state"] > 0, (kept, moved)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--sequence-parallel", action="store_true", help="parallel.sequence_parallel: norms on slices")
     est.add_argument("--fsdp-offload", action="store_true", help="model state in host memory (fsdp_offload)")
     est.add_argument("--pp", type=int, default=1, help="pipeline stages: each stage's blocks, parameters and peak")
-    est.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe (default 1F1B)")
+    est.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule, as parallel.pp_schedule (default 1F1B)")
     est.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches of --batch a step (default pp)")
+    est.add_argument("--pp-virtual-stages", type=int, default=None, help="stages a rank (default 2 where several)")
     est.add_argument("--memory", type=float, default=None, help="memory per rank in GiB: say whether it fits")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
@@ -280,6 +281,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.pp_schedule,
         args.pp_microbatches,
         args.cp_attention,
+        args.pp_virtual_stages,
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
     return 0

@@ -76,10 +76,16 @@ def check_run(cfg: Config) -> str | None:
         # pp: each micro-batch's backward needs the assignment counts of every block on every stage over the
         # whole global batch (train/router_loss.py), known only after the step's last forward, which the
         # schedules (1F1B) run after the first backwards, as with gradient accumulation; cp: not tested yet
-        for key, on in (("parallel.pp", p.pp > 1), ("parallel.cp", p.cp > 1)):
-            if on:
-                why = f"the router's load-balancing loss (output_router_logits) with {key} is not supported yet"
-                raise ConfigError(f"{why}; set output_router_logits false in the model's config.json or {key}: 1")
+        fix = "set output_router_logits false in the model's config.json or"
+        if p.pp > 1:
+            raise ConfigError(
+                f"the router's load-balancing loss (output_router_logits) with parallel.pp={p.pp} needs the step's "
+                f"whole expert counts before {p.pp_schedule}'s first backward, which runs before the step's last "
+                f"forward; {fix} parallel.pp: 1"
+            )
+        if p.cp > 1:
+            why = "the router's load-balancing loss (output_router_logits) with parallel.cp is not supported yet"
+            raise ConfigError(f"{why}; {fix} parallel.cp: 1")
     if p.world_size > 1:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)

@@ -142,11 +142,19 @@ from torch import nn
 from shardlm.config import ParallelConfig
 from shardlm.config.paths import check_model_dir
 from shardlm.config.ranges import check_value, check_world
+from shardlm.config.schema import PP_SPLIT_BACKWARD
 from shardlm.data.fit import check_seq_len, max_positions, model_config
 from shardlm.errors import ConfigError
 from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 from shardlm.estimate.moe import MoeSizes, moe_elements, moe_sizes
-from shardlm.estimate.stages import bubble, check_microbatches, cut_stages, microbatches_in_flight, schedule_name
+from shardlm.estimate.stages import (
+    bubble,
+    check_microbatches,
+    cut_stages,
+    held_states,
+    schedule_name,
+    stages_per_rank,
+)
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.model.experts import experts_modules
 from shardlm.parallel.model.geometry import read_geometry
@@ -188,6 +196,8 @@ class Estimate:
     # the vocabulary rows of each TP rank where tp does not divide it (torch's chunks, ``rows.chunk_rows``); the
     # counts above hold rank 0's, the largest
     vocab_rows: list[int] = field(default_factory=list)
+    # under ``pp``: every rank's stages, what each holds at the rank's peak, and that peak
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -579,6 +589,7 @@ def estimate(
     pp_schedule: str = "1F1B",
     pp_microbatches: int | None = None,
     cp_attention: str = "all_gather",
+    pp_virtual_stages: int | None = None,
 ) -> Estimate:
     """Per-rank memory of training ``model_path`` with this layout (``batch`` sequences per rank of
     ``seq`` tokens, default 128 or the model's positions if fewer; ``ep``: expert parallelism,
@@ -586,7 +597,8 @@ def estimate(
     ``fsdp_offload``: the model state in host memory; ``cp``: context parallelism, each sequence
     split between ``cp`` ranks, FSDP sharding over ``fsdp x cp``; ``cp_attention``: its variant,
     ``parallel.cp_attention``; ``pp``: pipeline stages run by ``pp_schedule`` over ``pp_microbatches``
-    (default ``pp``) micro-batches of ``batch`` sequences, see ``pipeline_estimate``)."""
+    (default ``pp``) micro-batches of ``batch`` sequences, ``pp_virtual_stages`` stages a rank (default: as
+    ``parallel.pp_virtual_stages``), see ``pipeline_estimate``)."""
     check_model_dir(model_path)
     _check_offload(fsdp_offload, fsdp * dp_replicate, ep)
     if seq is None:
@@ -600,7 +612,9 @@ def estimate(
     if pp > 1:
         schedule = schedule_name(pp_schedule)
         check_microbatches(pp, schedule, pp_microbatches or pp)
+        per_rank = stages_per_rank(schedule, pp_virtual_stages)
         layout |= {"pp": pp, "pp_schedule": schedule, "pp_microbatches": pp_microbatches or pp}
+        layout |= {"pp_virtual_stages": per_rank}
     baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
@@ -686,34 +700,74 @@ def _precision(bf16: bool, fsdp_on: bool) -> str:
 
 
 def pipeline_estimate(model: nn.Module, plan: Plan, layout: dict, memory_gib: float | None, baseline: int) -> Estimate:
-    """Under ``pp``: each stage as the ranks cut it (``estimate/stages.py``), its activations those of
-    the micro-batches the schedule keeps in flight there. The estimate of the stage with the highest
-    peak, with ``params_full`` the whole model's and ``stages`` (every stage's blocks, parameters, micro-batches
-    in flight and peak) and the schedule's bubble in ``layout``."""
-    pp, schedule, chunks = layout["pp"], layout["pp_schedule"], layout["pp_microbatches"]
-    _, stages = cut_stages(model, plan, pp)
-    rows = []
-    for stage in stages:
-        held = microbatches_in_flight(schedule, stage.index, pp, chunks)
-        config = stage.model.base_model.config  # its own: its blocks' count and kinds (``keep_stage``)
-        est = model_estimate(stage.model, config, stage.plan, layout, memory_gib, baseline, held, stage.last(pp))
-        rows.append((stage, held, est))
-    peak = max((est for _, _, est in rows), key=lambda e: e.bytes["total"])
-    peak.layout["bubble"] = bubble(pp, chunks)
-    peak.stages = [
-        {
-            "stage": stage.index,
-            "blocks": [stage.blocks.start, stage.blocks.stop],
-            "params": est.params_full,
-            "params_local": est.params_local,
-            "in_flight": held,
-            "activations": est.bytes["activations"],
-            "total": est.bytes["total"],
-        }
-        for stage, held, est in rows
-    ]
-    peak.params_full = sum(est.params_full for _, _, est in rows)  # the stages hold disjoint parameters
+    """Under ``pp``: each stage as the ranks cut it (``estimate/stages.py``), its activations those of the
+    micro-batches the schedule keeps in flight there, and each rank its stages together at the moment of
+    its schedule when their activations are largest (``held_states``). The estimate of the rank with the
+    highest peak, with ``params_full`` the whole model's, ``stages`` (every stage's rank, blocks, parameters,
+    most micro-batches in flight and peak), ``ranks`` (every rank's stages, what each holds at its peak, and
+    that peak) and the schedule's bubble in ``layout``."""
+    pp, schedule, chunks, per_rank = (layout[k] for k in ("pp", "pp_schedule", "pp_microbatches", "pp_virtual_stages"))
+    total = pp * per_rank
+    _, stages = cut_stages(model, plan, total)
+    cache: dict[tuple[int, int], Estimate] = {}
+
+    def held(stage: int, count: int) -> Estimate:  # stage ``stage`` holding ``count`` micro-batches (at least 1)
+        if (stage, max(count, 1)) not in cache:
+            part = stages[stage]
+            config = part.model.base_model.config  # its own: its blocks' count and kinds (``keep_stage``)
+            cache[stage, max(count, 1)] = model_estimate(
+                part.model, config, part.plan, layout, memory_gib, baseline, max(count, 1), part.last(total)
+            )
+        return cache[stage, max(count, 1)]
+
+    ranks = [_rank_peak(rank, states, held, layout, memory_gib, baseline) for rank, states in enumerate(
+        held_states(schedule, pp, per_rank, chunks))]  # fmt: skip
+    most = {s: max(state.get(s, 0) for r in ranks for state in r["states"]) for s in range(total)}
+    peak = max(ranks, key=lambda r: r["estimate"].bytes["total"])["estimate"]
+    peak.layout["bubble"] = bubble(pp, chunks, schedule, per_rank)
+    owner = {s: r["rank"] for r in ranks for s in r["held"]}
+    peak.stages = [_stage_row(stage, owner[stage.index], most[stage.index], held(stage.index, most[stage.index]))
+                   for stage in stages]  # fmt: skip
+    peak.ranks = [{k: v for k, v in r.items() if k not in ("estimate", "states")} for r in ranks]
+    peak.params_full = sum(held(s, 1).params_full for s in range(total))  # the stages hold disjoint parameters
     return peak
+
+
+def _stage_row(stage, rank: int, count: int, est: Estimate) -> dict:
+    return {
+        "stage": stage.index,
+        "rank": rank,
+        "blocks": [stage.blocks.start, stage.blocks.stop],
+        "params": est.params_full,
+        "params_local": est.params_local,
+        "in_flight": count,
+        "activations": est.bytes["activations"],
+        "total": est.bytes["total"],
+        "state": est.state_bytes,  # parameters, gradients, optimizer state: on the host under fsdp_offload
+        "host": est.host_bytes,
+    }
+
+
+_HELD_ROWS = ("activations", "logits")  # a stage's rows that scale with the micro-batches it holds
+
+
+def _rank_peak(rank: int, states: list[dict[int, int]], held, layout: dict, memory_gib, baseline) -> dict:
+    """Rank ``rank``'s estimate: its stages' model state and buffers summed, and the activations and logits
+    its stages hold together at the step of its schedule where those are largest (``states``: what each
+    stage holds after each action; ``held(stage, count)``: a stage's estimate holding ``count``)."""
+
+    def live(state: dict[int, int]) -> int:
+        return sum(held(s, n).bytes[k] for s, n in state.items() if n for k in _HELD_ROWS)
+
+    top = max(states, key=live)
+    parts = [held(s, 1) for s in top]
+    rows = {k: sum(p.bytes[k] for p in parts) for k in parts[0].bytes if k not in (*_HELD_ROWS, "total")}
+    rows |= {k: sum(held(s, n).bytes[k] for s, n in top.items() if n) for k in _HELD_ROWS}
+    est = Estimate(dict(layout), sum(p.params_full for p in parts), sum(p.params_local for p in parts),
+                   sum(p.trainable_local for p in parts), rows, memory_gib, baseline)  # fmt: skip
+    rows["total"] = max(est.step_bytes, est.optimizer_step_bytes)
+    return {"rank": rank, "held": dict(top), "activations": rows["activations"], "logits": rows["logits"],
+            "total": rows["total"], "estimate": est, "states": states}  # fmt: skip
 
 
 def _human(n: float) -> str:
@@ -724,22 +778,28 @@ def _human(n: float) -> str:
 
 
 def stage_lines(est: Estimate) -> list[str]:
-    """Under ``pp``: a line per stage (its blocks, parameters, micro-batches in flight, activations and
-    peak), the schedule's bubble, and which stage the rows below are."""
+    """Under ``pp``: a line per stage (its rank, blocks, parameters, most micro-batches in flight, activations
+    and peak), the schedule's bubble, and which rank the rows below are."""
     lay = est.layout
+    per_rank = lay.get("pp_virtual_stages", 1)
+    formula = "(p-1)/(m+p-1)" if per_rank == 1 else "(p-1)/(v m+p-1)"
+    if lay["pp_schedule"] in PP_SPLIT_BACKWARD:
+        formula = "about 0 (the weight passes fill it)"
     lines = [
         f"{lay['pp_schedule']} over {lay['pp_microbatches']} micro-batches of {lay['batch']} sequences: bubble "
-        f"(p-1)/(m+p-1) = {lay['bubble']:.3f} of each step",
-        f"{'stage':<5}  {'blocks':<9}  {'parameters':>12}  {'in flight':>9}  {'activations':>12}  {'peak':>12}",
+        f"{formula} = {lay['bubble']:.3f} of each step",
+        f"{'stage':<5}  {'rank':<4}  {'blocks':<9}  {'parameters':>12}  {'in flight':>9}  {'activations':>12}  "
+        f"{'peak':>12}",
     ]
     for st in est.stages:
         start, stop = st["blocks"]
         lines.append(
-            f"{st['stage']:<5}  {f'{start}-{stop - 1}':<9}  {st['params']:>12,}  {st['in_flight']:>9}  "
-            f"{_human(st['activations']):>12}  {_human(st['total']):>12}"
+            f"{st['stage']:<5}  {st['rank']:<4}  {f'{start}-{stop - 1}':<9}  {st['params']:>12,}  "
+            f"{st['in_flight']:>9}  {_human(st['activations']):>12}  {_human(st['total']):>12}"
         )
-    peak = max(est.stages, key=lambda st: st["total"])["stage"]
-    lines.append(f"the rows below: stage {peak}, the highest peak")
+    peak = max(est.ranks, key=lambda r: r["total"])
+    held = ", ".join(f"stage {s}: {n}" for s, n in peak["held"].items())
+    lines.append(f"the rows below: rank {peak['rank']}, the highest peak (micro-batches held then: {held})")
     return lines
 
 

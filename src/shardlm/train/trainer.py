@@ -45,7 +45,7 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +66,7 @@ from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_fr
 from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
-from shardlm.parallel.runtime.context import ContextShard, context_parallel
+from shardlm.parallel.runtime.context import ContextShard, context_parallel, recompute_context
 from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey, checkpoint_context_fn, lora_dropout_sites
 from shardlm.parallel.runtime.ep import sum_expert_grads
 from shardlm.parallel.runtime.grads import sum_tp_partial_grads
@@ -119,11 +119,36 @@ def check_activation_checkpointing(model: nn.Module) -> None:
         raise ConfigError(f"train.gradient_checkpointing: {name} does not support activation checkpointing; set false")
 
 
+def _checkpoint_contexts():
+    """``context_fn`` of the checkpointed blocks: the recompute restarts the forward's dropout count
+    (``dropout.checkpoint_context_fn``) and runs on the forward's context shard (``context.recompute_context``:
+    under ``parallel.pp`` the schedule's backward runs outside the stage forward that held it)."""
+    forward, dropout = checkpoint_context_fn()
+    return forward, _Entered(dropout, recompute_context())
+
+
+class _Entered:
+    """``contexts`` entered together; reusable, as each context is (a split backward recomputes twice)."""
+
+    def __init__(self, *contexts) -> None:
+        self.contexts, self.stacks = contexts, []
+
+    def __enter__(self):
+        stack = ExitStack()
+        for context in self.contexts:
+            stack.enter_context(context)
+        self.stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
+
+
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Non-reentrant checkpointing of every decoder block, through transformers (see module docstring)."""
     check_activation_checkpointing(model)
-    # context_fn: the recompute redraws the forward's dropout masks (dropout.checkpoint_context_fn)
-    kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn}
+    # context_fn: the recompute redraws the forward's dropout masks and attends over its context shard
+    kwargs = {"use_reentrant": False, "context_fn": _checkpoint_contexts}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -122,6 +122,34 @@ def context_parallel(shard: ContextShard | None):
         _active.remove(shard)
 
 
+class _Recompute:
+    """Enters ``shard`` unless it is already the active one; reusable (under a split backward, the input and
+    the weight pass each recompute the block under the same context)."""
+
+    def __init__(self, shard: ContextShard | None) -> None:
+        self.shard, self.pushed = shard, []
+
+    def __enter__(self):
+        push = self.shard is not None and not (_active and _active[-1] is self.shard)
+        if push:
+            _active.append(self.shard)
+        self.pushed.append(push)
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed.pop():
+            _active.remove(self.shard)
+        return False
+
+
+def recompute_context() -> _Recompute:
+    """For ``torch.utils.checkpoint``'s ``context_fn``, called in a checkpointed block's forward: a context
+    that runs the block's recompute on the shard the forward ran on. Without stages the micro-step's
+    backward is inside ``context_parallel`` anyway; under ``parallel.pp`` the schedule runs the backward
+    outside the stage's forward that held the shard, so the recompute must bring it back."""
+    return _Recompute(_active[-1] if _active else None)
+
+
 def gather_sequence(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """``x`` ``[batch, heads, local, dim]`` of every cp rank, in window order ``[batch, heads, seq_len, dim]``;
     the backward reduce-scatters the gradient (each rank gets the sum over ranks of its rows')."""

@@ -117,6 +117,11 @@ class Discarded(nn.Module):
         return torch.zeros(out.shape, dtype=out.dtype, device=device)
 
 
+def _lora_dropout(model: nn.Module) -> bool:
+    """Whether peft's adapters in ``model`` drop their input in training (``lora.dropout`` > 0)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and ".lora_dropout." in f".{n}." for n, m in model.named_modules())
+
+
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     owner, _, name = fqn.rpartition(".")
     return (model.get_submodule(owner) if owner else model), name
@@ -145,7 +150,9 @@ class PipelineStageModule(nn.Module):
         self.autocast: str | None = None
         self.context: tuple | None = None  # under parallel.cp: ContextShard's (cp, rank, group, attention)
         self.tied = layout.tied
-        self.draws_dropout = bool(layout.sites)
+        # the model's own dropout (its call sites counted, ``layout.sites``) or peft's LoRA dropout (sites of
+        # their own, ``runtime/dropout.py: lora_dropout_sites``): the micro-batches' sample positions are needed
+        self.draws_dropout = bool(layout.sites) or _lora_dropout(model)
         self.received: torch.Tensor | None = None  # the hidden states this forward started from
         first_block = next(iter(model.get_submodule(layout.blocks)))
         if layout.restarts and not self.first:
