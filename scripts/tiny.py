@@ -226,6 +226,9 @@ AFTER = {
     # the per-layer input embeddings (262144 x 256 per layer: 400M parameters at 6 layers) on the
     # small vocabulary
     "gemma3n_text": {"vocab_size_per_layer_input": VOCAB},
+    # DBRX's attention reads its kv heads from attn_config.kv_n_heads (1 by default: multi-query); the
+    # top-level num_key_value_heads its config derives from it must not be shrunk to another count
+    "dbrx": {"num_key_value_heads": 1},
 }
 AFTER["dots3_note"] = {"text_config": AFTER["dots3_note_text"]}
 # Gemma 4's per-layer input embeddings (262144 x 256 per layer), as Gemma 3n's

@@ -14,7 +14,9 @@ DiffLlama (differential attention): head h paired with head h + heads/2, V cut i
 heads, so q, k and v are packed in two halves (``parts.record_heads_cut``), and the one scalar lambda
 made from its parameters, whole on every rank, has its gradient summed over TP (``infer/broadcast.py``).
 CodeGen's qkv, fused in the checkpoint's ``mp_num`` groups of [q, v, k]: each rank views its
-contiguous columns into whole groups (``dry_run.py``) where tp divides them.
+contiguous columns into whole groups (``dry_run.py``) where tp divides them. DBRX (multi-query by
+default: ``attn_config.kv_n_heads=1``) cuts its fused Wqkv by ``split([hidden, kv * d, kv * d])``: q
+split, the k/v head computed by every rank, as Falcon's.
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -24,6 +26,7 @@ compared with 1/tp of the whole (what stays whole on every rank said by name).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -47,6 +50,8 @@ SPLIT = {
     "codegen": ("transformer.h.0.attn", ("qkv_proj", "out_proj")),
     # block 1: lightning attention (block 0 is softmax attention)
     "minimax": ("model.layers.1.self_attn", ("qkv_proj", "output_gate", "out_proj")),
+    # multi-query (attn_config.kv_n_heads=1), its fused Wqkv cut by split([hidden, kv * d, kv * d])
+    "dbrx": ("transformer.blocks.0.norm_attn_norm.attn", ("Wqkv", "out_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -68,10 +73,14 @@ ATTENTION_ELEMENTS = {
     "codegen": (16384, 8192),
     # qkv [192, 64], output_gate and out [64, 64], its norm [64]: halved (the slopes and decays are buffers)
     "minimax": (20544, 10272),
+    # multi-query as Falcon: Wqkv [64 | 16 | 16] x 64 stored whole, out_proj [64, 64] halved
+    "dbrx": (10240, 8192),
 }
 # the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
 # softmax attention (q/k/v/o [64, 64])
 ATTENTION_BYTES = {"minimax": (4 * (10272 + 8192), 4 * (20544 + 16384))}
+# DBRX's attention class wraps its two norms (DbrxNormAttentionNorm: 2 x [64] per block), whole on every rank
+ATTENTION_BYTES["dbrx"] = (4 * (2 * 8192 + 256), 4 * (2 * 10240 + 256))
 
 
 def _write(root: Path, model_type: str) -> str:
@@ -93,7 +102,8 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
 
     for model_type, (attention, linears) in SPLIT.items():
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
-        assert not plan.replicated, (model_type, plan.replicated)
+        every = re.sub(r"\.\d+\.", ".*.", attention)  # the attention of every block
+        assert not [f for f in plan.replicated if re.sub(r"\.\d+\.", ".*.", f).startswith(every)], plan.replicated
         styles = [plan.styles[f"{attention}.{name}"] for name in linears]
         assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
     for model_type in ("gpt_oss", "granite_swa"):
@@ -129,7 +139,7 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
         assert plan.styles["transformer.h.0.attn.qkv_proj"] == "colwise" and not plan.replicated, tp
         assert plan.local_sizes["transformer.h.0.attn"] == {"embed_dim": 64}, tp
     # multi-query: q split, the one k/v head computed by every rank (rows of the fused projection)
-    for model_type in ("falcon", "gpt_bigcode"):
+    for model_type in ("falcon", "gpt_bigcode", "dbrx"):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         attention, (fused, _) = SPLIT[model_type]
         assert plan.parts[f"{attention}.{fused}"] == [64, 16, 16], model_type
@@ -165,10 +175,13 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
         expected = ATTENTION_BYTES.get(model_type, (2 * 4 * local, 2 * 4 * whole))
         assert attention_bytes(meta, plan, 2) == expected, model_type
         mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
-        expect = mqa if model_type in ("falcon", "gpt_bigcode") else []
+        expect = mqa if model_type in ("falcon", "gpt_bigcode", "dbrx") else []
+        if model_type == "dbrx":  # its router, hidden -> 4 experts, softmaxed whole
+            expect = ["transformer.blocks.*.ffn.router.layer: replicated (softmax over the split width 4)", *mqa]
         if model_type == "diffllama":
             expect = ["model.layers.*.self_attn.lambda_k1, model.layers.*.self_attn.lambda_k2, "]
-        assert [w[: len(expect[0])] for w in kept_whole(plan)] == expect, model_type
+        kept = kept_whole(plan)
+        assert len(kept) == len(expect) and [w[: len(e)] for w, e in zip(kept, expect)] == expect, (model_type, kept)
     meta = build_meta_model(dirs["gpt_oss"])
     plan = infer_plan(meta, 2)
     plan.replicated = {"model.layers.0.self_attn.q_proj": "why", "model.layers.1.self_attn.q_proj": "why"}
