@@ -16,7 +16,8 @@ made from its parameters, whole on every rank, has its gradient summed over TP (
 CodeGen's qkv, fused in the checkpoint's ``mp_num`` groups of [q, v, k]: each rank views its
 contiguous columns into whole groups (``dry_run.py``) where tp divides them. DBRX (multi-query by
 default: ``attn_config.kv_n_heads=1``) cuts its fused Wqkv by ``split([hidden, kv * d, kv * d])``: q
-split, the k/v head computed by every rank, as Falcon's.
+split, the k/v head computed by every rank, as Falcon's. Laguna: per-layer head counts and a per-head
+gate, split like any attention once its tiny config's head counts agree (``scripts/tiny.py``).
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -52,6 +53,8 @@ SPLIT = {
     "minimax": ("model.layers.1.self_attn", ("qkv_proj", "output_gate", "out_proj")),
     # multi-query (attn_config.kv_n_heads=1), its fused Wqkv cut by split([hidden, kv * d, kv * d])
     "dbrx": ("transformer.blocks.0.norm_attn_norm.attn", ("Wqkv", "out_proj")),
+    # per-layer head counts (num_attention_heads_per_layer) and a softplus gate per head (g_proj)
+    "laguna": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -75,6 +78,8 @@ ATTENTION_ELEMENTS = {
     "minimax": (20544, 10272),
     # multi-query as Falcon: Wqkv [64 | 16 | 16] x 64 stored whole, out_proj [64, 64] halved
     "dbrx": (10240, 8192),
+    # q/k/v/o [64, 64] and g_proj [4, 64] halved; q_norm and k_norm [16] (per head) whole
+    "laguna": (16672, 8352),
 }
 # the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
 # softmax attention (q/k/v/o [64, 64])
