@@ -193,6 +193,30 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
     assert kept_whole(plan) == ["model.layers.*.self_attn.q_proj: replicated (why)"]
 
 
+# model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
+KEPT_FOR_A_PROPERTY = {
+    "glm_moe_dsa": ("model.layers.*.self_attn.indexer.weights_proj", "one key head; the weighted scores of all its"),
+    "cpmant": ("cpmant.encoder.layers.*.self_att.self_attention.attention_out", "a per-head position bias computed"),
+    "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
+    "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
+    "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
+}
+
+
+def test_kept_whole_says_the_models_property(tmp_path):
+    """Where the trace's reason is only the symptom (a shape error at one rank's shapes, a per-head
+    tensor), the kept-whole line says the property of the model's code (``infer/properties.py``)."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
+
+    for model_type, (module, why) in KEPT_FOR_A_PROPERTY.items():
+        tiny_config(model_type).save_pretrained(tmp_path / model_type)
+        kept = kept_whole(infer_plan(build_meta_model(str(tmp_path / model_type)), 2))
+        lines = [w for w in kept if module in w.split(": replicated (")[0]]
+        assert len(lines) == 1 and lines[0].split(": replicated (")[1].startswith(why), (model_type, kept)
+
+
 def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
     """Rank body: per model path, the elements of the parameters under its block-0 attention
     (``paths[path]``) in all and on this rank, at tp=2."""
