@@ -18,6 +18,10 @@ contiguous columns into whole groups (``dry_run.py``) where tp divides them. DBR
 default: ``attn_config.kv_n_heads=1``) cuts its fused Wqkv by ``split([hidden, kv * d, kv * d])``: q
 split, the k/v head computed by every rank, as Falcon's. Laguna: per-layer head counts and a per-head
 gate, split like any attention once its tiny config's head counts agree (``scripts/tiny.py``).
+DeepSeek-V3.2's sparse-attention indexer: its query heads (``wq_b``, ``weights_proj``) split with the
+attention's, its one key head (``wk``) computed by every rank, each rank's sum of its heads' scores
+all-reduced before the top-k (``parallel/infer/indexer.py``, ``parallel/runtime/indexer.py``); its
+``index_topk`` set to 4 of the 16 tokens so the top-k picks (2048, the default, keeps every token).
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -56,6 +60,10 @@ SPLIT = {
     # per-layer head counts (num_attention_heads_per_layer) and a softplus gate per head (g_proj)
     "laguna": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")),
 }
+# DSA: the indexer of block 0, its linears split by its query heads (its one key head ``wk`` kept whole)
+INDEXED = {"deepseek_v32": ("model.layers.0.self_attn.indexer", ("wq_b", "weights_proj"))}
+CONFIG = {"deepseek_v32": {"index_topk": 4}}  # of 16 tokens: the top-k picks (the default 2048 keeps all)
+WORLD = {**SPLIT, **INDEXED}  # the types trained in the tp=2 worlds
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
     # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
@@ -80,6 +88,10 @@ ATTENTION_ELEMENTS = {
     "dbrx": (10240, 8192),
     # q/k/v/o [64, 64] and g_proj [4, 64] halved; q_norm and k_norm [16] (per head) whole
     "laguna": (16672, 8352),
+    # MLA: q_a_proj [32, 64] and kv_a_proj_with_mqa [40, 64] (latents) whole, their norms whole, q_b_proj
+    # [96, 32], kv_b_proj [128, 32], o_proj [64, 64] halved; the indexer's wq_b [64, 32] and weights_proj
+    # [4, 64] halved, wk [16, 64] (its one key head) and k_norm [16] + bias whole
+    "deepseek_v32": (19296, 12512),
 }
 # the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
 # softmax attention (q/k/v/o [64, 64])
@@ -90,14 +102,17 @@ ATTENTION_BYTES["dbrx"] = (4 * (2 * 8192 + 256), 4 * (2 * 10240 + 256))
 
 def _write(root: Path, model_type: str) -> str:
     path = root / model_type
-    tiny_config(model_type).save_pretrained(path)
+    config = tiny_config(model_type)
+    for key, value in CONFIG.get(model_type, {}).items():
+        setattr(config, key, value)
+    config.save_pretrained(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("attention")
-    return {t: _write(root, t) for t in SPLIT}
+    return {t: _write(root, t) for t in WORLD}
 
 
 def test_attention_is_split_with_what_acts_per_head(dirs):
@@ -166,6 +181,28 @@ def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
     assert plan.styles["transformer.h.0.mlp.fc_in"] == "colwise"
 
 
+def test_indexer_heads_split_with_the_attention(dirs):
+    """DSA's indexer: wq_b and weights_proj split by its query heads (2 of 4 per rank), wk (one key head)
+    kept whole with that said, the attention's bytes per rank 12512 of 19296 elements per block (0.648;
+    0.708 with the indexer whole)."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
+
+    meta = build_meta_model(dirs["deepseek_v32"])
+    plan = infer_plan(meta, 2)
+    indexer, linears = INDEXED["deepseek_v32"]
+    assert [plan.styles[f"{indexer}.{name}"] for name in linears] == ["colwise", "colwise"]
+    assert plan.indexers[indexer] == 4 and plan.local_sizes[indexer] == {"n_heads": 2}
+    assert plan.styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert [f for f in plan.replicated if ".layers.0." in f] == [f"{indexer}.wk"]
+    assert kept_whole(plan)[0] == (
+        "model.layers.*.self_attn.indexer.wk: replicated (the indexer's one key head, read by all its query heads)"
+    )
+    whole, local = ATTENTION_ELEMENTS["deepseek_v32"]
+    assert attention_bytes(meta, plan, 2) == (3 * 4 * local, 3 * 4 * whole)
+
+
 def test_kept_whole_names_what_each_rank_stores_whole(dirs):
     """The matrix's "kept whole" column (``plan/kept_whole.py``): the attention's fp32 bytes per rank
     against the whole (the two blocks of ``ATTENTION_ELEMENTS``), and what is stored whole and why."""
@@ -195,7 +232,7 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
 
 # model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
 KEPT_FOR_A_PROPERTY = {
-    "glm_moe_dsa": ("model.layers.*.self_attn.indexer.weights_proj", "one key head; the weighted scores of all its"),
+    "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
     "cpmant": ("cpmant.encoder.layers.*.self_att.self_attention.attention_out", "a per-head position bias computed"),
     "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
     "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
@@ -238,19 +275,19 @@ def tp2_body(paths: list[str], attention: dict[str, str]) -> tuple[dict, dict]:
 
 @pytest.mark.ranks
 def test_tp2_matches_one_process_and_halves_the_attention(dirs):
-    paths = [dirs[t] for t in SPLIT]
-    attention = {dirs[t]: under for t, (under, _) in SPLIT.items()}
+    paths = [dirs[t] for t in WORLD]
+    attention = {dirs[t]: under.rpartition(".indexer")[0] or under for t, (under, _) in WORLD.items()}
     losses, elements = run_ranks(tp2_body, 2, paths, attention)
-    for model_type in SPLIT:
+    for model_type in WORLD:
         assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=model_type)
         assert elements[dirs[model_type]] == ATTENTION_ELEMENTS[model_type], (model_type, elements[dirs[model_type]])
 
 
 @pytest.mark.ranks
 def test_tp2_fsdp2_matches_one_process(dirs):
-    paths = [dirs[t] for t in SPLIT]
+    paths = [dirs[t] for t in WORLD]
     losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
-    for model_type in SPLIT:
+    for model_type in WORLD:
         assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=f"{model_type} tp2xfsdp2")
 
 

@@ -99,6 +99,7 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
+from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
@@ -231,6 +232,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
+                forced = split_indexers(model, plan, tp, traced, forced)  # DSA's indexer heads (``indexer.py``)
                 return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}

@@ -14,12 +14,13 @@ import torch.nn as nn
 
 _INDEXER = "one key head; the weighted scores of all its heads summed before a top-k over tokens"
 
+_INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "Dots3NoteTextIndexer")
+
 PROPERTIES = {
-    # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2 and its derivatives)
-    "DeepseekV32Indexer": _INDEXER,
-    "GlmMoeDsaIndexer": _INDEXER,
-    "AXK2Indexer": _INDEXER,
-    "Dots3NoteTextIndexer": _INDEXER,
+    # DeepSeek Sparse Attention's indexer: its one key head, whole on every rank; all of it where tp does not
+    # divide its query heads (``infer/indexer.py`` splits them otherwise)
+    **{f"{c}.wk": "the indexer's one key head, read by all its query heads" for c in _INDEXERS},
+    **dict.fromkeys(_INDEXERS, _INDEXER),
     "CpmAntAttention": (
         "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
     ),
