@@ -64,7 +64,7 @@ def plan_text(model_type: str) -> str:
         except Exception as exc:  # noqa: BLE001 - recorded: the type has no tiny config
             return f"config: {_one_line(exc)}"
         out = io.StringIO()
-        args = argparse.Namespace(model=root, tp=2, ep=1, json=False)
+        args = argparse.Namespace(model=root, tp=2, ep=1, pp=1, pp_microbatches=None, json=False)
         try:
             _alarm(PLAN_TIMEOUT_S)
             with contextlib.redirect_stdout(out):

@@ -226,6 +226,12 @@ AFTER = {
     # the per-layer input embeddings (262144 x 256 per layer: 400M parameters at 6 layers) on the
     # small vocabulary
     "gemma3n_text": {"vocab_size_per_layer_input": VOCAB},
+    # DBRX's attention reads its kv heads from attn_config.kv_n_heads (1 by default: multi-query); the
+    # top-level num_key_value_heads its config derives from it must not be shrunk to another count
+    "dbrx": {"num_key_value_heads": 1},
+    # Laguna's per-layer head counts default to None (num_attention_heads for every layer, filled in by its
+    # __post_init__): left to it, so they follow the shrunk head count rather than keep the published 48
+    "laguna": {"num_attention_heads_per_layer": None},
 }
 AFTER["dots3_note"] = {"text_config": AFTER["dots3_note_text"]}
 # Gemma 4's per-layer input embeddings (262144 x 256 per layer), as Gemma 3n's

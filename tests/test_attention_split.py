@@ -14,7 +14,14 @@ DiffLlama (differential attention): head h paired with head h + heads/2, V cut i
 heads, so q, k and v are packed in two halves (``parts.record_heads_cut``), and the one scalar lambda
 made from its parameters, whole on every rank, has its gradient summed over TP (``infer/broadcast.py``).
 CodeGen's qkv, fused in the checkpoint's ``mp_num`` groups of [q, v, k]: each rank views its
-contiguous columns into whole groups (``dry_run.py``) where tp divides them.
+contiguous columns into whole groups (``dry_run.py``) where tp divides them. DBRX (multi-query by
+default: ``attn_config.kv_n_heads=1``) cuts its fused Wqkv by ``split([hidden, kv * d, kv * d])``: q
+split, the k/v head computed by every rank, as Falcon's. Laguna: per-layer head counts and a per-head
+gate, split like any attention once its tiny config's head counts agree (``scripts/tiny.py``).
+DeepSeek-V3.2's sparse-attention indexer: its query heads (``wq_b``, ``weights_proj``) split with the
+attention's, its one key head (``wk``) computed by every rank, each rank's sum of its heads' scores
+all-reduced before the top-k (``parallel/infer/indexer.py``, ``parallel/runtime/indexer.py``); its
+``index_topk`` set to 4 of the 16 tokens so the top-k picks (2048, the default, keeps every token).
 
 Tiny models from each type's own config defaults (``scripts/tiny.py``, dropout off). Reference: the
 plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5 steps; tolerances of
@@ -24,6 +31,7 @@ compared with 1/tp of the whole (what stays whole on every rank said by name).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -47,7 +55,15 @@ SPLIT = {
     "codegen": ("transformer.h.0.attn", ("qkv_proj", "out_proj")),
     # block 1: lightning attention (block 0 is softmax attention)
     "minimax": ("model.layers.1.self_attn", ("qkv_proj", "output_gate", "out_proj")),
+    # multi-query (attn_config.kv_n_heads=1), its fused Wqkv cut by split([hidden, kv * d, kv * d])
+    "dbrx": ("transformer.blocks.0.norm_attn_norm.attn", ("Wqkv", "out_proj")),
+    # per-layer head counts (num_attention_heads_per_layer) and a softplus gate per head (g_proj)
+    "laguna": ("model.layers.0.self_attn", ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")),
 }
+# DSA: the indexer of block 0, its linears split by its query heads (its one key head ``wk`` kept whole)
+INDEXED = {"deepseek_v32": ("model.layers.0.self_attn.indexer", ("wq_b", "weights_proj"))}
+CONFIG = {"deepseek_v32": {"index_topk": 4}}  # of 16 tokens: the top-k picks (the default 2048 keeps all)
+WORLD = {**SPLIT, **INDEXED}  # the types trained in the tp=2 worlds
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
     # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
@@ -68,22 +84,35 @@ ATTENTION_ELEMENTS = {
     "codegen": (16384, 8192),
     # qkv [192, 64], output_gate and out [64, 64], its norm [64]: halved (the slopes and decays are buffers)
     "minimax": (20544, 10272),
+    # multi-query as Falcon: Wqkv [64 | 16 | 16] x 64 stored whole, out_proj [64, 64] halved
+    "dbrx": (10240, 8192),
+    # q/k/v/o [64, 64] and g_proj [4, 64] halved; q_norm and k_norm [16] (per head) whole
+    "laguna": (16672, 8352),
+    # MLA: q_a_proj [32, 64] and kv_a_proj_with_mqa [40, 64] (latents) whole, their norms whole, q_b_proj
+    # [96, 32], kv_b_proj [128, 32], o_proj [64, 64] halved; the indexer's wq_b [64, 32] and weights_proj
+    # [4, 64] halved, wk [16, 64] (its one key head) and k_norm [16] + bias whole
+    "deepseek_v32": (19296, 12512),
 }
 # the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
 # softmax attention (q/k/v/o [64, 64])
 ATTENTION_BYTES = {"minimax": (4 * (10272 + 8192), 4 * (20544 + 16384))}
+# DBRX's attention class wraps its two norms (DbrxNormAttentionNorm: 2 x [64] per block), whole on every rank
+ATTENTION_BYTES["dbrx"] = (4 * (2 * 8192 + 256), 4 * (2 * 10240 + 256))
 
 
 def _write(root: Path, model_type: str) -> str:
     path = root / model_type
-    tiny_config(model_type).save_pretrained(path)
+    config = tiny_config(model_type)
+    for key, value in CONFIG.get(model_type, {}).items():
+        setattr(config, key, value)
+    config.save_pretrained(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("attention")
-    return {t: _write(root, t) for t in SPLIT}
+    return {t: _write(root, t) for t in WORLD}
 
 
 def test_attention_is_split_with_what_acts_per_head(dirs):
@@ -93,7 +122,8 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
 
     for model_type, (attention, linears) in SPLIT.items():
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
-        assert not plan.replicated, (model_type, plan.replicated)
+        every = re.sub(r"\.\d+\.", ".*.", attention)  # the attention of every block
+        assert not [f for f in plan.replicated if re.sub(r"\.\d+\.", ".*.", f).startswith(every)], plan.replicated
         styles = [plan.styles[f"{attention}.{name}"] for name in linears]
         assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
     for model_type in ("gpt_oss", "granite_swa"):
@@ -129,7 +159,7 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
         assert plan.styles["transformer.h.0.attn.qkv_proj"] == "colwise" and not plan.replicated, tp
         assert plan.local_sizes["transformer.h.0.attn"] == {"embed_dim": 64}, tp
     # multi-query: q split, the one k/v head computed by every rank (rows of the fused projection)
-    for model_type in ("falcon", "gpt_bigcode"):
+    for model_type in ("falcon", "gpt_bigcode", "dbrx"):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         attention, (fused, _) = SPLIT[model_type]
         assert plan.parts[f"{attention}.{fused}"] == [64, 16, 16], model_type
@@ -151,6 +181,28 @@ def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
     assert plan.styles["transformer.h.0.mlp.fc_in"] == "colwise"
 
 
+def test_indexer_heads_split_with_the_attention(dirs):
+    """DSA's indexer: wq_b and weights_proj split by its query heads (2 of 4 per rank), wk (one key head)
+    kept whole with that said, the attention's bytes per rank 12512 of 19296 elements per block (0.648;
+    0.708 with the indexer whole)."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes, kept_whole
+
+    meta = build_meta_model(dirs["deepseek_v32"])
+    plan = infer_plan(meta, 2)
+    indexer, linears = INDEXED["deepseek_v32"]
+    assert [plan.styles[f"{indexer}.{name}"] for name in linears] == ["colwise", "colwise"]
+    assert plan.indexers[indexer] == 4 and plan.local_sizes[indexer] == {"n_heads": 2}
+    assert plan.styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert [f for f in plan.replicated if ".layers.0." in f] == [f"{indexer}.wk"]
+    assert kept_whole(plan)[0] == (
+        "model.layers.*.self_attn.indexer.wk: replicated (the indexer's one key head, read by all its query heads)"
+    )
+    whole, local = ATTENTION_ELEMENTS["deepseek_v32"]
+    assert attention_bytes(meta, plan, 2) == (3 * 4 * local, 3 * 4 * whole)
+
+
 def test_kept_whole_names_what_each_rank_stores_whole(dirs):
     """The matrix's "kept whole" column (``plan/kept_whole.py``): the attention's fp32 bytes per rank
     against the whole (the two blocks of ``ATTENTION_ELEMENTS``), and what is stored whole and why."""
@@ -165,14 +217,41 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
         expected = ATTENTION_BYTES.get(model_type, (2 * 4 * local, 2 * 4 * whole))
         assert attention_bytes(meta, plan, 2) == expected, model_type
         mqa = [f"{SPLIT[model_type][0].replace('.0.', '.*.')}.{SPLIT[model_type][1][0]}: stored whole (1 kv head(s)"]
-        expect = mqa if model_type in ("falcon", "gpt_bigcode") else []
+        expect = mqa if model_type in ("falcon", "gpt_bigcode", "dbrx") else []
+        if model_type == "dbrx":  # its router, hidden -> 4 experts, softmaxed whole
+            expect = ["transformer.blocks.*.ffn.router.layer: replicated (softmax over the split width 4)", *mqa]
         if model_type == "diffllama":
             expect = ["model.layers.*.self_attn.lambda_k1, model.layers.*.self_attn.lambda_k2, "]
-        assert [w[: len(expect[0])] for w in kept_whole(plan)] == expect, model_type
+        kept = kept_whole(plan)
+        assert len(kept) == len(expect) and [w[: len(e)] for w, e in zip(kept, expect)] == expect, (model_type, kept)
     meta = build_meta_model(dirs["gpt_oss"])
     plan = infer_plan(meta, 2)
     plan.replicated = {"model.layers.0.self_attn.q_proj": "why", "model.layers.1.self_attn.q_proj": "why"}
     assert kept_whole(plan) == ["model.layers.*.self_attn.q_proj: replicated (why)"]
+
+
+# model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
+KEPT_FOR_A_PROPERTY = {
+    "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
+    "cpmant": ("cpmant.encoder.layers.*.self_att.self_attention.attention_out", "a per-head position bias computed"),
+    "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
+    "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
+    "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
+}
+
+
+def test_kept_whole_says_the_models_property(tmp_path):
+    """Where the trace's reason is only the symptom (a shape error at one rank's shapes, a per-head
+    tensor), the kept-whole line says the property of the model's code (``infer/properties.py``)."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
+
+    for model_type, (module, why) in KEPT_FOR_A_PROPERTY.items():
+        tiny_config(model_type).save_pretrained(tmp_path / model_type)
+        kept = kept_whole(infer_plan(build_meta_model(str(tmp_path / model_type)), 2))
+        lines = [w for w in kept if module in w.split(": replicated (")[0]]
+        assert len(lines) == 1 and lines[0].split(": replicated (")[1].startswith(why), (model_type, kept)
 
 
 def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -196,19 +275,19 @@ def tp2_body(paths: list[str], attention: dict[str, str]) -> tuple[dict, dict]:
 
 @pytest.mark.ranks
 def test_tp2_matches_one_process_and_halves_the_attention(dirs):
-    paths = [dirs[t] for t in SPLIT]
-    attention = {dirs[t]: under for t, (under, _) in SPLIT.items()}
+    paths = [dirs[t] for t in WORLD]
+    attention = {dirs[t]: under.rpartition(".indexer")[0] or under for t, (under, _) in WORLD.items()}
     losses, elements = run_ranks(tp2_body, 2, paths, attention)
-    for model_type in SPLIT:
+    for model_type in WORLD:
         assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=model_type)
         assert elements[dirs[model_type]] == ATTENTION_ELEMENTS[model_type], (model_type, elements[dirs[model_type]])
 
 
 @pytest.mark.ranks
 def test_tp2_fsdp2_matches_one_process(dirs):
-    paths = [dirs[t] for t in SPLIT]
+    paths = [dirs[t] for t in WORLD]
     losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
-    for model_type in SPLIT:
+    for model_type in WORLD:
         assert_parity(losses[dirs[model_type]], plain_reference(dirs[model_type], 4), label=f"{model_type} tp2xfsdp2")
 
 

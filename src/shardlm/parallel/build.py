@@ -39,6 +39,7 @@ from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
+from shardlm.parallel.runtime.indexer import sum_indexer_scores
 from shardlm.parallel.runtime.pipeline import (
     PipelineStageModule,
     RankStages,
@@ -82,6 +83,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
     serve_row_reads(model, plan, tp_mesh)  # Gemma 4's pad row, read off the split embedding
+    sum_indexer_scores(model, plan, tp_mesh)  # DSA's indexer: its heads' scores summed over TP before its top-k
     if sequence:
         apply_sequence_parallel(model, plan, tp_mesh)
 

@@ -99,7 +99,9 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
+from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
+from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
@@ -241,6 +243,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced)
+                forced = split_indexers(model, plan, tp, traced, forced)  # DSA's indexer heads (``indexer.py``)
                 return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
@@ -414,7 +417,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
 
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
-    plan.replicated = {f: reasons.get(f, "") for f in sorted(forced)}
+    plan.replicated = {f: model_property(model, f) or reasons.get(f, "") for f in sorted(forced)}
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]

@@ -1,0 +1,47 @@
+"""The model's property behind a sub-block kept whole, where the trace's own reason is only the symptom.
+
+The trace and the dry run name what broke (a shape error at one rank's shapes, a per-head tensor not
+split with the heads); that is where it showed, not why the model's code cannot be split there. For
+the sub-blocks whose property is known from the model's code, ``Plan.replicated`` says that property
+instead, in one line (the matrix's "kept whole" column, ``plan/kept_whole.py``). Keyed by the class of
+the module holding the sub-block (``"Class"``: everything kept whole under it; ``"Class.child"``: that
+child only).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+_INDEXER = "one key head; the weighted scores of all its heads summed before a top-k over tokens"
+
+_INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "Dots3NoteTextIndexer")
+
+PROPERTIES = {
+    # DeepSeek Sparse Attention's indexer: its one key head, whole on every rank; all of it where tp does not
+    # divide its query heads (``infer/indexer.py`` splits them otherwise)
+    **{f"{c}.wk": "the indexer's one key head, read by all its query heads" for c in _INDEXERS},
+    **dict.fromkeys(_INDEXERS, _INDEXER),
+    "CpmAntAttention": (
+        "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
+    ),
+    "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
+    "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
+    "Gemma4TextDecoderLayer.per_layer_input_gate": (
+        "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel"
+    ),
+    "Gemma4TextDecoderLayer.per_layer_projection": (
+        "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel"
+    ),
+}
+
+
+def model_property(model: nn.Module, fqn: str) -> str | None:
+    """The property (``PROPERTIES``) of the nearest module holding ``fqn`` whose class is listed, else None."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner = type(model.get_submodule(".".join(parts[:i]))).__name__
+        below = ".".join(parts[i:])
+        for key in (f"{owner}.{below}", owner):
+            if key in PROPERTIES:
+                return PROPERTIES[key]
+    return None
