@@ -391,9 +391,13 @@ class _LocalView(torch.autograd.Function):
 def local_view(param: torch.Tensor) -> torch.Tensor:
     """The local piece of a (DTensor) parameter, to compute on: ``param.to_local()`` (a parameter's
     placements are never ``Partial``, so its gradient's are its own) with a cheaper backward
-    (``_LocalView``); a plain tensor as it is."""
-    if not isinstance(param, DTensor) or not (torch.is_grad_enabled() and param.requires_grad):
-        return param.to_local() if isinstance(param, DTensor) else param
+    (``_LocalView``); a plain tensor as it is, and a stand-in for the parameter (``row_reads.RowReader``,
+    what Gemma 4's embedding holds while its rows are read) by its own ``to_local``."""
+    if not isinstance(param, DTensor):
+        to_local = getattr(param, "to_local", None)
+        return to_local() if to_local is not None else param
+    if not (torch.is_grad_enabled() and param.requires_grad):
+        return param.to_local()
     local = _LocalView.apply(param)
     if getattr(param, "_is_param", False):  # as ``to_local`` does: a parameter's view is one too
         local._is_param = True

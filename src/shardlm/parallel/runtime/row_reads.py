@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardlm.distributed.shards import LocalParams, local_index
+from shardlm.distributed.shards import LocalParams, local_index, local_view
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.runtime.regions import reduce_from_region
 
@@ -30,7 +30,7 @@ class RowReader:
         self.weight, self.rows, self.mesh = weight, rows, mesh
 
     def to_local(self) -> torch.Tensor:
-        return self.weight.to_local()
+        return local_view(self.weight)
 
     def __getattr__(self, name: str):  # dtype, device, shape: the weight's
         return getattr(self.weight, name)
