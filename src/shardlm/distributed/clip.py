@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from shardlm.distributed.shards import as_local
+
 
 def _copies(grad: torch.Tensor, world_size: int) -> int:
     """How many ranks of the world hold an identical copy of this rank's piece of ``grad``."""
@@ -34,10 +36,6 @@ def _copies(grad: torch.Tensor, world_size: int) -> int:
     return copies
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def total_norm(grads: list[torch.Tensor], stages: int = 1) -> torch.Tensor:
     """Global L2 norm of ``grads`` (fp32 scalar, identical on every rank); ``stages``: ``parallel.pp``.
@@ -47,7 +45,7 @@ def total_norm(grads: list[torch.Tensor], stages: int = 1) -> torch.Tensor:
     device = grads[0].device if grads else torch.device("cpu")
     groups: dict[int, list[torch.Tensor]] = {}
     for g in grads:
-        groups.setdefault(_copies(g, world_size // stages), []).append(_local(g))
+        groups.setdefault(_copies(g, world_size // stages), []).append(as_local(g))
     acc = torch.zeros((), dtype=torch.float32, device=device)
     for copies, pieces in groups.items():
         norms = torch._foreach_norm(pieces, 2.0, dtype=torch.float32)
@@ -72,7 +70,7 @@ def clip_grad_norm_(
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in held:
-            by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+            by_dtype.setdefault(p.grad.dtype, []).append(as_local(p.grad))
         for dtype, pieces in by_dtype.items():
             torch._foreach_mul_(pieces, coef.to(dtype))
     return norm

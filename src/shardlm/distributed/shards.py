@@ -358,7 +358,8 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def as_local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (a loss, a norm) as the plain tensor every rank holds."""
+    """A DTensor's local piece (of a replicated one, a loss or a norm: the plain tensor every rank holds);
+    a plain tensor as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
 
 

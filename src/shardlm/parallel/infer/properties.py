@@ -26,11 +26,9 @@ PROPERTIES = {
     ),
     "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
     "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
-    "Gemma4TextDecoderLayer.per_layer_input_gate": (
-        "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel"
-    ),
-    "Gemma4TextDecoderLayer.per_layer_projection": (
-        "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel"
+    **dict.fromkeys(
+        ("Gemma4TextDecoderLayer.per_layer_input_gate", "Gemma4TextDecoderLayer.per_layer_projection"),
+        "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel",
     ),
 }
 
