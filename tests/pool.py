@@ -9,7 +9,8 @@ jobs is not safe, because DTensor caches sharding decisions keyed by meshes that
 across jobs (same layout and names) and would hand a later job a mesh whose groups are gone.
 Kept alive, such a mesh's groups still exist and hold the same ranks. Before each job a worker
 re-seeds torch's default generator to what a fresh process starts with; a job that fails or
-times out takes its workers down, and the next job starts new ones. Each job's output (fd 1
+times out takes its workers down, and the next job starts new ones; a job that times out reports every
+waiting rank's Python stacks (``faulthandler`` on SIGUSR1), so a hang in CI says where it waits. Each job's output (fd 1
 and 2 of every rank) is printed by the test process, so pytest shows it with the test that ran it.
 
 Tests of the launcher itself, and tests that measure a process's memory, use the launcher
@@ -18,15 +19,19 @@ Tests of the launcher itself, and tests that measure a process's memory, use the
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from multiprocessing.connection import wait
 
-JOB_TIMEOUT_S = 600
+# under pytest-timeout's 600 s (pyproject.toml), so that a stuck job fails here, with every rank's stacks
+JOB_TIMEOUT_S = 480
 _POOLS: dict[int, list] = {}  # world size -> [(process, connection)]
 
 
@@ -40,7 +45,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, conn, stacks_path: str) -> None:
     import torch
 
     from shardlm import init_distributed
@@ -55,6 +60,8 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
         MASTER_ADDR="localhost",
         MASTER_PORT=str(port),
     )
+    stacks = open(stacks_path, "w")  # noqa: SIM115 - open as long as the worker: the signal handler writes to it
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     init_distributed()
     while True:
         job = conn.recv()
@@ -90,10 +97,12 @@ def _start(world_size: int) -> list:
     workers = []
     for rank in range(world_size):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+        fd, stacks = tempfile.mkstemp(prefix=f"shardlm-pool-{world_size}-{rank}-", suffix=".txt")
+        os.close(fd)
+        proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, stacks), daemon=True)
         proc.start()
         child.close()
-        workers.append((proc, parent))
+        workers.append((proc, parent, stacks))
     return workers
 
 
@@ -101,7 +110,7 @@ def shutdown(world_size: int | None = None, kill: bool = False) -> None:
     """Stop the workers of one world size (all when None); ``kill``: at once (a failed job's
     other ranks may be waiting in a collective)."""
     for size in [world_size] if world_size is not None else list(_POOLS):
-        for proc, conn in _POOLS.pop(size, []):
+        for proc, conn, stacks in _POOLS.pop(size, []):
             if not kill:
                 try:
                     conn.send(None)
@@ -111,6 +120,15 @@ def shutdown(world_size: int | None = None, kill: bool = False) -> None:
             if proc.is_alive():
                 proc.kill()
             proc.join()
+            os.unlink(stacks)
+
+
+def _stacks(workers: list, ranks: list[int]) -> str:
+    """The Python stacks of ``ranks`` (every thread), as each worker's faulthandler writes them on SIGUSR1."""
+    for rank in ranks:
+        os.kill(workers[rank][0].pid, signal.SIGUSR1)
+    time.sleep(2)
+    return "".join(f"--- rank {r} stacks ---\n{open(workers[r][2]).read()[-4000:]}" for r in ranks)
 
 
 def run(fn, world_size: int, *args):
@@ -122,13 +140,14 @@ def run(fn, world_size: int, *args):
     workers = _POOLS[world_size]
     replies: dict[int, tuple] = {}
     try:
-        for _, conn in workers:
+        for _, conn, _ in workers:
             conn.send((fn, args))
-        pending = {conn: rank for rank, (_, conn) in enumerate(workers)}
+        pending = {conn: rank for rank, (_, conn, _) in enumerate(workers)}
         while pending:
             ready = wait(list(pending), timeout=JOB_TIMEOUT_S)
             if not ready:
-                raise RankError(f"ranks {sorted(pending.values())} gave no result in {JOB_TIMEOUT_S} s")
+                waiting = sorted(pending.values())
+                raise RankError(f"ranks {waiting} gave no result in {JOB_TIMEOUT_S} s\n{_stacks(workers, waiting)}")
             for conn in ready:
                 rank = pending.pop(conn)
                 replies[rank] = conn.recv()
@@ -137,6 +156,11 @@ def run(fn, world_size: int, *args):
     except (EOFError, OSError, RankError) as exc:
         shutdown(world_size, kill=True)  # the others may wait in a collective; not trusted again
         raise RankError(f"{fn.__name__} on {world_size} ranks: {exc or type(exc).__name__}") from None
+    except BaseException:
+        # pytest-timeout's failure, a KeyboardInterrupt: the workers are still inside this job, and the next
+        # test's job would wait behind it (CI lost four 4-rank tests to one stuck job this way)
+        shutdown(world_size, kill=True)
+        raise
     for rank in sorted(replies):
         if replies[rank][2]:
             sys.stdout.write(f"--- rank {rank} ---\n{replies[rank][2]}")
