@@ -45,6 +45,9 @@ def _describe(layout: tuple[int, int, int]) -> dict:
 
 def _mesh_checks() -> dict:
     """Rank body (world 4): every layout, then the refused ones."""
+    import os
+    import threading
+
     from shardlm.distributed.mesh import init_distributed
     from shardlm.errors import ConfigError
 
@@ -59,6 +62,17 @@ def _mesh_checks() -> dict:
     mine = (pp.pp.get_local_rank(), sorted(dist.get_process_group_ranks(pp.pp.get_group())), pp.dp_rank)
     out["pp"] = [None] * 4
     dist.all_gather_object(out["pp"], (*mine, sorted(dist.get_process_group_ranks(pp.dp_group))))
+
+    # built again: the same groups (distributed/mesh._BUILT), no new gloo threads or sockets
+    threads = threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+    again = [build_mesh(ParallelConfig(dp_replicate=r, fsdp=f, tp=t)) for r, f, t in LAYOUTS]
+    out["again"] = {
+        "same": [m.world is build_mesh(m.parallel).world and m.dp_group is m.dp_group for m in again],
+        "threads": (
+            threads,
+            (threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))),
+        ),
+    }
 
     for dp_replicate, fsdp, tp in WRONG:
         try:
@@ -104,6 +118,15 @@ def test_pp_is_the_outermost_dim(meshes):
     for rank, (stage, stage_ranks, dp_rank, dp_ranks) in enumerate(meshes["pp"]):
         assert stage == rank // 2 and stage_ranks == [rank % 2, rank % 2 + 2]
         assert dp_rank == rank % 2 and dp_ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+
+
+def test_a_layout_built_again_reuses_its_groups(meshes):
+    """Every layout built a second time in the same process is the same mesh, with no new threads or file
+    descriptors (torch's ``init_device_mesh`` makes new gloo groups, each with threads and sockets of its own,
+    at every call: the test suite's long-lived ranks ran out of threads that way)."""
+    assert all(meshes["again"]["same"])
+    before, after = meshes["again"]["threads"]
+    assert after == before
 
 
 @pytest.mark.parametrize("layout", WRONG, ids=lambda t: "x".join(map(str, t)))

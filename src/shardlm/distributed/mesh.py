@@ -221,6 +221,23 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
             f"{parallel.pp}*{parallel.dp_replicate}*{parallel.fsdp}*{parallel.cp}*{parallel.tp} = "
             f"{parallel.world_size} but the world has {world_size} processes; make the product equal the process count"
         )
+    key = (device_type(), parallel.pp, parallel.dp_replicate, parallel.fsdp, parallel.cp, parallel.tp, parallel.ep)
+    built = _BUILT.get(key)
+    if built is None or built[0] is not dist.group.WORLD:  # a group made again (a test) makes them again
+        built = _BUILT[key] = (dist.group.WORLD, *_world_meshes(parallel))
+    return Mesh(built[1], parallel, built[2])
+
+
+# The meshes already built in this process, by layout, with the default group they were built in. torch's
+# ``init_device_mesh`` makes new process groups at every call, and a gloo group keeps its threads and sockets
+# until the process ends: a process that trains one model after another (the test suite's pooled ranks, a
+# notebook) gathered 15 threads and 22 file descriptors a rank for every tp2 x fsdp2 mesh (4 ranks, 30 meshes:
+# 455 threads a rank), until the machine ran out of threads. Built once, the same groups serve every run.
+_BUILT: dict[tuple, tuple] = {}
+
+
+def _world_meshes(parallel: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The world mesh of ``parallel`` (its flattened views made) and the experts' mesh when ``parallel.ep > 1``."""
     shape = (parallel.pp, parallel.dp_replicate, parallel.fsdp, parallel.cp, parallel.tp)
     world = init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
     if parallel.cp > 1:
@@ -231,4 +248,4 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
         dp = world["dp_replicate", "fsdp", "cp"]._flatten("dp_cp")
         flat = DeviceMesh._concatenate([dp, world["tp"]])  # (dp_cp, tp), the stage's ranks
         ep_world = flat._unflatten("dp_cp", (tokens // parallel.ep, parallel.ep), ("edp", "ep"))
-    return Mesh(world, parallel, ep_world)
+    return world, ep_world
