@@ -52,7 +52,8 @@ def kept_whole(plan: Plan) -> list[str]:
                 found[f"{_any_block(fqn)}.{pname}: stored whole (its channels shared by ranks)"] = None
     direct: dict[str, dict[str, None]] = {}  # why -> the modules another module's forward reads directly
     for fqn, (_, why) in plan.direct_reads.items():
-        direct.setdefault(why, {})[_any_block(fqn)] = None
+        if fqn not in plan.replicated:  # listed above (Gemma 3n's prediction_coefs, a latent to the trace)
+            direct.setdefault(why, {})[_any_block(fqn)] = None
     for why, fqns in direct.items():
         found[f"{', '.join(fqns)}: stored whole ({why[:100]})"] = None
     broadcast: dict[str, None] = {_any_block(fqn): None for fqn in plan.partial_grads}
