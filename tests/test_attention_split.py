@@ -254,6 +254,27 @@ def test_kept_whole_says_the_models_property(tmp_path):
         assert len(lines) == 1 and lines[0].split(": replicated (")[1].startswith(why), (model_type, kept)
 
 
+def test_parameters_read_directly_around_split_layers_are_kept_whole(tmp_path):
+    """ProphetNet's decoder, whose feed-forwards are split, reads its position and n-gram tables itself
+    (``position_embeddings._forward``, ``ngram_embeddings.weight[i]``): the tables are kept whole, served
+    to it as local views while it runs (``Plan.direct_reads``, ``infer/direct_reads.py``), said in the
+    kept-whole column with the model's property; the plan refused it before."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.infer.properties import PROPERTIES
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
+
+    tiny_config("prophetnet").save_pretrained(tmp_path)
+    plan = infer_plan(build_meta_model(str(tmp_path)), 2)
+    tables = ("prophetnet.decoder.position_embeddings", "prophetnet.decoder.ngram_embeddings")
+    why = PROPERTIES["ProphetNetDecoder.position_embeddings"]
+    assert plan.direct_reads == dict.fromkeys(tables, ("prophetnet.decoder", why))
+    assert {plan.styles[t] for t in tables} == {"replicate_local"}
+    ffn = "prophetnet.decoder.layers.0.feed_forward"
+    assert (plan.styles[f"{ffn}.intermediate"], plan.styles[f"{ffn}.output"]) == ("colwise", "rowwise")
+    assert f"{', '.join(tables)}: stored whole ({why})" in kept_whole(plan)
+
+
 def attention_elements(paths: dict[str, str]) -> dict[str, tuple[int, int]]:
     """Rank body: per model path, the elements of the parameters under its block-0 attention
     (``paths[path]``) in all and on this rank, at tp=2."""

@@ -49,6 +49,7 @@ from shardlm.parallel.runtime.pipeline import (
     tie_on_one_rank,
 )
 from shardlm.parallel.runtime.plan_styles import plan_styles
+from shardlm.parallel.runtime.replicate import serve_direct_reads
 from shardlm.parallel.runtime.row_reads import serve_row_reads
 from shardlm.parallel.runtime.sequence import apply_sequence_parallel
 from shardlm.parallel.weights.fill import has_weights, init_from_seed, load_hf_weights, restore_buffers
@@ -83,6 +84,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         # both sides shard the vocabulary dimension (Shard(0)), so one DTensor serves both
         head.weight = emb.weight
     serve_row_reads(model, plan, tp_mesh)  # Gemma 4's pad row, read off the split embedding
+    serve_direct_reads(model, plan)  # Gemma 3n's AltUp coefficients, read whole by the decoder layer
     sum_indexer_scores(model, plan, tp_mesh)  # DSA's indexer: its heads' scores summed over TP before its top-k
     if sequence:
         apply_sequence_parallel(model, plan, tp_mesh)

@@ -51,7 +51,9 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   mixers call ``conv1d(x, self.conv1d.weight)``), with nothing under it split, becomes
   ``replicate_local``, and so does a module with parameters of its own around whole children
   (gpt-oss's attention, kept whole, owns per-head sinks: ``_run_local``); where
-  something under it is split, or a parameter is shared by modules of different styles (BERT's
+  something under it is split, the parameters' owner is kept whole and the user computes on local
+  views of them (``Plan.direct_reads``: Gemma 3n's decoder layer running AltUp's ``predict`` itself);
+  where that owner is split, or a parameter is shared by modules of different styles (BERT's
   LM-head bias), the model is refused (``_refuse_unplaceable``).
 * mixture-of-experts layers whose experts are fused 3-D parameters (transformers 5's
   ``...Experts`` modules) get the ``experts`` style: each expert's intermediate dim split, the
@@ -97,6 +99,7 @@ import torch.nn as nn
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
 from shardlm.parallel.infer.indexer import split_indexers
@@ -356,9 +359,11 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
     """What the TP styles cannot place yet, refused before spawning rather than failing in the ranks:
 
     * a parameter used directly by another module's forward (a mixer calling
-      ``conv1d(x, self.conv1d.weight)``): styles act at module boundaries, so it would meet
-      plain tensors as a DTensor (where nothing under that module is split, it becomes
-      ``replicate_local`` instead: it computes on local copies of its parameters);
+      ``conv1d(x, self.conv1d.weight)``) that is split or has its gradients summed over TP: styles
+      act at module boundaries, so it would meet plain tensors as a DTensor (where nothing under that
+      module is split, it becomes ``replicate_local`` instead: it computes on local copies of its
+      parameters; where its owner is kept whole, the user gets local views of them while it runs,
+      ``direct_reads.py``: Gemma 3n's AltUp, ProphetNet's position embeddings);
     * a ``replicate_grad_allreduce`` module with parameters of its own around split children (a
       ``replicate`` one becomes ``replicate_own``: its parameters act on whole activations only);
     * a parameter shared by modules with different styles (BERT's LM-head bias, also owned by its
@@ -378,6 +383,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
                 if name and any(True for _ in module.parameters(recurse=False)):
                     plan.styles[f"{user}.{name}"] = "replicate_local"
             continue
+        if read_whole(model, plan, fqn, user):
+            continue  # kept whole: local views of it while the user runs (Gemma 3n's AltUp, ``direct_reads.py``)
         who = f"{any_block(user) or 'the model'} ({type(model.get_submodule(user)).__name__})"
         raise cannot_split(
             f"{who} uses a parameter of {any_block(owner)} directly, which tensor-parallel styles cannot place yet"

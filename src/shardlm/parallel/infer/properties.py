@@ -14,6 +14,8 @@ import torch.nn as nn
 
 _INDEXER = "one key head; the weighted scores of all its heads summed before a top-k over tokens"
 
+_PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")  # Gemma 3n's and Gemma 4's
+
 _INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "Dots3NoteTextIndexer")
 
 PROPERTIES = {
@@ -27,8 +29,17 @@ PROPERTIES = {
     "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
     "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
     **dict.fromkeys(
-        ("Gemma4TextDecoderLayer.per_layer_input_gate", "Gemma4TextDecoderLayer.per_layer_projection"),
+        [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],
         "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel",
+    ),
+    # parameters another module's forward reads directly, kept whole (``direct_reads.py``)
+    **dict.fromkeys(
+        ("Gemma3nTextDecoderLayer.altup", "Gemma3nTextAltUp"),
+        "AltUp, run by the decoder layer itself (predict, correct), mixes whole copies of the residual stream",
+    ),
+    **dict.fromkeys(
+        ("ProphetNetDecoder.position_embeddings", "ProphetNetDecoder.ngram_embeddings"),
+        "the decoder reads the tables itself: positions + 1 for its predicting streams, n-gram rows by index",
     ),
 }
 

@@ -5,8 +5,9 @@ Norms, routers and the biases added after a row-parallel all-reduce are whole in
 not listed; listed are what TP could have split and did not: sub-blocks kept replicated (with the
 reason the trace gave), projections stored whole of which each rank computes its rows (kv heads
 fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
-per-channel parameters whose channels ranks share, and parameters of one value broadcast over the
-split heads (DiffLlama's lambdas).
+per-channel parameters whose channels ranks share, parameters of one value broadcast over the
+split heads (DiffLlama's lambdas), and parameters another module's forward reads directly around split
+layers (``Plan.direct_reads``: Gemma 3n's AltUp coefficients).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def kept_whole(plan: Plan) -> list[str]:
         for pname in params:
             if param_rows(plan, fqn, pname) is not None:
                 found[f"{_any_block(fqn)}.{pname}: stored whole (its channels shared by ranks)"] = None
+    direct: dict[str, dict[str, None]] = {}  # why -> the modules another module's forward reads directly
+    for fqn, (_, why) in plan.direct_reads.items():
+        if fqn not in plan.replicated:  # listed above (Gemma 3n's prediction_coefs, a latent to the trace)
+            direct.setdefault(why, {})[_any_block(fqn)] = None
+    for why, fqns in direct.items():
+        found[f"{', '.join(fqns)}: stored whole ({why[:100]})"] = None
     broadcast: dict[str, None] = {_any_block(fqn): None for fqn in plan.partial_grads}
     if broadcast:
         found[f"{', '.join(broadcast)}: stored whole (one value broadcast over the split heads)"] = None

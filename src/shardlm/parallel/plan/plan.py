@@ -60,6 +60,9 @@ class Plan:
     # module -> the vocabulary-parallel input embedding whose rows its forward reads by index (Gemma 4's
     # multimodal forward reads ``embed_tokens.weight[pad_token_id]``): served whole (``runtime/row_reads.py``)
     row_reads: dict[str, str] = field(default_factory=dict)
+    # module kept whole -> (the module whose forward reads its parameters directly, around split layers, and
+    # why it is whole): local views of them while that module runs (``parallel/infer/direct_reads.py``)
+    direct_reads: dict[str, tuple[str, str]] = field(default_factory=dict)
     # DeepSeek Sparse Attention's indexer (``parallel/infer/indexer.py``) -> its global head count: its query
     # heads split, each rank's sum of its heads' scores all-reduced over TP before its top-k (``runtime/indexer.py``)
     indexers: dict[str, int] = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """Replicated styles: ``replicate`` (``ReplicateParallel``: parameters DTensors on the TP mesh, activations
 plain), ``replicate_local`` / ``replicate_own`` (``LocalReplicate``: local views of replicated
-parameters) and ``sharded_norm`` (``ShardedRMSNorm``: an RMSNorm over a sharded width).
+parameters) and ``sharded_norm`` (``ShardedRMSNorm``: an RMSNorm over a sharded width); the local views of
+whole parameters another module's forward reads directly (``serve_direct_reads``, ``Plan.direct_reads``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from shardlm.distributed.shards import LocalParams, local_view
 from shardlm.parallel.model.hf import (
     rms_norm_eps,
 )
+from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.runtime.linear import shard_params
 
 
@@ -80,6 +82,29 @@ class LocalReplicate(ParallelStyle):
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(lambda mod, args, out: params.restore())
         return module
+
+
+def serve_direct_reads(model: nn.Module, plan: Plan) -> None:
+    """Hooks on each module of ``plan.direct_reads``: while its forward runs, the whole (``Replicate``)
+    parameters of the owners it reads directly are local views, as a ``replicate_local`` module sees its
+    own (``parallel/infer/direct_reads.py``): Gemma 3n's decoder layer clamping and multiplying AltUp's
+    coefficients. An owner's own forward run inside (AltUp's ``prediction_coefs``) finds them plain
+    already; the views' gradients arrive as the parameters' replicated ones."""
+    users: dict[str, list[nn.Module]] = {}
+    for owner, (user, _) in plan.direct_reads.items():
+        users.setdefault(user, []).append(model.get_submodule(owner))
+    for user, owners in users.items():
+        params = LocalParams()
+
+        def to_local(mod, args, owners=owners, params=params):
+            for sub in owners:
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        params.swap(sub, name, local_view(param))
+
+        module = model.get_submodule(user)
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(lambda mod, args, out, params=params: params.restore())
 
 
 class ShardedRMSNorm(ParallelStyle):
