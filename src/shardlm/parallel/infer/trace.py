@@ -70,7 +70,8 @@ def meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> No
     validate = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+        with torch.device("meta"):
+            meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
 
@@ -112,9 +113,11 @@ def trace_model(
     }
     hooks.install(meta)
     reads: dict[str, set[str]] = {}
-    watched = {
-        name: watch_reads(m, reads.setdefault(name, set()), name) for name, m in meta.named_modules() if holds_linear(m)
-    }
+    # keyed by the module itself: a forward may replace a submodule (BigBird's ``set_attention_type`` swaps in
+    # another attention class, keeping its linears), and the new one must not get the old one's class back
+    watched = [
+        (m, watch_reads(m, reads.setdefault(name, set()), name)) for name, m in meta.named_modules() if holds_linear(m)
+    ]
     try:
         with tracker:
             meta_forward(meta, shape)
@@ -125,8 +128,8 @@ def trace_model(
         raise
     finally:
         hooks.remove()
-        for name, cls in watched.items():
-            meta.get_submodule(name).__class__ = cls
+        for module, cls in watched:
+            module.__class__ = cls
     return collect(meta, tracker, hooks, reads, wholes)
 
 
