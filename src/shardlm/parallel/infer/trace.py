@@ -80,16 +80,15 @@ def sequence_length(config, length: int) -> int:
 def meta_forward(
     meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ), probes: dict[str, nn.Module] | None = None
 ) -> None:
-    """One forward of ``meta`` on a batch of ``shape`` (its length as the config demands: ``sequence_length``),
-    tensors made without a device made on meta. ``torch.distributions`` check their arguments' values
-    (BLT's patcher takes the entropy of a ``Categorical``), which meta tensors do not hold: the checks are
-    off while it runs (only values are checked; shapes are still computed). ``probes``: modules kept whole,
-    run on CPU tensors (``probe.py``)."""
+    """One forward of ``meta`` on a batch of ``shape`` (its length as the config demands: ``sequence_length``).
+    ``torch.distributions`` check their arguments' values (BLT's patcher takes the entropy of a
+    ``Categorical``), which meta tensors do not hold: the checks are off while it runs (only values are
+    checked; shapes are still computed). ``probes``: modules kept whole, run on CPU tensors (``probe.py``)."""
     shape = (shape[0], sequence_length(meta.config, shape[1]))
     validate = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        with torch.device("meta"), RunWhole(meta, probes):
+        with RunWhole(meta, probes):
             meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
