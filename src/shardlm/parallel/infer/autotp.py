@@ -411,7 +411,9 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
         raise cannot_split(
             f"{who} uses a parameter of {any_block(owner)} directly, which tensor-parallel styles cannot place yet"
         )
-    split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
+    # the vocabulary styles too: a ``replicate`` parent would place their parameters Replicate first (Reformer's
+    # LM head owns a bias of its own around the decoder)
+    split = [f for f, st in plan.styles.items() if st in (*SPLIT_STYLES, "embedding", "lm_head")]
     for fqn, style in plan.styles.items():
         if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
             if style == "replicate":
