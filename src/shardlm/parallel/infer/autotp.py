@@ -277,12 +277,15 @@ def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, nn
     """The module whose forward raised ``exc`` (the trace's note names it), where its forward depends on
     tensor values (``probe.depends_on_values``), and the same module of every block: kept whole, run on
     CPU tensors in later traces (added to ``probes``); returns the linears under them, kept replicated
-    (with the reason in ``reasons``). Any other exception, or one from a module kept whole already, is
-    raised again (``_infer_or_refuse`` refuses the model with it)."""
+    (with the reason in ``reasons``). Any other exception, one from a module kept whole already or from
+    one holding most of the model, is raised again (``_infer_or_refuse`` refuses the model with it)."""
     notes = [n[len(RUNNING_NOTE) :] for n in getattr(exc, "__notes__", ()) if n.startswith(RUNNING_NOTE)]
     running = notes[0].rsplit(" (", 1)[0] if notes else ""
     if not running or running in probes or not depends_on_values(exc):
         raise exc
+    size = sum(p.numel() for p in model.get_submodule(running).parameters())
+    if 2 * size > sum(p.numel() for p in model.parameters()):
+        raise exc  # most of the model (its backbone): not materialized on CPU, the model is refused instead
     names = [n for n, _ in model.named_modules()]
     found = _every_block({running}, set(names))
     why = f"{any_block(running)} ({type(model.get_submodule(running)).__name__}): {WHY}"
