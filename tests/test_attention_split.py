@@ -237,6 +237,7 @@ KEPT_FOR_A_PROPERTY = {
     "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
     "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
     "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
+    "big_bird": ("bert.encoder.layer.*.attention.self.query", "below its block-sparse length the model swaps in"),
 }
 
 

@@ -406,3 +406,26 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
     assert main(["plan", odd, "--tp", "6"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_key_value_heads=4" in err[0] and err[0].endswith("values for this model: 1, 2, 4, 12")
+
+
+def test_a_module_whose_forward_reads_values_is_kept_whole(tmp_path):
+    """XMOD's per-language adapters pick rows by a boolean mask (``x[lang_ids == i]``), which has no shape
+    on meta: that module of every block is kept whole, its linears listed with the reason, and traced on
+    a CPU copy (``infer/probe.py``); the attention still splits. (Both it and BLT's patcher train at tp=2
+    with parity: ``make matrix``.)"""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from tiny import tiny_config
+
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
+
+    tiny_config("xmod").save_pretrained(tmp_path)
+    plan = infer_plan(build_meta_model(str(tmp_path)), 2)
+    kept = [w for w in kept_whole(plan) if "roberta.encoder.layer.*.output.dense" in w]
+    assert len(kept) == 1 and "(XmodOutput): its forward depends on tensor values" in kept[0], kept_whole(plan)
+    assert plan.styles["roberta.encoder.layer.0.output.adapter_modules.en_XX.dense1"] == "replicate_local"
+    assert plan.styles["roberta.encoder.layer.0.attention.self.query"] == "colwise"

@@ -104,6 +104,7 @@ from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
 from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
+from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.sizes import used_only
@@ -207,8 +208,13 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
+    probes: dict[str, nn.Module] = {}  # modules kept whole, run on CPU tensors (``probe.py``)
     for _ in range(_MAX_ROUNDS):
-        traced = trace_model(model, forced, meta, latents=latents, wholes=wholes)
+        try:
+            traced = trace_model(model, forced, meta, latents=latents, wholes=wholes, probes=probes)
+        except Exception as exc:  # noqa: BLE001 - a module whose forward depends on tensor values: kept whole
+            forced = forced | _keep_whole_on_values(model, exc, probes, reasons)
+            continue
         if traced.new_wholes:  # summed over their split channels: held whole on every rank, traced again
             wholes = wholes | traced.new_wholes
             continue
@@ -239,13 +245,13 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 region.add(fqn)
         if not region and not traced.violations:
             plan = _assemble(model, tp, traced, geo, latents)
-            failure = dry_run(model, plan, tp, traced)
+            failure = dry_run(model, plan, tp, traced, probes)
             if failure is None:
                 place_experts(plan, experts, model, tp)  # MoE: the trace saw the experts replicated (opaque to it)
                 plan.experts.update(channel_placements(model, plan))
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
-                plan.dropout_sites = dropout_dims(model, traced, forced)
+                plan.dropout_sites = dropout_dims(model, traced, forced, probes)
                 forced = split_indexers(model, plan, tp, traced, forced)  # DSA's indexer heads (``indexer.py``)
                 return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
@@ -268,6 +274,32 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         f"parallel.tp: {type(model).__name__}: no consistent tensor-parallel plan after {_MAX_ROUNDS} rounds "
         f"({next(iter(reasons.values()), '')}); {FSDP_TRAINS_IT}"
     )
+
+
+def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, nn.Module], reasons: dict) -> set[str]:
+    """The module whose forward raised ``exc`` (the trace's note names it), where its forward depends on
+    tensor values (``probe.depends_on_values``), and the same module of every block: kept whole, run on
+    CPU tensors in later traces (added to ``probes``); returns the linears under them, kept replicated
+    (with the reason in ``reasons``). Any other exception, one from a module kept whole already or from
+    one holding most of the model, is raised again (``_infer_or_refuse`` refuses the model with it)."""
+    notes = [n[len(RUNNING_NOTE) :] for n in getattr(exc, "__notes__", ()) if n.startswith(RUNNING_NOTE)]
+    running = notes[0].rsplit(" (", 1)[0] if notes else ""
+    if not running or running in probes or not depends_on_values(exc):
+        raise exc
+    size = sum(p.numel() for p in model.get_submodule(running).parameters())
+    if 2 * size > sum(p.numel() for p in model.parameters()):
+        raise exc  # most of the model (its backbone): not materialized on CPU, the model is refused instead
+    names = [n for n, _ in model.named_modules()]
+    found = _every_block({running}, set(names))
+    why = f"{any_block(running)} ({type(model.get_submodule(running)).__name__}): {WHY}"
+    linears: set[str] = set()
+    for fqn in found:
+        probes[fqn] = materialize(model.get_submodule(fqn))
+        for name, module in model.get_submodule(fqn).named_modules():
+            if is_linear(module):
+                linears.add(f"{fqn}.{name}")
+                reasons.setdefault(f"{fqn}.{name}", why)
+    return linears
 
 
 def _block_key(fqn: str) -> str:
@@ -389,7 +421,9 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
         raise cannot_split(
             f"{who} uses a parameter of {any_block(owner)} directly, which tensor-parallel styles cannot place yet"
         )
-    split = [f for f, st in plan.styles.items() if st in SPLIT_STYLES]
+    # the vocabulary styles too: a ``replicate`` parent would place their parameters Replicate first (Reformer's
+    # LM head owns a bias of its own around the decoder)
+    split = [f for f, st in plan.styles.items() if st in (*SPLIT_STYLES, "embedding", "lm_head")]
     for fqn, style in plan.styles.items():
         if style in ("replicate", "replicate_grad_allreduce") and fqn and any(f.startswith(f"{fqn}.") for f in split):
             if style == "replicate":

@@ -27,7 +27,9 @@ from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.styles import SPLIT_LINEAR
 
 
-def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str, str] | None:
+def dry_run(
+    model: nn.Module, plan: Plan, tp: int, traced: Traced, probes: dict[str, nn.Module] | None = None
+) -> tuple[str, str] | None:
     """Run the forward on meta at rank 0's shapes: split linears hold their local rows/columns,
     attention modules their local head counts (``localize_geometry``), as the ranks will.
 
@@ -37,7 +39,7 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
     projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups of
     ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
     with the global trace's; run again with the module's widths whole, see the module docstring)."""
-    failure, regrouped = _run(model, plan, tp, traced)
+    failure, regrouped = _run(model, plan, tp, traced, probes)
     if regrouped is None:
         return failure
     first, kept = (failure, regrouped), {}
@@ -47,7 +49,7 @@ def dry_run(model: nn.Module, plan: Plan, tp: int, traced: Traced) -> tuple[str,
             break
         kept[regrouped[0]] = whole
         plan.local_sizes.setdefault(regrouped[0], {}).update(whole)
-        failure, regrouped = _run(model, plan, tp, traced)
+        failure, regrouped = _run(model, plan, tp, traced, probes)
         if failure is None:
             return None  # each rank views its columns into whole groups, fewer of them
     if not kept:
@@ -75,7 +77,7 @@ def _localized_widths(model: nn.Module, plan: Plan, tp: int, owner: str) -> dict
 
 
 def _run(
-    model: nn.Module, plan: Plan, tp: int, traced: Traced
+    model: nn.Module, plan: Plan, tp: int, traced: Traced, probes: dict[str, nn.Module] | None
 ) -> tuple[tuple[str, str] | None, tuple[str, int, int] | None]:
     """The dry run's failure (``dry_run``) and, for a fused projection regrouped by its local view,
     (its module, the number of its groups whole, their size)."""
@@ -117,7 +119,7 @@ def _run(
     tracker = ShardTracker()
     try:
         with tracker:
-            meta_forward(meta)
+            meta_forward(meta, probes=probes)
     except Exception as exc:  # noqa: BLE001 - a shape error at local shapes: this sub-block cannot be split
         owner = _owner_of_split_linears(plan, stack)
         detail = " ".join(str(exc).split())[:120]

@@ -26,6 +26,9 @@ PROPERTIES = {
     "CpmAntAttention": (
         "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
     ),
+    "BigBirdAttention": (
+        "below its block-sparse length the model swaps in an attention built from the config's head count"
+    ),
     "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
     "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
     **dict.fromkeys(

@@ -42,9 +42,12 @@ cannot be confused.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.infer.probe import RunWhole
 from shardlm.parallel.infer.sizes import holds_linear, watch_reads
 from shardlm.parallel.infer.trace_hooks import TraceHooks
 from shardlm.parallel.infer.trace_result import Traced, collect
@@ -63,14 +66,30 @@ RUNNING_NOTE = "while running "  # the note ``trace_model`` adds to an exception
 TRACE_SEQ = 13  # a prime, unlikely to equal a head count, so per-head tensors are told from per-position ones
 
 
-def meta_forward(meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ)) -> None:
-    """One forward of ``meta`` on a batch of ``shape``. ``torch.distributions`` check their arguments'
-    values (BLT's patcher takes the entropy of a ``Categorical``), which meta tensors do not hold: the
-    checks are off while it runs (only values are checked; shapes are still computed)."""
+def sequence_length(config, length: int) -> int:
+    """``length``, or the length the config demands of training sequences near it, as training data would
+    have to honour it: a multiple of every ``*chunk_length`` (Reformer's attention chunks) and exactly the
+    product of ``axial_pos_shape`` where axial position embeddings are on (Reformer's, in training)."""
+    if getattr(config, "axial_pos_embds", False) and isinstance(getattr(config, "axial_pos_shape", None), list):
+        return math.prod(config.axial_pos_shape)
+    chunks = [v for k, v in config.to_dict().items() if k.endswith("chunk_length") and type(v) is int and v > 1]
+    multiple = math.lcm(*chunks) if chunks else 1
+    return -(-length // multiple) * multiple
+
+
+def meta_forward(
+    meta: nn.Module, shape: tuple[int, int] = (1, TRACE_SEQ), probes: dict[str, nn.Module] | None = None
+) -> None:
+    """One forward of ``meta`` on a batch of ``shape`` (its length as the config demands: ``sequence_length``).
+    ``torch.distributions`` check their arguments' values (BLT's patcher takes the entropy of a
+    ``Categorical``), which meta tensors do not hold: the checks are off while it runs (only values are
+    checked; shapes are still computed). ``probes``: modules kept whole, run on CPU tensors (``probe.py``)."""
+    shape = (shape[0], sequence_length(meta.config, shape[1]))
     validate = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
+        with RunWhole(meta, probes):
+            meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
 
@@ -82,12 +101,14 @@ def trace_model(
     shape: tuple[int, int] = (1, TRACE_SEQ),
     latents: frozenset[str] = frozenset(),
     wholes: frozenset[tuple[str, int, int]] = frozenset(),
+    probes: dict[str, nn.Module] | None = None,
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
     outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
     given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
-    latents read per head (``latent.py``): the modules reading them and what they meet are recorded."""
+    latents read per head (``latent.py``): the modules reading them and what they meet are recorded;
+    ``probes``: modules kept whole, run on CPU tensors (``probe.py``)."""
     meta = meta if meta is not None else build_meta(model)
     registrations: dict[int, int] = {}
     for _, m in meta.named_modules():
@@ -112,12 +133,14 @@ def trace_model(
     }
     hooks.install(meta)
     reads: dict[str, set[str]] = {}
-    watched = {
-        name: watch_reads(m, reads.setdefault(name, set()), name) for name, m in meta.named_modules() if holds_linear(m)
-    }
+    # keyed by the module itself: a forward may replace a submodule (BigBird's ``set_attention_type`` swaps in
+    # another attention class, keeping its linears), and the new one must not get the old one's class back
+    watched = [
+        (m, watch_reads(m, reads.setdefault(name, set()), name)) for name, m in meta.named_modules() if holds_linear(m)
+    ]
     try:
         with tracker:
-            meta_forward(meta, shape)
+            meta_forward(meta, shape, probes)
     except Exception as exc:
         if hooks.running:
             running = hooks.running[-1]
@@ -125,12 +148,14 @@ def trace_model(
         raise
     finally:
         hooks.remove()
-        for name, cls in watched.items():
-            meta.get_submodule(name).__class__ = cls
+        for module, cls in watched:
+            module.__class__ = cls
     return collect(meta, tracker, hooks, reads, wholes)
 
 
-def dropout_dims(model: nn.Module, traced: Traced, forced: frozenset[str]) -> list[int | None]:
+def dropout_dims(
+    model: nn.Module, traced: Traced, forced: frozenset[str], probes: dict[str, nn.Module] | None = None
+) -> list[int | None]:
     """The sharded dim of each dropout site's input (see ``Plan.dropout_sites``).
 
     Shardedness is known per tensor, not per dim, so a second trace with another batch size and
@@ -143,7 +168,7 @@ def dropout_dims(model: nn.Module, traced: Traced, forced: frozenset[str]) -> li
     sites = traced.dropout_sites
     if not any(sharded and p > 0 for sharded, _, p in sites):
         return [-1 if sharded else None for sharded, _, _ in sites]
-    other = trace_model(model, forced, shape=(2, 5)).dropout_sites
+    other = trace_model(model, forced, shape=(2, 5), probes=probes).dropout_sites
     if len(other) != len(sites):
         raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
     dims: list[int | None] = []

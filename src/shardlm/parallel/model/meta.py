@@ -75,4 +75,9 @@ def build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
     # MoE: the eager experts loop (grouped_mm cannot run on meta; every kernel computes the same)
     config._experts_implementation = "eager"
     with torch.device("meta"):
-        return type(model)._from_config(config)
+        meta = type(model)._from_config(config)
+    # parameters made by legacy constructors (XLNet's ``nn.Parameter(torch.FloatTensor(...))``) ignore the
+    # default device and come out on the CPU: the trace would meet meta and CPU tensors in one op
+    if any(not p.is_meta for p in meta.parameters()):
+        meta.to("meta")
+    return meta

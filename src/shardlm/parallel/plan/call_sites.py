@@ -11,9 +11,17 @@ import torch
 import torch.nn.functional as F
 
 # the random draws taken over, their values hashes of the key as dropout masks are. Only these:
-# the forwards of transformers' causal LMs draw with them (router jitter) and with nothing else but
-# ``torch.rand([])`` for LayerDrop (refused on more than one process: ``runtime/dropout.check_layerdrop``)
-RANDOM_DRAWS = (torch.rand_like, torch.Tensor.uniform_, torch.Tensor.exponential_)
+# the forwards of transformers' causal LMs draw with them (router jitter; Reformer's LSH attention draws
+# its random rotations with ``torch.randn`` after reseeding from the OS in every layer, so each process
+# would draw its own) and with nothing else but ``torch.rand([])`` for LayerDrop (refused on more than one
+# process: ``runtime/dropout.check_layerdrop``)
+RANDOM_DRAWS = (torch.rand_like, torch.Tensor.uniform_, torch.Tensor.exponential_, torch.randn)
+
+
+def drawn_size(args, kwargs) -> tuple[int, ...]:
+    """The size ``torch.randn`` was asked for: ``randn(2, 3)``, ``randn((2, 3))`` or ``randn(size=...)``."""
+    size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+    return tuple(int(n) for n in size)
 
 
 def is_random_draw(func) -> bool:
@@ -62,6 +70,8 @@ def dropout_p(func, args, kwargs) -> float:
 
 def dropout_input_shape(func, args, kwargs, x) -> tuple[int, ...]:
     """Shape of the tensor a dropout call masks (for attention: ``[batch, heads, q, k]`` probabilities)."""
+    if func is torch.randn:
+        return drawn_size(args, kwargs)
     if func is F.scaled_dot_product_attention:
         a = sdpa_args(args, kwargs)
         return (*a["query"].shape[:-1], a["key"].shape[-2])

@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.plan.call_sites import dropout_args, is_call_site, is_random_draw, sdpa_args
+from shardlm.parallel.plan.call_sites import drawn_size, dropout_args, is_call_site, is_random_draw, sdpa_args
 
 _BITS = 24  # resolution of the keep test: p is rounded to a multiple of 2**-24
 
@@ -282,6 +282,9 @@ def _draw_view(shape: tuple[int, ...], key: DropoutKey, dim: int | str | None) -
     return (batch, local, math.prod(shape[1:])), (2 if isinstance(dim, int) else dim)
 
 
+_SECOND_STREAM = 1 << 40  # ``randn``'s second uniform stream: a site no forward reaches
+
+
 def _unit(x: torch.Tensor, key: DropoutKey, site: int, dim: int | str | None, bits: int, half: bool) -> torch.Tensor:
     """fp64 values of ``x``'s shape on a grid of ``2**-bits`` in [0, 1) (``half``: the grid's midpoints,
     in (0, 1)) from the element hashes of call ``site``: each rank's part of the one-process draw."""
@@ -294,7 +297,14 @@ def _unit(x: torch.Tensor, key: DropoutKey, site: int, dim: int | str | None, bi
 def hashed_draw(func, args: tuple, kwargs: dict, key: DropoutKey, site: int, dim: int | str | None) -> torch.Tensor:
     """A random draw of ``call_sites.RANDOM_DRAWS`` from the hashes of call ``site`` (``element_hashes``):
     ``rand_like`` and ``uniform_(low, high)`` on the draw's dtype's grid, ``exponential_(lambd)`` as
-    ``-log(u) / lambd`` of fp64 midpoints (never 0, so Phi-MoE's Gumbel ``log`` stays finite)."""
+    ``-log(u) / lambd`` of fp64 midpoints (never 0, so Phi-MoE's Gumbel ``log`` stays finite), ``randn``
+    by Box-Muller from two such streams (the second keyed by ``site`` offset past every call site's)."""
+    if func is torch.randn:
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        like = torch.empty(drawn_size(args, kwargs), dtype=torch.float64, device=kwargs.get("device"))
+        radius = torch.sqrt(-2.0 * torch.log(_unit(like, key, site, dim, 53, True)))
+        angle = 2.0 * math.pi * _unit(like, key, site + _SECOND_STREAM, dim, 53, True)
+        return (radius * torch.cos(angle)).to(dtype)
     x = args[0]
     if isinstance(x, DTensor):
         if not all(pl.is_replicate() for pl in x.placements):
