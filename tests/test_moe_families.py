@@ -16,8 +16,8 @@ DBRX: its experts stacked ``[E * I, H]`` in a submodule, each stack split on its
 its forward views them by made local (``infer/expert_blocks.py``). Hunyuan-MoE: fused experts
 beside a shared MLP (its default config's single expert found too; trained with 4). Inkling: its
 shared experts every expert on every token, its input embedding normed (``hf.lookup_norm``: the
-vocabulary-parallel rows summed over TP before the norm, which runs whole on every rank). Doge (experts as
-embedding rows) and LongCat-Flash (zero-computation experts) are refused in one line naming why.
+vocabulary-parallel rows summed over TP before the norm, which runs whole on every rank). Doge's experts (embedding
+rows) and LongCat-Flash's (zero-computation experts) are kept whole, the reason naming the model's property.
 
 Reference: the plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5
 steps; tolerances of the issue: loss 1e-5 and grad_norm 1e-4 relative. One 2-rank world (tp=2)
@@ -138,11 +138,11 @@ def _report(label: str, got: list, ref: list) -> None:
     print(f"{label}: loss {loss:.1e}, grad_norm {norm:.1e} relative, {len(ref)} steps")
 
 
-def test_unsplit_experts_are_refused_for_what_they_are(tmp_path):
-    """Where no probe splits a mixture-of-experts layer, its one-line refusal names the model's property:
-    Doge's experts are embedding rows (one neuron each); LongCat-Flash's zero-computation experts have
-    gate/up rows but no weights after them. Doge's published default is dense (``is_moe`` false): split."""
-    from shardlm.errors import ConfigError
+def test_unsplit_experts_are_kept_whole_for_what_they_are(tmp_path):
+    """Where no probe splits a mixture-of-experts layer, its experts are kept whole on every rank, the reason
+    naming the model's property: Doge's experts are embedding rows (one neuron each; its shared MLP split);
+    LongCat-Flash's zero-computation experts pass tokens through inside the experts' sum. Doge's published
+    default is dense (``is_moe`` false): split."""
     from shardlm.parallel.infer.autotp import infer_plan
 
     paths = {}
@@ -156,15 +156,17 @@ def test_unsplit_experts_are_refused_for_what_they_are(tmp_path):
             setattr(config, key, value)
         config.save_pretrained(tmp_path / name)
         paths[name] = str(tmp_path / name)
-    for name, words in (
-        ("doge_moe", "whose experts are rows of embeddings (down_embed, up_embed), each expert one neuron"),
-        ("longcat_flash", "whose experts' parameters hold different expert counts"),
+    for name, whole, words in (
+        ("doge_moe", "model.layers.0.mlp.up_embed", "whose experts are rows of embeddings (down_embed, up_embed)"),
+        ("longcat_flash", "model.layers.0.mlp.experts", "whose zero-computation experts (gate_up_proj 260"),
     ):
-        with pytest.raises(ConfigError) as info:
-            infer_plan(_meta(paths[name]), 2)
-        assert words in str(info.value) and "\n" not in str(info.value), (name, str(info.value))
-    plan = infer_plan(_meta(paths["doge"]), 2)
-    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
+        plan = infer_plan(_meta(paths[name]), 2)
+        assert words in plan.replicated[whole] and "\n" not in plan.replicated[whole], (name, plan.replicated)
+        assert plan.styles[whole] == "replicate_local", (name, plan.styles[whole])
+    assert plan.styles["model.layers.0.mlps.0.down_proj"] == "rowwise"
+    for name in ("doge", "doge_moe"):
+        plan = infer_plan(_meta(paths[name]), 2)
+        assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
 
 
 def test_inkling_shared_experts_split_sums_to_the_whole(tmp_path):
