@@ -16,8 +16,9 @@ DBRX: its experts stacked ``[E * I, H]`` in a submodule, each stack split on its
 its forward views them by made local (``infer/expert_blocks.py``). Hunyuan-MoE: fused experts
 beside a shared MLP (its default config's single expert found too; trained with 4). Inkling: its
 shared experts every expert on every token, its input embedding normed (``hf.lookup_norm``: the
-vocabulary-parallel rows summed over TP before the norm, which runs whole on every rank). Doge's experts (embedding
-rows) and LongCat-Flash's (zero-computation experts) are kept whole, the reason naming the model's property.
+vocabulary-parallel rows summed over TP before the norm, which runs whole on every rank). Doge-MoE's experts
+(embedding rows) and LongCat-Flash's (zero-computation experts) are kept whole, the reason naming the model's
+property: Doge-MoE trains here (its shared MLP split), LongCat-Flash in the matrix.
 
 Reference: the plain transformers loop of ``helpers.plain_reference`` (one process, fp32), 5
 steps; tolerances of the issue: loss 1e-5 and grad_norm 1e-4 relative. One 2-rank world (tp=2)
@@ -53,6 +54,9 @@ FAMILIES = {
     # a normed embedding (``embed_norm(lookup)``): vocabulary-parallel, the rows summed over TP before its norm
     # (``runtime/embedding.py``); fused routed experts beside shared experts run on every token
     "inkling_text": {},
+    # Doge-MoE (``is_moe``; the published default is dense): its experts, rows of two embeddings, kept whole on
+    # every rank with their router, its shared MLP split column/row
+    "doge": {"is_moe": True},
 }
 
 

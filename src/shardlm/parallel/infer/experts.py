@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
+from shardlm.parallel.infer.expert_layers import find_routed, routed_count
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import (
@@ -94,6 +95,7 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
             raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
         found[name] = layout
     found.update(_stacked(model, blocks, hidden, tp, found))
+    found.update(find_routed(model, blocks, hidden, tp))
     return found
 
 
@@ -151,15 +153,21 @@ def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]], model:
 
 
 def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, ExpertParam], tp: int) -> None:
-    """Stacked experts (``expert_blocks.py``): the module ``experts`` with no parameter of its own, the
-    submodules holding the stacks ``per_channel`` (their own pieces), the widths local."""
+    """Experts in submodules: the module ``experts`` with its own parameters' placements, the submodules
+    holding the experts ``per_channel`` (their own pieces). Stacked (``expert_blocks.py``): the widths local;
+    per-expert linears called by the layer (``expert_layers.py``): nothing more."""
     plan.styles[fqn], plan.experts[fqn] = Style.EXPERTS.value, {}
     for name, param in layout.items():
         owner, _, leaf = name.rpartition(".")
+        if not owner:
+            plan.experts[fqn][leaf] = param
+            continue
         sub = f"{fqn}.{owner}"
         plan.styles[sub] = Style.PER_CHANNEL.value
         plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
     module = model.get_submodule(fqn)
+    if stacked_count(module) is None:
+        return  # its router's gradient is summed over TP (``runtime.grads.tp_partial_grad_params``)
     width = next(module.parameters()).shape[0] // stacked_count(module)
     for path, attrs in width_attrs(module, width).items():
         local = plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {})
@@ -175,7 +183,10 @@ def whole_moe_layers(model: nn.Module, handled: dict | set) -> dict[str, str]:
     outermost of nested ones. A model with an expert count in its config where no experts module was
     handled nor kept whole is refused (``cannot_split``)."""
     blocks = block_prefixes(model)
-    owners = tuple(f"{name.rpartition('.')[0]}." for name in handled)  # the MoE blocks
+    # the MoE blocks: the fused experts' parents, a layer calling per-expert linears itself
+    owners = tuple(
+        f"{name if routed_count(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
+    )
     family = re.sub(r"For\w+$", "", type(model).__name__)  # Qwen3Moe: every class of the family starts so
     whole: dict[str, str] = {}
     for name, module in model.named_modules():
