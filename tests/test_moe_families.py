@@ -125,11 +125,18 @@ def test_tp2_matches_one_process(dirs):
         _report(f"{model_type} tp=2", losses[dirs[model_type]], ref)
 
 
+# Doge-MoE's router pairs the logits of the batch's first half of tokens with its second half's
+# (``router_logits.view(2, bsz * seq_len, -1)``): a data-parallel rank's routing is not one process's (measured:
+# loss of 4 rows whole vs two halves averaged, 3e-4 relative; the dense model 9e-8), whatever TP does
+BATCH_ROUTED = {"doge"}
+
+
 @pytest.mark.ranks
 def test_tp2_fsdp2_matches_one_process(dirs):
-    paths = [dirs[t] for t in FAMILIES]
+    types = [t for t in FAMILIES if t not in BATCH_ROUTED]
+    paths = [dirs[t] for t in types]
     losses = run_ranks(shardlm_losses, 4, paths, {"tp": 2, "fsdp": 2}, 2, 1)
-    for model_type in FAMILIES:
+    for model_type in types:
         ref = plain_reference(dirs[model_type], 4)
         assert_parity(losses[dirs[model_type]], ref, label=f"{model_type} tp2xfsdp2")
         _report(f"{model_type} tp=2 x fsdp=2", losses[dirs[model_type]], ref)
