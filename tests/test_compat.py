@@ -67,8 +67,9 @@ EXPECT = {
     # sum of squares; ``self.lm_head.weight.dtype`` in its LM forward is metadata, not a use of the weight
     "mamba2": (0, "packed backbone.layers.0.mixer.in_proj: parts [128, 128, 8, 8, 8], rows shared by ranks", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
-    # experts as separate linear modules (JetMoE's mixture of attention heads and of MLPs): refused
-    "jetmoe": (2, "error: parallel.tp: model.layers.0.mlp (JetMoeMoE) is a mixture-of-experts", None),
+    # experts as per-expert linear modules (JetMoE): its MLP split per expert (infer/expert_layers.py), its mixture
+    # of attention heads (called through map/reduce) kept whole, the reason naming them
+    "jetmoe": (0, "probed: weight dim 1 in 2 parts", "model.layers.*.self_attention.experts"),
 }
 
 

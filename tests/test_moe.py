@@ -163,9 +163,9 @@ def test_split_experts_sum_to_the_whole_with_every_kernel(dirs, kernel):
         torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"{model_type} {kernel}")
 
 
-def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
-    """An experts module no placement reproduces is refused in one line naming it."""
-    from shardlm.cli import main
+def test_experts_no_placement_reproduces_are_refused(tmp_path):
+    """An experts module no placement reproduces is refused in one line naming it; per-expert linear modules
+    are probed as the layer calling them runs them."""
     from shardlm.errors import ConfigError
     from shardlm.parallel.infer.experts import probe_layout
 
@@ -184,16 +184,23 @@ def test_other_moe_layers_are_refused_by_name(tmp_path, capsys):
     experts.__class__ = Normed
     why = probe_layout(experts, meta.config.hidden_size, 2)
     assert isinstance(why, str) and "reproduces its output" in why
-    with pytest.raises(ConfigError):
-        from shardlm.parallel.infer.experts import find_experts
+    from shardlm.parallel.infer.experts import find_experts, whole_moe_layers
 
+    with pytest.raises(ConfigError):
         find_experts(meta, 2)
-    # experts as separate modules (JetMoE)
-    path = _write(tmp_path, "jetmoe")
-    assert main(["plan", path, "--tp", "2"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "whose experts are per-expert linear modules (JetMoeParallelExperts)" in lines[0], lines
-    assert "parallel.fsdp trains it" in lines[0], lines
+    # experts as per-expert linear modules the layer calls itself (JetMoE, ``expert_layers.py``): its MLP split per
+    # expert (gate|up rows in 2 parts, the down columns, the bias added once, the router whole); its mixture of
+    # attention heads, called through map/reduce, kept whole with the reason (test_compat.py)
+    meta = _meta(_write(tmp_path, "jetmoe"))
+    found = find_experts(meta, 2)
+    assert set(found) == {"model.layers.0.mlp", "model.layers.1.mlp"}, found
+    assert {n: (p.dim, p.parts, p.once) for n, p in found["model.layers.0.mlp"].items()} == {
+        "bias": (None, 1, True),
+        "input_linear.weight": (1, 2, False),
+        "output_linear.weight": (2, 1, False),
+    }
+    why = whole_moe_layers(meta, found)["model.layers.0.self_attention.experts"]
+    assert "per-expert linear modules (JetMoeParallelExperts) it routes itself" in why, why
 
 
 def _report(label: str, got: list, ref: list) -> None:

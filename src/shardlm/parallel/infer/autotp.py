@@ -60,7 +60,8 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   placement of every parameter found by a probe run of the module (``parallel/infer/experts.py``), the
   router and shared experts placed by the trace like any other module; the trace runs the
   experts eagerly (on meta the loop over hit experts is empty: they are opaque to it). Any other
-  MoE layer is refused by name (``experts.refuse_unhandled_moe``); so is a model none of whose
+  MoE layer is kept whole on every rank, its linears replicated, with the model's property that keeps
+  the probes from it (``experts.whole_moe_layers``); a model none of whose
   block layers can be split, and any unexpected exception while tracing becomes a
   one-line ``ConfigError`` naming the module that was running: ``shardlm plan`` and ``train``
   never show a traceback, and ``parallel.fsdp`` trains all of these.
@@ -101,7 +102,7 @@ from shardlm.errors import ConfigError
 from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
 from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
-from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts
+from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
 from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
@@ -203,6 +204,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     running the forward at one rank's shapes (``dry_run``), repeat until nothing changes."""
     experts = find_experts(model, tp)  # MoE: the experts modules' placements, other MoE layers refused
     reasons: dict[str, str] = own_forward_routers(model, experts)  # kept whole from the start (Phi-MoE's)
+    reasons.update(_whole_moe(model, whole_moe_layers(model, experts)))  # MoE layers no probe splits
     forced: frozenset[str] = frozenset(reasons)
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
@@ -300,6 +302,20 @@ def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, nn
                 linears.add(f"{fqn}.{name}")
                 reasons.setdefault(f"{fqn}.{name}", why)
     return linears
+
+
+def _whole_moe(model: nn.Module, layers: dict[str, str]) -> dict[str, str]:
+    """The modules holding the experts of each MoE layer kept whole (``whole_moe_layers``), with its reason:
+    every module under it (itself too) owning parameters that is no linear layer (3-D experts, embedding
+    rows), whole on every rank and listed among the modules kept whole; the linears beside them are the
+    trace's like any other (a router reading top-k of its split output is kept replicated, Doge's shared MLP
+    split)."""
+    return {
+        name: why
+        for fqn, why in layers.items()
+        for name, module in model.get_submodule(fqn).named_modules(prefix=fqn)
+        if not is_linear(module) and any(True for _ in module.parameters(recurse=False))
+    }
 
 
 def _block_key(fqn: str) -> str:

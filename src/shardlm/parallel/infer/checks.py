@@ -42,7 +42,7 @@ def check(
         ):
             continue  # one whole value for every split position: its gradient summed over TP (``broadcast.py``)
         if isinstance(t, nn.Parameter):
-            owner = tracker.param_owner.get(id(t), "?")
+            owner = tracker.owner(id(t))
             if owner not in tracker.legit:
                 tracker.violations.append((sources, f"a parameter of {owner} acts on its split activations ({name})"))
         elif id(t) in tracker.from_params and not tracker.from_params[id(t)] <= tracker.legit.keys():

@@ -31,10 +31,11 @@ up are concatenated (``chunk(2)``: 2 parts) or interleaved (``[..., ::2]``: 1 pa
 module computes, not what its names or a kernel say; and the plan does not depend on the active
 kernel (the probe runs eager; every kernel computes the same function).
 
-What is not found so is refused by name before spawning (``refuse_unhandled_moe``): a layer
-whose class names it a mixture of experts / router (``...SparseMoeBlock``, ``...Experts``,
-JetMoE's ``MoA``) outside a handled MoE block, or an expert count in the config of a model in
-which no experts module was found.
+What is not found so is kept whole on every rank, with its model's property as the reason
+(``whole_moe_layers``): a layer whose class names it a mixture of experts / router
+(``...SparseMoeBlock``, ``...Experts``, JetMoE's ``MoA``) outside a handled MoE block (JetMoE's per-expert
+linear modules, Doge's experts as embedding rows, LongCat-Flash's zero-computation experts); an expert
+count in the config of a model in which no experts module was found is refused before spawning.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
+from shardlm.parallel.infer.expert_layers import find_routed, routed_count
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import (
@@ -56,6 +58,7 @@ from shardlm.parallel.model.experts import (
     block_prefixes,
     count_attrs,
     experts_call,
+    is_experts_like,
     is_experts_module,
 )
 from shardlm.parallel.model.hf import config_size, config_value, is_linear
@@ -74,8 +77,8 @@ _PROBE_EXPERTS = 4  # experts kept in the probe copy
 
 def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]:
     """``{experts module fqn: {parameter: placement}}`` of ``model`` at TP degree ``tp``; raises
-    ``ConfigError`` for an experts module no placement splits exactly and for any other
-    mixture-of-experts layer (``refuse_unhandled_moe``). A router's jitter needs nothing here: its
+    ``ConfigError`` for an experts module no placement splits exactly (other mixture-of-experts layers are
+    kept whole: ``whole_moe_layers``). A router's jitter needs nothing here: its
     draws are keyed like dropout (``runtime/dropout.py``), the same on every TP rank."""
     hidden = config_size(model.config, "hidden_size")
     blocks = block_prefixes(model)
@@ -92,7 +95,7 @@ def find_experts(model: nn.Module, tp: int) -> dict[str, dict[str, ExpertParam]]
             raise cannot_split(f"{any_block(name)} ({type(module).__name__}): {layout}")
         found[name] = layout
     found.update(_stacked(model, blocks, hidden, tp, found))
-    refuse_unhandled_moe(model, found)
+    found.update(find_routed(model, blocks, hidden, tp))
     return found
 
 
@@ -150,38 +153,50 @@ def place_experts(plan: Plan, experts: dict[str, dict[str, ExpertParam]], model:
 
 
 def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, ExpertParam], tp: int) -> None:
-    """Stacked experts (``expert_blocks.py``): the module ``experts`` with no parameter of its own, the
-    submodules holding the stacks ``per_channel`` (their own pieces), the widths local."""
+    """Experts in submodules: the module ``experts`` with its own parameters' placements, the submodules
+    holding the experts ``per_channel`` (their own pieces). Stacked (``expert_blocks.py``): the widths local;
+    per-expert linears called by the layer (``expert_layers.py``): nothing more."""
     plan.styles[fqn], plan.experts[fqn] = Style.EXPERTS.value, {}
     for name, param in layout.items():
         owner, _, leaf = name.rpartition(".")
+        if not owner:
+            plan.experts[fqn][leaf] = param
+            continue
         sub = f"{fqn}.{owner}"
         plan.styles[sub] = Style.PER_CHANNEL.value
         plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
     module = model.get_submodule(fqn)
+    if stacked_count(module) is None:
+        return  # its router's gradient is summed over TP (``runtime.grads.tp_partial_grad_params``)
     width = next(module.parameters()).shape[0] // stacked_count(module)
     for path, attrs in width_attrs(module, width).items():
         local = plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {})
         local.update({attr: width // tp for attr in attrs})
 
 
-def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
-    """Mixture-of-experts layers other than the ``handled`` experts modules and the MoE blocks
-    holding them (their routers and shared experts are ordinary modules the trace places; the
-    decoder layers around them are fine) route tokens in ways not split yet: refused, found by
-    class name less the model's family prefix (``Qwen3Moe``: its attention is no MoE layer):
-    ``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA`` inside the decoder
-    blocks; or by an expert count in the config of a model where no experts module was handled."""
+def whole_moe_layers(model: nn.Module, handled: dict | set) -> dict[str, str]:
+    """Mixture-of-experts layers other than the ``handled`` experts modules and the MoE blocks holding them
+    (their routers and shared experts are ordinary modules the trace places; the decoder layers around them
+    are fine), ``{fqn: why}``: kept whole on every rank, each for its model's property (``_unsplit_experts``).
+    Found by class name less the model's family prefix (``Qwen3Moe``: its attention is no MoE layer):
+    ``...SparseMoeBlock``, ``...Experts``, ``...Router``, JetMoE's ``MoA`` inside the decoder blocks, the
+    outermost of nested ones. A model with an expert count in its config where no experts module was
+    handled nor kept whole is refused (``cannot_split``)."""
     blocks = block_prefixes(model)
-    owners = tuple(f"{name.rpartition('.')[0]}." for name in handled)  # the MoE blocks
+    # the MoE blocks: the fused experts' parents, a layer calling per-expert linears itself
+    owners = tuple(
+        f"{name if routed_count(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
+    )
     family = re.sub(r"For\w+$", "", type(model).__name__)  # Qwen3Moe: every class of the family starts so
+    whole: dict[str, str] = {}
     for name, module in model.named_modules():
         cls = type(module).__name__
         covered = f"{name}.".startswith(owners) or any(owner.startswith(f"{name}.") for owner in owners)
-        if name.startswith(blocks) and not covered and _MOE_CLASS.search(cls.removeprefix(family)):
-            raise cannot_split(f"{name} ({cls}) is a mixture-of-experts layer {_unsplit_experts(module)}")
-    if handled:
-        return
+        inside = any(name.startswith(f"{w}.") for w in whole)
+        if name.startswith(blocks) and not covered and not inside and _MOE_CLASS.search(cls.removeprefix(family)):
+            whole[name] = f"{cls} is a mixture-of-experts layer {_unsplit_experts(module)}"
+    if handled or whole:
+        return whole
     configs = [model.config, config_value(model.config, "text_config")]
     for key in _MOE_COUNTS:
         counts = [config_value(c, key) for c in configs if c is not None]
@@ -191,36 +206,28 @@ def refuse_unhandled_moe(model: nn.Module, handled: dict | set) -> None:
                 f"{type(model).__name__} is a mixture-of-experts model ({key}={count}) in which shardlm finds no "
                 "fused experts module"
             )
+    return whole
 
 
 def _unsplit_experts(module: nn.Module) -> str:
-    """What about MoE layer ``module``'s experts keeps the probes from it (the refusal's words)."""
+    """What about MoE layer ``module``'s experts keeps it whole on every rank (the reason's words)."""
     own = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 3}
     if len(own) >= 2 and len({s[0] for s in own.values()}) > 1:
+        counts = ", ".join(f"{n.rpartition('.')[2]} {s[0]}" for n, s in own.items())
         return (
-            f"whose experts' parameters hold different expert counts ({own}): experts without weights among them "
-            "(zero-computation experts pass their tokens through inside the experts' sum, which every TP rank's "
-            "partial sum would add again)"
+            f"whose zero-computation experts ({counts} experts) pass their tokens through inside the experts' sum, "
+            "which every TP rank's partial sum would add again"
         )
     rows = [n for n, m in module.named_modules() if isinstance(m, nn.Embedding)]
     if rows:
-        return (
-            f"whose experts are rows of embeddings ({', '.join(rows)}), each expert one neuron: "
-            "there is no intermediate width to split over TP"
-        )
+        return f"whose experts are rows of embeddings ({', '.join(rows)}), each one neuron: no width to split over TP"
     linears = sorted({type(m).__name__ for m in module.modules() if m is not module and is_experts_like(m)})
     if linears:
         return (
-            f"whose experts are per-expert linear modules ({', '.join(linears)}) called by the layer itself, "
-            "not an experts forward of (hidden_states, top_k_index, top_k_weights) a probe can split"
+            f"whose experts are per-expert linear modules ({', '.join(linears)}) it routes itself, its token counts "
+            "read to the host"
         )
-    return "whose experts are not fused 3-D parameters shardlm can split"
-
-
-def is_experts_like(module: nn.Module) -> bool:
-    """A module owning one 3-D parameter of leading size > 1 (JetMoE's per-expert linear)."""
-    own = list(module.parameters(recurse=False))
-    return len(own) == 1 and own[0].dim() == 3 and own[0].shape[0] > 1
+    return "whose experts are not fused 3-D parameters of one expert count"
 
 
 def _probe_copy(module: nn.Module, experts: int, g: torch.Generator) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -36,7 +36,7 @@ def follows(
         return False
     (pid,) = ids
     param = tracker.params.get(pid)
-    if param is None or not param.dim() or not t.dim() or tracker.param_owner.get(pid) in tracker.legit:
+    if param is None or not param.dim() or not t.dim() or tracker.owner(pid) in tracker.legit:
         return False  # a split linear's (or norm's) own parameters: its style places them
     if name in ("conv1d", "conv2d", "convolution"):
         groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)

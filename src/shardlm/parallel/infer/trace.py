@@ -43,15 +43,18 @@ cannot be confused.
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from shardlm.parallel.infer.probe import RunWhole
 from shardlm.parallel.infer.sizes import holds_linear, watch_reads
 from shardlm.parallel.infer.trace_hooks import TraceHooks
 from shardlm.parallel.infer.trace_result import Traced, collect
 from shardlm.parallel.infer.tracker import ShardTracker
+from shardlm.parallel.model.experts import is_experts_like
 from shardlm.parallel.model.hf import (
     all_head_widths,
     head_counts,
@@ -83,15 +86,21 @@ def meta_forward(
     """One forward of ``meta`` on a batch of ``shape`` (its length as the config demands: ``sequence_length``).
     ``torch.distributions`` check their arguments' values (BLT's patcher takes the entropy of a
     ``Categorical``), which meta tensors do not hold: the checks are off while it runs (only values are
-    checked; shapes are still computed). ``probes``: modules kept whole, run on CPU tensors (``probe.py``)."""
+    checked; shapes are still computed). ``probes``: modules kept whole, run on CPU tensors (``probe.py``).
+    Per-expert linear modules (JetMoE's) run a stand-in: ``_every_token_to_one_expert``."""
     shape = (shape[0], sequence_length(meta.config, shape[1]))
     validate = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
+    stand_ins = [m for m in meta.modules() if is_experts_like(m)]
+    for m in stand_ins:  # JetMoE's per-expert linears: their routing's token counts are read to the host
+        m.forward = types.MethodType(_every_token_to_one_expert, m)
     try:
         with RunWhole(meta, probes):
             meta(input_ids=torch.zeros(shape, dtype=torch.long, device="meta"))
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
+        for m in stand_ins:
+            del m.forward
 
 
 def trace_model(
@@ -122,6 +131,10 @@ def trace_model(
     legit: dict[str, bool] = {}
     tracker = ShardTracker(param_owner, legit, head_counts(meta.config), wholes)
     tracker.tied = {i for i, n in registrations.items() if n > 1}
+    for m_name, m in meta.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            if id(p) in tracker.tied:
+                tracker.tied_owners.setdefault(id(p), {})[m_name] = f"{m_name} ({type(m).__name__})"
     tracker.params = {id(p): p for p in meta.parameters()}
     tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
     hooks = TraceHooks(tracker, forced, latents, all_head_widths(meta.config), legit)
@@ -151,6 +164,13 @@ def trace_model(
         for module, cls in watched:
             module.__class__ = cls
     return collect(meta, tracker, hooks, reads, wholes)
+
+
+def _every_token_to_one_expert(module: nn.Module, inputs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The meta stand-in of a per-expert linear module (``is_experts_like``: JetMoE's ``[E, out, in]`` weight,
+    its rows grouped by expert counts its router reads to the host, which meta tensors cannot give): every
+    row through the first expert's matrix, the dataflow (a linear of its weight) and shapes its forward has."""
+    return F.linear(inputs, module.weight[0])
 
 
 def dropout_dims(

@@ -89,6 +89,9 @@ class ShardTracker(TorchFunctionMode):
         # forward reads ``embed_tokens.weight[pad_token_id]``): ``runtime/row_reads.py`` serves them
         self.row_reads: dict[str, str] = {}
         self.tied: set[int] = set()  # parameters registered in several modules (tied embeddings)
+        # a tied parameter -> {module: its owner label} (Zamba's one shared transformer block, registered in
+        # every hybrid layer): used inside one of those modules, it is that module's (``owner``)
+        self.tied_owners: dict[int, dict[str, str]] = {}
         # parameters a module's forward returns (GPT-NeoX-Japanese's attention returns its
         # ``dense_bias`` for the layer to add): the caller receives the local view its style made
         self.returned: set[int] = set()
@@ -137,10 +140,17 @@ class ShardTracker(TorchFunctionMode):
     def sources(self, t) -> frozenset[str]:
         return self.sharded.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
 
+    def owner(self, pid: int) -> str:
+        """The owner label of parameter ``pid``: the running module where it is one of a tied parameter's
+        registrants (each hybrid layer's copy of Zamba's shared block runs its own style), else its owner."""
+        tied = self.tied_owners.get(pid, {})
+        here = self.running[-1] if self.running else None
+        return tied[here] if here in tied else self.param_owner.get(pid, "?")
+
     def owners(self, t: torch.Tensor) -> frozenset[str]:
         """Owners of the parameter ``t`` or of the parameters it is computed from alone."""
         if isinstance(t, nn.Parameter):
-            return frozenset({self.param_owner.get(id(t), "?")})
+            return frozenset({self.owner(id(t))})
         return self.from_params.get(id(t), frozenset())
 
     def param_ids(self, t: torch.Tensor) -> frozenset[int]:

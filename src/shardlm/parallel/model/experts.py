@@ -18,12 +18,22 @@ def block_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 def is_experts_module(module: nn.Module) -> bool:
     """Own parameters all of one leading size E, at least two of them 3-D (fused experts); E > 1, or
-    1 in a module whose class names it experts (Hunyuan-MoE's default config has a single expert)."""
+    1 in a module whose class names it experts (Hunyuan-MoE's default config has a single expert); and no
+    submodule holding parameters: fused experts are their parameters alone, while Zamba's Mamba mixer, whose
+    per-head ``x_proj_weight``/``dt_proj_weight`` are 3-D of one leading size too, wraps linears and a conv."""
     own = [p for p in module.parameters(recurse=False)]
     three_d = [p for p in own if p.dim() == 3]
     if len(three_d) < 2 or len({p.shape[0] for p in own}) != 1:
         return False
+    if any(True for m in module.children() for _ in m.parameters()):
+        return False
     return own[0].shape[0] > 1 or "Experts" in type(module).__name__
+
+
+def is_experts_like(module: nn.Module) -> bool:
+    """A module owning one 3-D parameter of leading size > 1 (JetMoE's per-expert linear)."""
+    own = list(module.parameters(recurse=False))
+    return len(own) == 1 and own[0].dim() == 3 and own[0].shape[0] > 1
 
 
 def experts_modules(model: nn.Module) -> list[str]:

@@ -2,7 +2,8 @@
 
 The one list of them (``tp_partial_grad_params``): the parameters whose gradients each rank computes
 from its own heads, rows or share only (``replicate_grad_allreduce``, sliced projections, ``per_channel``
-parameters stored whole, experts' parameters added once, parameters broadcast over split heads
+parameters stored whole, experts' parameters added once, routers inside experts modules (JetMoE's MLP),
+parameters broadcast over split heads
 (``Plan.partial_grads``: DiffLlama's lambdas), and under LoRA the adapter matrices beside a
 split base, and under sequence parallelism the norms between the sub-blocks and the row-parallel biases);
 ``sum_tp_partial_grads`` sums them over TP once per step (the trainer calls it before
@@ -28,7 +29,8 @@ def tp_partial_grad_params(
 ) -> list[str]:
     """FQNs of parameters whose gradients must be summed over TP (``replicate_grad_allreduce``,
     the replicated parameters of sliced projections and of ``per_channel`` modules following
-    them, experts' parameters added ``once`` and ``Plan.partial_grads``; ``with_lora``: and the adapters';
+    them, experts' parameters added ``once``, routers inside experts modules and ``Plan.partial_grads``;
+    ``with_lora``: and the adapters';
     ``sequence_parallel``: and the norms and row-parallel biases computing on this rank's slice of the
     sequence)."""
     adapters = lora_partial_grads(model, plan) if with_lora else []
@@ -43,9 +45,24 @@ def tp_partial_grad_params(
             or fqn in plan.sliced
             or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
         ]
+        + routers_inside_experts(model, plan)
         + plan.partial_grads
         + adapters
     )
+
+
+def routers_inside_experts(model: nn.Module, plan: Plan) -> list[str]:
+    """Parameters under an ``experts`` module outside its ``per_channel`` pieces: the router of a layer calling
+    per-expert linears itself (JetMoE's MLP, ``infer/expert_layers.py``), whole on every rank inside the
+    module whose output is a partial sum: each rank's gradient comes from its share of the experts only."""
+    names = []
+    for fqn, style in plan.styles.items():
+        if style != Style.EXPERTS:
+            continue
+        for sub, module in model.get_submodule(fqn).named_modules(prefix=fqn):
+            if sub != fqn and plan.styles.get(sub) != Style.PER_CHANNEL:
+                names += [f"{sub}.{p}" for p, _ in module.named_parameters(recurse=False)]
+    return names
 
 
 @torch.no_grad()

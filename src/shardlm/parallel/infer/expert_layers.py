@@ -1,0 +1,138 @@
+"""Mixture-of-experts layers whose experts are per-expert linear modules the layer calls itself: JetMoE's
+``JetMoeMoE`` routes its tokens (``JetMoeTopKGating``, its expert counts read to the host), groups them by
+expert and runs two ``JetMoeParallelExperts`` (one ``[E, out, in]`` weight each: ``input_linear``, gate and
+up concatenated, then ``output_linear``), adding a bias after the weighted sum.
+
+Split as a dense MLP's pair of linears, per expert: each expert's intermediate width over TP, the first
+per-expert linear's output rows (its gate and up parts each on its own) and the second's input columns; the
+bias added by one rank. The layer takes the ``experts`` style (its output a partial sum, all-reduced once),
+its per-expert linear modules ``per_channel`` (their pieces read as local tensors while the layer runs), its
+router whole on every rank: it routes every rank's tokens alike, and its gradient, which each rank computes
+from its share of the experts' outputs only, is summed over TP (``Plan.partial_grads``).
+
+Derived by a probe, not by names: a CPU copy of the layer cut to a few experts (every parameter of E leading
+rows and every expert-count attribute), random fp64 values, run whole on random hidden states, then once per
+TP rank on each candidate placement's pieces (``expert_split.options`` for the 3-D weights; once or whole for
+the layer's own parameters); the first whose rank outputs sum to the whole output is the plan. A layer whose
+forward does not run so (JetMoE's mixture of attention heads, called through ``map``/``reduce``) is not one:
+it is kept whole (``experts.whole_moe_layers``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import torch.nn as nn
+
+from shardlm.parallel.infer.expert_split import PROBE_RTOL, PROBE_TOKENS, local_positions, options
+from shardlm.parallel.model.experts import is_experts_like
+from shardlm.parallel.model.hf import is_linear
+from shardlm.parallel.plan.styles import ExpertParam
+
+_PROBE_EXPERTS = 4
+
+
+def routed_count(module: nn.Module) -> int | None:
+    """E where ``module`` holds two or more per-expert linear modules (``is_experts_like``) of E experts each
+    among its children; None otherwise."""
+    counts = {next(m.parameters()).shape[0] for m in module.children() if is_experts_like(m)}
+    linears = [m for m in module.children() if is_experts_like(m)]
+    return counts.pop() if len(linears) >= 2 and len(counts) == 1 else None
+
+
+def _cut(module: nn.Module, count: int, keep: int, g: torch.Generator) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A CPU copy of ``module`` (on meta) cut to ``keep`` experts: random fp64 values (the rows of its first
+    experts where a parameter's leading size is the expert count), its expert-count attributes ``keep``."""
+    probe = copy.deepcopy(module)
+    values = {}
+    for name, p in module.named_parameters():
+        shape = (keep, *p.shape[1:]) if p.dim() >= 2 and p.shape[0] == count else tuple(p.shape)
+        values[name] = torch.randn(shape, generator=g, dtype=torch.float64) / max(1, p.shape[-1]) ** 0.5
+    for sub in probe.modules():
+        sub._buffers = {n: torch.zeros(b.shape, dtype=b.dtype) for n, b in sub._buffers.items() if b is not None}
+        for attr, value in list(vars(sub).items()):
+            if "expert" in attr and isinstance(value, int) and not isinstance(value, bool) and value == count:
+                setattr(sub, attr, keep)
+    return probe, values
+
+
+def _run(probe: nn.Module, values: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    for name, value in values.items():
+        owner, _, leaf = name.rpartition(".")
+        probe.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    out = probe(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _candidates(module: nn.Module, shapes: dict[str, tuple], hidden: int, tp: int) -> list[list[ExpertParam]]:
+    """Per parameter: a per-expert linear's weight split on a non-expert dim; a linear submodule's (the
+    router's) whole; the layer's other parameters (a bias after the sum) added once, or whole."""
+    found = []
+    for name, shape in shapes.items():
+        owner = module.get_submodule(name.rpartition(".")[0])
+        if is_experts_like(owner):
+            found.append(options(shape, hidden, tp, once=False))
+        elif is_linear(owner):
+            found.append([ExpertParam(None)])
+        else:
+            found.append([ExpertParam(None, once=True), ExpertParam(None)])
+    return found
+
+
+@torch.no_grad()
+def probe_routed(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertParam] | str:
+    """``{parameter path (relative to module): placement}`` of routed layer ``module`` at TP degree ``tp``
+    whose per-rank outputs sum to its output (see the module docstring), or why there is none."""
+    count = routed_count(module)
+    g = torch.Generator().manual_seed(0)
+    try:
+        probe, values = _cut(module, count, min(_PROBE_EXPERTS, count), g)
+        x = torch.randn(1, PROBE_TOKENS, hidden, generator=g, dtype=torch.float64)
+        want = _run(probe, values, x)
+    except Exception as exc:  # noqa: BLE001 - a layer not called on its hidden states alone
+        detail = " ".join(str(exc).split())[:120]
+        return f"it does not run on its hidden states alone ({type(exc).__name__}: {detail})"
+    shapes = {name: tuple(v.shape) for name, v in values.items()}
+    scale = want.abs().max().item() or 1.0
+    for choice in itertools.product(*_candidates(module, shapes, hidden, tp)):
+        layout = dict(zip(shapes, choice))
+        total = torch.zeros_like(want)
+        try:
+            for rank in range(tp):
+                pieces = {}
+                for name, param in layout.items():
+                    value = values[name]
+                    if param.dim is not None:
+                        value = value.index_select(
+                            param.dim, local_positions(value.shape[param.dim], param.parts, tp, rank)
+                        )
+                    elif param.once and rank:
+                        value = torch.zeros_like(value)
+                    pieces[name] = value
+                total += _run(probe, pieces, x)
+        except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
+            continue
+        if (total - want).abs().max().item() <= PROBE_RTOL * scale:
+            return layout
+    return f"no split of its per-expert linears' weights {shapes} over tp={tp} reproduces its output"
+
+
+def find_routed(
+    model: nn.Module, blocks: tuple[str, ...], hidden: int | None, tp: int
+) -> dict[str, dict[str, ExpertParam]]:
+    """The MoE layers whose experts are per-expert linear modules they call themselves (JetMoE's MLP,
+    ``expert_layers.py``) that the probe splits, by fqn, with the placement of every parameter under them
+    split or added once; the others are kept whole (``whole_moe_layers``)."""
+    found: dict[str, dict[str, ExpertParam]] = {}
+    probed: dict[tuple, dict | str] = {}
+    for name, module in model.named_modules():
+        if not hidden or not name.startswith(blocks) or routed_count(module) is None:
+            continue
+        key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+        if key not in probed:
+            probed[key] = probe_routed(module, hidden, tp)
+        if not isinstance(probed[key], str):
+            found[name] = {n: p for n, p in probed[key].items() if p.dim is not None or p.once}
+    return found
