@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest
 
-# The process-free tier alone (under a minute): plans, data, loss, estimates, the package's shape
+# The process-free tier alone (under a minute): plans, data, loss, estimates, the package's shape; not the
+# sweeps that plan a dozen model types each (marked `sweep`, run by `make test`)
 test-fast: setup
-	$(PY) -m pytest -m "not ranks"
+	$(PY) -m pytest -m "not ranks and not sweep"
 
 demo: setup
 	$(PY) examples/demo.py

@@ -2,7 +2,8 @@
 
 Tiers: a test marked ``ranks`` starts real processes (gloo ranks on localhost, or the CLI in a
 subprocess) or a process group in this process; everything else is the fast tier, run alone by
-``make test-fast`` (``pytest -m "not ranks"``). Rank bodies themselves live in ``helpers.py``:
+``make test-fast`` (``pytest -m "not ranks and not sweep"``: ``sweep`` marks the few process-free tests that
+plan a dozen model types or more). Rank bodies themselves live in ``helpers.py``:
 they run in spawned processes, where fixtures do not exist.
 """
 

@@ -241,6 +241,7 @@ KEPT_FOR_A_PROPERTY = {
 }
 
 
+@pytest.mark.sweep
 def test_kept_whole_says_the_models_property(tmp_path):
     """Where the trace's reason is only the symptom (a shape error at one rank's shapes, a per-head
     tensor), the kept-whole line says the property of the model's code (``infer/properties.py``)."""

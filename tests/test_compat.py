@@ -90,6 +90,7 @@ def dirs(tmp_path_factory):
     return {name: _write(root, name) for name in EXPECT}
 
 
+@pytest.mark.sweep
 def test_plan_makes_or_refuses_in_one_line_never_a_traceback(dirs, capsys, monkeypatch):
     from shardlm.cli import main
 
