@@ -14,7 +14,8 @@ Sides alternate round by round (new, old, transformers, new, old, ...) so load f
 processes hits each alike. Per side: CPU ms per step and rank (median over timed steps and
 rounds; the number to trust on a shared machine), best tokens/s, and memory: the peak RSS of each
 timed step (``VmHWM`` reset before it, nothing trimmed), whose first and last values show creep,
-and the peak over the run. Ratios are new over the other side.
+and the peak over the run. Ratios are new over the other side. ``--layouts one,tp2`` adds TP efficiency:
+the model in one process on the same cores (all threads; shardlm's sides only) against tp=2.
 
     python benchmarks/against.py [--against REV] [--layouts tp2,fsdp2] [--steps 6] [--rounds 2] [--sides new,old]
 """
@@ -35,6 +36,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SIDES = ("new", "old", "transformers")
+# ``one``: the bench Llama in one process on every core (``spawn`` gives it all the threads), shardlm's sides
+# only: the reference of TP efficiency (``efficiency``)
+ONE = "one"
 
 
 def _with_peak_rss(step):
@@ -137,8 +141,9 @@ def main() -> None:
     sides = [s for s in SIDES if s in args.sides.split(",")]
     if "new" not in sides:
         sys.exit(f"error: --sides {args.sides}: needs new (the ratios are over it), e.g. new,old")
-    if any(bench.LAYOUTS.get(n, ("",))[0] != "llama" for n in names):
-        sys.exit(f"error: --layouts takes {', '.join(n for n, v in bench.LAYOUTS.items() if v[0] == 'llama')}")
+    layouts = {**bench.LAYOUTS, ONE: ("llama", {})}
+    if any(layouts.get(n, ("",))[0] != "llama" for n in names):
+        sys.exit(f"error: --layouts takes {', '.join(n for n, v in layouts.items() if v[0] == 'llama')}")
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", args.against], capture_output=True, text=True)
     if rev.returncode:
         sys.exit(f"error: --against {args.against}: not a commit of {REPO}")
@@ -153,10 +158,10 @@ def main() -> None:
         srcs = {"new": new, "old": export_src(args.against, os.path.join(tmp, "old")), "transformers": ""}
         path = bench.write_model(os.path.join(tmp, "llama"))
         for name in names:
-            layout = bench.LAYOUTS[name][1]
-            runs: dict[str, list[dict]] = {s: [] for s in sides}
+            layout = layouts[name][1]
+            runs: dict[str, list[dict]] = {s: [] for s in sides if name != ONE or s != "transformers"}
             for _ in range(args.rounds):
-                for side in sides:
+                for side in runs:
                     runs[side].append(run_side(side, srcs[side] or srcs["new"], path, layout, args.steps))
             results["layouts"][name] = {s: summary(r) for s, r in runs.items()}
     results["wall_s"] = time.perf_counter() - start
@@ -187,7 +192,21 @@ def markdown(results: dict) -> str:
                 f"| {name} | {side} | {s['median_cpu_ms']:.0f} | {ratio} | {s['best_wall_ms']:.0f} "
                 f"| {s['first_step_rss_mb']:.0f} -> {s['last_step_rss_mb']:.0f} | {s['peak_rss_mb']:.0f} |"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + efficiency(results["layouts"]))
+
+
+def efficiency(layouts: dict) -> list[str]:
+    """TP efficiency against one process on the same cores, per side run in both: tokens/s at tp=2 over one
+    process's (best wall), and one process's CPU time over the two ranks' (median CPU ms x 2)."""
+    if ONE not in layouts or "tp2" not in layouts:
+        return []
+    lines = [""]
+    for side, one in layouts[ONE].items():
+        tp2 = layouts["tp2"][side]
+        wall = one["best_wall_ms"] / tp2["best_wall_ms"]
+        cpu = one["median_cpu_ms"] / (2 * tp2["median_cpu_ms"])
+        lines.append(f"TP efficiency ({side}): tokens/s {wall:.2f} of one process's (best wall), CPU {cpu:.2f}")
+    return lines
 
 
 if __name__ == "__main__":

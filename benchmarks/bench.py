@@ -424,7 +424,8 @@ def analytic_comm_bytes(layout: dict, counts: dict[str, int]) -> int:
     the vocab-parallel embedding all-reduces its output, the vocab-parallel LM head its input
     gradient; the loss on vocab shards all-reduces max, sum-exp and target logit per token:
     ``(4L + 2) * T*h + 3T``. FSDP: all-gather every parameter forward, the per-block ones again
-    backward (the root stays gathered), reduce-scatter every gradient: ``2P + P_blocks``.
+    backward but the last block's (it and the root stay gathered, ``build.apply_fsdp``), reduce-scatter
+    every gradient: ``2P + P_blocks (L - 1) / L`` (the bench models' blocks are of one size).
     """
     tp, fsdp = layout.get("tp", 1), layout.get("fsdp", 1)
     tokens = GLOBAL_BATCH // fsdp * SEQ
@@ -432,7 +433,8 @@ def analytic_comm_bytes(layout: dict, counts: dict[str, int]) -> int:
     if tp > 1:
         total += (4 * MODEL["num_hidden_layers"] + 2) * tokens * MODEL["hidden_size"] + 3 * tokens
     if fsdp > 1:
-        total += 2 * counts["tp_local"] + counts["tp_local_blocks"]
+        layers = MODEL["num_hidden_layers"]
+        total += 2 * counts["tp_local"] + counts["tp_local_blocks"] * (layers - 1) // layers
     return 4 * total
 
 

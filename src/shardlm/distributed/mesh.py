@@ -33,7 +33,7 @@ import ctypes
 import functools
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -54,6 +54,15 @@ class Mesh:
     world: DeviceMesh
     parallel: ParallelConfig
     ep_world: DeviceMesh | None = None  # (edp, ep, tp) when parallel.ep > 1
+    # the sub-meshes sliced so far, by dim names: slicing builds a new DeviceMesh each time (~1 ms of
+    # Python), and the trainer asks for the tp and dp views several times every step
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _view(self, *names: str) -> DeviceMesh:
+        """``world[names]``, sliced once."""
+        if names not in self._views:
+            self._views[names] = self.world[names[0] if len(names) == 1 else names]
+        return self._views[names]
 
     @property
     def experts(self) -> DeviceMesh:
@@ -72,16 +81,16 @@ class Mesh:
 
     @property
     def tp(self) -> DeviceMesh:
-        return self.world["tp"]
+        return self._view("tp")
 
     @property
     def pp(self) -> DeviceMesh:
         """The pipeline stages holding this rank's place in the other dims (``parallel.pp``)."""
-        return self.world["pp"]
+        return self._view("pp")
 
     @property
     def cp(self) -> DeviceMesh:
-        return self.world["cp"]
+        return self._view("cp")
 
     @property
     def dp(self) -> DeviceMesh:
@@ -89,8 +98,8 @@ class Mesh:
         with context parallelism ``fsdp`` is ``fsdp x cp`` flattened (``fsdp_cp``)."""
         shard = "fsdp_cp" if self.parallel.cp > 1 else "fsdp"
         if self.parallel.dp_replicate > 1:
-            return self.world["dp_replicate", shard]
-        return self.world[shard]
+            return self._view("dp_replicate", shard)
+        return self._view(shard)
 
     @property
     def shards_parameters(self) -> bool:
@@ -109,8 +118,8 @@ class Mesh:
     def dp_group(self) -> dist.ProcessGroup:
         """One group over every data-parallel rank (both dp dims), for loss and token counts."""
         if self.parallel.dp_replicate > 1:
-            return self.world["dp_replicate", "fsdp"]._flatten("dp").get_group()
-        return self.world["fsdp"].get_group()
+            return self._view("dp_replicate", "fsdp")._flatten("dp").get_group()
+        return self._view("fsdp").get_group()
 
     def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed in place over every data-parallel rank (token counts, loss sums), and
@@ -121,7 +130,7 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.world["dp_replicate"].get_local_rank() * self.parallel.fsdp + self.world["fsdp"].get_local_rank()
+        return self._view("dp_replicate").get_local_rank() * self.parallel.fsdp + self._view("fsdp").get_local_rank()
 
     @property
     def device(self) -> torch.device:

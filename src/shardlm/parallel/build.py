@@ -105,17 +105,26 @@ def apply_fsdp(
     forward registers shards the graph never used, so its weight gradients were never computed
     (measured: ZBVZeroBubble x fsdp=2 left a stage's blocks without gradients, grad_norm 1.4423
     against one process's 1.5209). The schedule reshards a stage once its step is done.
+
+    Without pipeline parallelism the last block and the root stay unsharded after their forward, as
+    torchtitan keeps them: the backward starts with them, so resharding them only to all-gather them
+    again at once costs two all-gathers a step (and their copy-in/copy-out) and saves no memory at the
+    step's peak (FSDP2 prefetches the last block when the backward starts). The root is FSDP2's own
+    default (it does not reshard the root after forward unless told to); under pp the stages' blocks
+    keep resharding (a stage runs several micro-batches' forwards before their backwards).
     """
+    p = mesh.parallel
     kwargs = {
         "mesh": mesh.dp,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "ignored_params": ignored,
         "offload_policy": offload_policy(mesh),
-        "reshard_after_forward": not mesh.parallel.pp_split_backward,
     }
-    for block in decoder_blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        last = p.pp == 1 and i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=not (p.pp_split_backward or last), **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
