@@ -205,7 +205,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     reasons: dict[str, str] = own_forward_routers(model, experts)  # kept whole from the start (Phi-MoE's)
     forced: frozenset[str] = frozenset(reasons)
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
-    not_latents: frozenset[str] = frozenset()  # proposed as latents, but their partial gradients leaked
+    up: dict[str, str] = {}  # latents proposed -> the up-projection reading each
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
@@ -228,15 +228,18 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             forced = forced | narrow
             continue
         # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
-        # heads split after it; one whose partial gradients would leak is not one: traced again as any
-        # linear, never proposed again, and kept whole where the trace then says so (with this reason)
+        # heads split after it; one whose partial gradients would leak is kept replicated the usual way,
+        # with its up-projection (which would otherwise split what it makes of the whole latent), and
+        # so are the same linears of every other block (they leak alike: Gemma 3n's AltUp router)
         leaked = latents & set(traced.latent_leaks)
         if leaked:
-            for f in leaked:
-                reasons[f] = f"{any_block(f)}, a low-rank latent: {any_block(traced.latent_leaks[f])}"
-            forced, latents, not_latents = forced - leaked, latents - leaked, not_latents | leaked
+            cause = {f: lat for lat in sorted(leaked) for f in _every_block({lat, up[lat]}, set(traced.styles))}
+            for f in set(cause) - forced | leaked:
+                reasons[f] = f"{any_block(cause[f])}, a low-rank latent: {any_block(traced.latent_leaks[cause[f]])}"
+            latents, forced = latents - leaked, forced | set(cause)
             continue
-        latent = set(traced.latents) - forced - not_latents
+        up.update(traced.latents)
+        latent = set(traced.latents) - forced
         if latent:
             forced, latents = forced | latent, latents | latent
             continue
