@@ -229,11 +229,13 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             continue
         # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
         # heads split after it; one whose partial gradients would leak is kept replicated the usual way,
-        # with its up-projection (which would otherwise split what it makes of the whole latent), and
-        # so are the same linears of every other block (they leak alike: Gemma 3n's AltUp router)
+        # with its up-projection where that is its sibling (which would otherwise split what it makes of
+        # the whole latent), and so are the same linears of every other block (they leak alike: Gemma 3n's
+        # AltUp router and prediction_coefs)
         leaked = latents & set(traced.latent_leaks)
         if leaked:
-            cause = {f: lat for lat in sorted(leaked) for f in _every_block({lat, up[lat]}, set(traced.styles))}
+            pairs = {lat: {lat, up[lat]} if _sibling(lat, up[lat]) else {lat} for lat in leaked}
+            cause = {f: lat for lat in sorted(leaked) for f in _every_block(pairs[lat], set(traced.styles))}
             for f in set(cause) - forced | leaked:
                 reasons[f] = f"{any_block(cause[f])}, a low-rank latent: {any_block(traced.latent_leaks[cause[f]])}"
             latents, forced = latents - leaked, forced | set(cause)
@@ -312,6 +314,11 @@ def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
     """``fqns`` and the same modules in every other block, among ``candidates``."""
     keys = {_block_key(f) for f in fqns}
     return {f for f in candidates if _block_key(f) in keys}
+
+
+def _sibling(a: str, b: str) -> bool:
+    """Whether modules ``a`` and ``b`` have the same parent."""
+    return a.rpartition(".")[0] == b.rpartition(".")[0]
 
 
 def _block(fqn: str) -> str:
