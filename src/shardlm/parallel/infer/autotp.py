@@ -193,8 +193,8 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
 
 # Every round that does not end the search adds to the modules kept whole (or to the wholes held, or learns
 # that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-connections make it
-# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13), Gemma 3n's
-# LAuReL and AltUp in 29
+# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
+# plan takes 6 (its echoes wait, ``_region``)
 _MAX_ROUNDS = 32
 
 
