@@ -42,8 +42,8 @@ PROPERTIES = {
     # AltUp's extra streams: projections of the embedding (and, at the end, back) rescaled by the model's forward
     # to the embedding's magnitude: a root mean square over the whole hidden width, computed inline
     **{
-        f"Gemma3nTextModel.{name}.{i}": "AltUp's streams rescaled to the embedding's root mean square over the "
-        "whole hidden width, computed by the model's forward"
+        f"Gemma3nTextModel.{name}.{i}": "AltUp's streams rescaled in the model's forward to the embedding's RMS "
+        "over the whole hidden width"
         for name in ("altup_projections", "altup_unembed_projections")
         for i in range(16)
     },
