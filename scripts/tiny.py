@@ -3,7 +3,9 @@
 Only sizes are shrunk (widths, depths, head counts, vocabulary, experts); everything else a
 model type's config says by default stays as published: token ids (brought inside the small
 vocabulary), sliding windows, rope variants, per-layer attribute lists (cut to the layers
-kept, one layer of every kind). Dropout is switched off, because parity needs it.
+kept, one layer of every kind); a list of feed-forward widths (Gemma 3n's per-layer ``intermediate_size``)
+is shrunk item by item, a width that is a multiple of the smallest staying that multiple (up to 4x).
+Dropout is switched off, because parity needs it.
 
 Sizes a config validates against each other stay consistent, one rule per constraint (each
 named after the type that showed it): the config's own ``attribute_map`` names its routing sizes
@@ -367,6 +369,8 @@ def shrink(d: dict) -> dict:
             d[k] = shrink(v)
         elif size is not None and _int(v) and v > size:
             d[k] = size
+        elif k in FFN and isinstance(v, list) and v and all(_int(x) and x > 0 for x in v):
+            d[k] = [_small(k, x, min(v)) for x in v]  # per-layer widths (Gemma 3n's intermediate_size)
         elif isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             d[k] = 0.0
         elif k in ("init_std", "initializer_range") and isinstance(v, float) and v >= 1.0:

@@ -256,6 +256,30 @@ def test_kept_whole_says_the_models_property(tmp_path):
         assert len(lines) == 1 and lines[0].split(": replicated (")[1].startswith(why), (model_type, kept)
 
 
+def test_gemma3n_attention_split_in_every_layer(tmp_path):
+    """Gemma 3n's AltUp projections of the embedding, split, split the residual stream every layer reads:
+    the trace's first pairings are its echoes (q/k/v row-parallel, o_proj column-parallel), which wait
+    while their cause is kept whole; a leaked latent (AltUp's router) is kept whole with its up-projection
+    in every layer. Attention and LAuReL are then split in every layer, and what is kept whole says the
+    model's property (activation sparsity's statistics, AltUp's magnitudes), not a symptom."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.infer.properties import PROPERTIES
+    from shardlm.parallel.model.meta import build_meta_model
+
+    config = tiny_config("gemma3n_text")
+    config.save_pretrained(tmp_path)
+    plan = infer_plan(build_meta_model(str(tmp_path)), 2)
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        assert plan.styles[f"{layer}.self_attn.q_proj"] == plan.styles[f"{layer}.laurel.linear_left"] == "colwise"
+        assert plan.styles[f"{layer}.self_attn.o_proj"] == plan.styles[f"{layer}.laurel.linear_right"] == "rowwise"
+        sparse = config.activation_sparsity_pattern[i] > 0
+        assert (plan.styles[f"{layer}.mlp.down_proj"] == "rowwise") != sparse, layer
+        if sparse:
+            assert plan.replicated[f"{layer}.mlp.gate_proj"] == PROPERTIES["Gemma3nTextMLP"]
+    assert plan.replicated["model.altup_projections.0"] == PROPERTIES["Gemma3nTextModel.altup_projections.0"]
+
+
 def test_parameters_read_directly_around_split_layers_are_kept_whole(tmp_path):
     """ProphetNet's decoder, whose feed-forwards are split, reads its position and n-gram tables itself
     (``position_embeddings._forward``, ``ngram_embeddings.weight[i]``): the tables are kept whole, served

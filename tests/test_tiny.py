@@ -41,6 +41,9 @@ def test_derived_sizes_stay_derived():
     assert dory.n_input_layers + dory.n_recurrent_layers + dory.n_output_layers == dory.num_hidden_layers
     gemma3n = tiny_config("gemma3n_text")  # the cache-sharing layers keep a producer of their kind
     assert gemma3n.kv_sharing_modes and gemma3n.vocab_size_per_layer_input == gemma3n.vocab_size
+    assert gemma3n.intermediate_size == [128] * gemma3n.num_hidden_layers  # per-layer widths shrunk too
+    ernie_vl = tiny_config("ernie4_5_vl_moe_text")  # text and vision experts' widths (1536, 512): still 3 to 1
+    assert ernie_vl.moe_intermediate_size == [192, 64]
 
 
 def test_unequal_sizes_keep_what_each_config_needs():

@@ -194,8 +194,8 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
 
 # Every round that does not end the search adds to the modules kept whole (or to the wholes held, or learns
 # that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-connections make it
-# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13), Gemma 3n's
-# LAuReL and AltUp in 29
+# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
+# plan takes 6 (its echoes wait, ``_region``)
 _MAX_ROUNDS = 32
 
 
@@ -207,6 +207,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     reasons.update(_whole_moe(model, whole_moe_layers(model, experts)))  # MoE layers no probe splits
     forced: frozenset[str] = frozenset(reasons)
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
+    up: dict[str, str] = {}  # latents proposed -> the up-projection reading each
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
@@ -229,22 +230,24 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             forced = forced | narrow
             continue
         # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
-        # heads split after it; one whose partial gradients would leak is kept replicated the usual way
+        # heads split after it; one whose partial gradients would leak is kept replicated the usual way,
+        # with its up-projection where that is its sibling (which would otherwise split what it makes of
+        # the whole latent), and so are the same linears of every other block (they leak alike: Gemma 3n's
+        # AltUp router and prediction_coefs)
         leaked = latents & set(traced.latent_leaks)
         if leaked:
-            for f in leaked:
-                reasons[f] = f"{any_block(f)}, a low-rank latent: {any_block(traced.latent_leaks[f])}"
-            latents = latents - leaked
+            pairs = {lat: {lat, up[lat]} if _sibling(lat, up[lat]) else {lat} for lat in leaked}
+            cause = {f: lat for lat in sorted(leaked) for f in _every_block(pairs[lat], set(traced.styles))}
+            for f in set(cause) - forced | leaked:
+                reasons[f] = f"{any_block(cause[f])}, a low-rank latent: {any_block(traced.latent_leaks[cause[f]])}"
+            latents, forced = latents - leaked, forced | set(cause)
             continue
+        up.update(traced.latents)
         latent = set(traced.latents) - forced
         if latent:
             forced, latents = forced | latent, latents | latent
             continue
-        region: set[str] = set()
-        for sources, why in traced.violations:
-            for fqn in _closure(traced, set(sources)) - forced - region:
-                reasons.setdefault(fqn, any_block(why))
-                region.add(fqn)
+        region = _region(traced, forced, reasons)
         if not region and not traced.violations:
             plan = _assemble(model, tp, traced, geo, latents)
             failure = dry_run(model, plan, tp, traced, probes)
@@ -329,14 +332,58 @@ def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
     return {f for f in candidates if _block_key(f) in keys}
 
 
-def _closure(traced: Traced, bad: set[str]) -> set[str]:
+def _sibling(a: str, b: str) -> bool:
+    """Whether modules ``a`` and ``b`` have the same parent."""
+    return a.rpartition(".")[0] == b.rpartition(".")[0]
+
+
+def _block(fqn: str) -> str:
+    """The numbered block ``fqn`` is inside (``model.layers.3`` for ``model.layers.3.mlp.up_proj``), or
+    "" around the blocks (``model.altup_projections.0``: a numbered linear, no block)."""
+    found = re.match(r"(.*?\.\d+)\.", fqn)
+    return found.group(1) if found else ""
+
+
+def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
+    """The linears to keep whole after this trace's violations (``reasons``: why, for each new one).
+
+    A violation whose sources strictly contain an earlier one's is an echo: a linear split wrongly
+    (Gemma 3n's AltUp projections of the embedding, its AltUp router) splits the residual stream what
+    follows reads, and the trace then pairs the linears after it the wrong way round (attention's q/k/v
+    row-parallel, its o_proj column-parallel), which meet violations of their own. Where there are
+    echoes, only the other violations are acted on, their sub-blocks closed within their own blocks;
+    one that an echo follows is acted on in every block alike (the echo hides what the later blocks
+    would say); the echoes wait for the next trace, on a whole residual stream."""
+    found = [(frozenset(s), why) for s, why in traced.violations if s]
+    echoes = [s for k, (s, _) in enumerate(found) if any(e < s for e, _ in found[:k])]
+    region: set[str] = set()
+    for sources, why in found:
+        if sources in echoes:
+            continue
+        bad = _closure(traced, set(sources), bool(echoes))
+        if any(sources < e for e in echoes):  # the cause of an echo: every block alike
+            for fqn in _every_block(bad, set(traced.styles)) - bad:
+                bad |= _closure(traced, {fqn}, True)
+        for fqn in bad - forced - region:
+            reasons.setdefault(fqn, any_block(why))
+            region.add(fqn)
+    return region
+
+
+def _closure(traced: Traced, bad: set[str], in_block: bool = False) -> set[str]:
     """``bad`` plus every row-parallel linear reading from it and every column-parallel linear
-    feeding those: the whole sub-block, which then stays replicated."""
+    feeding those: the whole sub-block, which then stays replicated (``in_block``: only those in
+    the blocks of ``bad``, ``_region``)."""
+    blocks = {_block(f) for f in bad}
     bad = set(bad)
     changed = True
     while changed:
         changed = False
         for closer, sources in traced.closer_inputs.items():
+            if in_block:
+                if _block(closer) not in blocks:
+                    continue
+                sources = {f for f in sources if _block(f) in blocks}
             if sources & bad and not ({closer} | sources) <= bad:
                 bad |= {closer} | sources
                 changed = True

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.refusals import not_splittable
-from shardlm.parallel.model.hf import out_features
+from shardlm.parallel.model.hf import out_dim, out_features
 from shardlm.parallel.plan.plan import Plan
 
 
@@ -80,7 +80,7 @@ def check_latent(tracker, name: str, inputs: list[torch.Tensor], latent: frozens
 
 
 def latent_candidates(
-    tracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict
+    tracker, styles: dict[str, str], outputs: dict[str, torch.Tensor], closer_inputs: dict, meta: nn.Module
 ) -> dict[str, str]:
     """Column-parallel linears whose split output a row-parallel linear reads and expands into
     heads: its output, whole, is viewed at once as ``[..., heads, head_dim]``.
@@ -90,8 +90,10 @@ def latent_candidates(
     projection (column) with the up-projection (row), which is exact but leaves the heads whole
     on every rank and the output projection with nothing split to read; kept whole instead, the
     latent (small: it is the rank of the factorization) feeds a column-parallel up-projection
-    split by heads, and the output projection closes the pair as in any attention. ``tracker``:
-    the trace's ``ShardTracker`` (its first views and head counts)."""
+    split by heads, and the output projection closes the pair as in any attention. A factorization
+    is low-rank: the latent is narrower than both what it reads and what the up-projection makes of
+    it (Gemma 3n's AltUp, whose 4 x 4 prediction coefficients read a projection of the whole residual
+    stream, are not one). ``tracker``: the trace's ``ShardTracker`` (its first views and head counts)."""
     out: dict[str, str] = {}
     for name, style in styles.items():
         y = outputs.get(name)
@@ -106,8 +108,15 @@ def latent_candidates(
             and math.prod(view[:-2]) == math.prod(y.shape[:-1])
         ):
             for source in closer_inputs.get(name, ()):
-                out.setdefault(source, name)
+                if _low_rank(meta.get_submodule(source), y.shape[-1]):
+                    out.setdefault(source, name)
     return out
+
+
+def _low_rank(source: nn.Module, up_width: int) -> bool:
+    """Whether linear ``source``'s output (the latent) is narrower than its input and than ``up_width``."""
+    rank = out_features(source)
+    return rank < source.weight.shape[1 - out_dim(source)] and rank < up_width
 
 
 def _first_view(tracker, t: int) -> tuple[int, ...]:

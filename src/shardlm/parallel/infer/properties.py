@@ -35,6 +35,18 @@ PROPERTIES = {
         [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],
         "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel",
     ),
+    # Gemma 3n's activation sparsity (layers with activation_sparsity_pattern > 0): gaussian top-k keeps the
+    # gate's outputs above mean + std * icdf(sparsity), both over the whole intermediate width, computed inline
+    # by the MLP's forward (torch.mean, torch.std), not by a norm module ``sharded_norm`` could place
+    "Gemma3nTextMLP": "activation sparsity: a cutoff from the mean and std of the gate's output over its whole width",
+    # AltUp's extra streams: projections of the embedding (and, at the end, back) rescaled by the model's forward
+    # to the embedding's magnitude: a root mean square over the whole hidden width, computed inline
+    **{
+        f"Gemma3nTextModel.{name}.{i}": "AltUp's streams rescaled in the model's forward to the embedding's RMS "
+        "over the whole hidden width"
+        for name in ("altup_projections", "altup_unembed_projections")
+        for i in range(16)
+    },
     # parameters another module's forward reads directly, kept whole (``direct_reads.py``)
     **dict.fromkeys(
         ("Gemma3nTextDecoderLayer.altup", "Gemma3nTextAltUp"),

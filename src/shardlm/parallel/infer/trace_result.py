@@ -113,7 +113,7 @@ def collect(
         tracker.int_uses,
         tracker.found_wholes - wholes,
         {name: flags for name, flags in whole.items() if any(flags)},
-        latent_candidates(tracker, styles, outputs, closer_inputs),
+        latent_candidates(tracker, styles, outputs, closer_inputs, meta),
         {name: set(fqns) for name, fqns in tracker.latent_readers.items()},
         dict(tracker.latent_leaks),
         direct,
