@@ -58,8 +58,10 @@ EXPECT = {
         None,
     ),
     "hrm_text": (0, "replicate_own", None),
-    # the later blocks' LayerNorms read split activations: those blocks stay whole
-    "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.attention.key"),
+    # every block's WKV mixer split by channels and its feed-forward key/value column/row; the feed-forward's
+    # receptance, whose output the next block's ln1 would normalize across the split width, stays whole (the later
+    # blocks were kept whole too until the trace told a wrong split's echoes from their cause, Gemma 3n's round)
+    "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.feed_forward.receptance"),
     # split by channels (parallel/infer/summed.py): x_proj row-parallel in the middle, dt_proj used directly
     "mamba": (0, "its output, read back inside the split channels, has its gradient summed over TP", None),
     # its in_proj cut into [z, x|B|C, dt] and x|B|C again after the conv: packed by both cuts; at n_groups=1
