@@ -124,12 +124,15 @@ def _run_ranks(cfg, world: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from shardlm.distributed.launch import RankFailed, spawn, under_torchrun
+    from shardlm.distributed.mesh import leave_distributed
     from shardlm.train.faults import NonFiniteError
     from shardlm.train.trainer import run
 
     try:
         if under_torchrun() or world == 1:
             run(cfg)  # a SIGTERM makes it save and return (faults.py): exit 0
+            if under_torchrun():
+                leave_distributed()
         else:
             spawn(run, world, cfg)
     except (RankFailed, NonFiniteError) as exc:

@@ -221,6 +221,19 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def leave_distributed() -> None:
+    """After a run that ended well on every rank: wait for the others, then destroy the process groups.
+
+    Why: under torchrun every rank is a process of its own that exits when its run returns; one leaving while
+    another is still in its last collective, or still reading the rendezvous store another node's agent hosts,
+    aborts that one (SIGABRT in the two-node test, under load, after the last step). Only where every rank got
+    here: a rank that failed is not waited for."""
+    if dist.is_initialized():
+        dist.barrier()
+        _BUILT.clear()
+        dist.destroy_process_group()
+
+
 def build_mesh(parallel: ParallelConfig) -> Mesh:
     """Mesh for ``parallel``; refuses a layout whose product is not the world size."""
     world_size = dist.get_world_size()
