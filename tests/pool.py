@@ -32,7 +32,7 @@ from multiprocessing.connection import wait
 
 # under pytest-timeout's 600 s (pyproject.toml), so that a stuck job fails here, with every rank's stacks
 JOB_TIMEOUT_S = 480
-_POOLS: dict[int, list] = {}  # world size -> [(process, connection)]
+_POOLS: dict[int, list] = {}  # world size -> [(process, connection, its stacks file)]
 
 
 class RankError(RuntimeError):
