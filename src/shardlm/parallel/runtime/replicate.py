@@ -71,17 +71,24 @@ class LocalReplicate(ParallelStyle):
         shard_params(
             module, device_mesh, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, self.src_data_rank
         )
-        params = LocalParams()
-
-        def to_local(mod, args):
-            for sub in [mod] if self.own_only else mod.modules():
-                for name, param in list(sub._parameters.items()):
-                    if isinstance(param, DTensor):
-                        params.swap(sub, name, local_view(param))
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(lambda mod, args, out: params.restore())
+        _local_views_while_running(module, lambda: [module] if self.own_only else module.modules())
         return module
+
+
+def _local_views_while_running(module: nn.Module, holders) -> None:
+    """Hooks on ``module``: while its forward runs, the DTensor parameters of the modules ``holders()``
+    returns are local views (swapped by ``LocalParams``, put back after it), their gradients arriving as the
+    parameters' replicated ones."""
+    params = LocalParams()
+
+    def to_local(mod, args):
+        for sub in holders():
+            for name, param in list(sub._parameters.items()):
+                if isinstance(param, DTensor):
+                    params.swap(sub, name, local_view(param))
+
+    module.register_forward_pre_hook(to_local)
+    module.register_forward_hook(lambda mod, args, out: params.restore())
 
 
 def serve_direct_reads(model: nn.Module, plan: Plan) -> None:
@@ -94,17 +101,7 @@ def serve_direct_reads(model: nn.Module, plan: Plan) -> None:
     for owner, (user, _) in plan.direct_reads.items():
         users.setdefault(user, []).append(model.get_submodule(owner))
     for user, owners in users.items():
-        params = LocalParams()
-
-        def to_local(mod, args, owners=owners, params=params):
-            for sub in owners:
-                for name, param in list(sub._parameters.items()):
-                    if isinstance(param, DTensor):
-                        params.swap(sub, name, local_view(param))
-
-        module = model.get_submodule(user)
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(lambda mod, args, out, params=params: params.restore())
+        _local_views_while_running(model.get_submodule(user), lambda owners=owners: owners)
 
 
 class ShardedRMSNorm(ParallelStyle):
