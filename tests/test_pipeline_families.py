@@ -4,8 +4,9 @@ not already run them (the grid, with where each cell is tested, is docs/pipeline
 Qwen3 (sliding-window blocks on the second stage), Gemma 3 (sliding and full blocks) and GPT-2 (learned
 positions, tied embeddings) under two stages a rank (Interleaved1F1B, ZBVZeroBubble) at pp=2, and at pp=4
 (1F1B, one block a stage), pp=2 x fsdp=2 and pp=2 x tp=2 (4 ranks); Qwen3-MoE with 4 sparse blocks under
-both schedules of two stages a rank and at pp=4 and pp=2 x tp=2 (its expert parallelism inside a stage is
-test_pipeline_moe's); LoRA on every projection of Llama at pp=4 and pp=2 x fsdp=2 against one-process peft.
+both schedules of two stages a rank, at pp=4 and pp=2 x tp=2, and at pp=2 x fsdp=2 x ep=2 with two stages a
+rank under Interleaved1F1B (its expert parallelism with one stage a rank is test_pipeline_moe's); LoRA on every
+projection of Llama at pp=4 and pp=2 x fsdp=2 against one-process peft.
 Every family's one-process reference is conftest's, computed once; the runs of each world size are jobs of
 one ``run_ranks`` call on the pooled ranks.
 
@@ -36,6 +37,8 @@ LAYOUTS = {
     # 8 stages, two a rank, one block each: benchmarks/pp_families.py's, on 8-block models
     "pp4_interleaved": ({"pp": 4, "pp_schedule": "Interleaved1F1B"}, 4, 1),
     "pp4_zbv": ({"pp": 4, "pp_schedule": "ZBVZeroBubble"}, 4, 1),
+    # 4 stages, two a rank, each stage's two data-parallel ranks holding 2 of its block's 4 experts
+    "pp2_fsdp2_ep2_interleaved": ({"pp": 2, "fsdp": 2, "ep": 2, "pp_schedule": "Interleaved1F1B"}, 2, 1),
 }
 TWO_RANK_RUNS = [
     ("qwen3_sliding", "pp2_interleaved"),
@@ -50,6 +53,7 @@ FOUR_RANK_RUNS = [
     *((name, layout) for name in ("qwen3_sliding", "gemma3", "gpt2") for layout in ("pp4", "pp2_fsdp2", "pp2_tp2")),
     ("qwen3_moe", "pp4"),
     ("qwen3_moe", "pp2_tp2"),
+    ("qwen3_moe", "pp2_fsdp2_ep2_interleaved"),
 ]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RUNS = ["pp4", "pp2_fsdp2"]
@@ -89,7 +93,9 @@ def test_families_with_two_stages_a_rank(models):
 def test_families_on_four_ranks(models):
     """pp=4 (1F1B, one block a stage), pp=2 x fsdp=2 (each stage its FSDP root; GPT-2's tied copies' shards
     summed between the stages) and pp=2 x tp=2 (each stage's narrowed plan, the vocabulary-parallel loss on the
-    last) for Qwen3, Gemma 3 and GPT-2; Qwen3-MoE at pp=4 and pp=2 x tp=2: one process's loss and grad_norm."""
+    last) for Qwen3, Gemma 3 and GPT-2; Qwen3-MoE at pp=4, pp=2 x tp=2 and, with two stages a rank, pp=2 x
+    fsdp=2 x ep=2 under Interleaved1F1B (each stage's all-to-alls within its own two ranks, stage after stage):
+    one process's loss and grad_norm."""
     for (name, layout), (losses, _) in runs_in_one_world(models, FOUR_RANK_RUNS, 4, LAYOUTS).items():
         check(losses, models[name][1], f"{name} {layout}")
 

@@ -21,6 +21,7 @@ from helpers import assert_parity, load_checked, plain_reference, run_ranks, sha
 from test_pipeline import ROUTER_REFUSAL
 
 from shardlm import ConfigError
+from shardlm.config import load_config
 from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.meta import build_meta_model
 
@@ -130,16 +131,19 @@ def test_expert_parallel_inside_a_stage_matches_one_process(qwen3_moe):
 
 
 def test_ep_with_pp_passes_the_checks(models, tmp_path):
-    """``parallel.ep`` with ``parallel.pp`` is accepted before spawning, with several stages a rank refused in one
-    line; the router's load-balancing loss with ``pp`` is refused in one line (its global counts are needed
-    before the first micro-batch's backward)."""
+    """``parallel.ep`` with ``parallel.pp`` is accepted before spawning, with several stages a rank too
+    (Interleaved1F1B), and refused in one line under a schedule with a split backward (ZBVZeroBubble); the
+    router's load-balancing loss with ``pp`` is refused in one line (its global counts are needed before the
+    first micro-batch's backward)."""
     path = models["qwen3_moe"]
     (tmp_path / "d.txt").write_text("a b c\n")
     train = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     raw = {"model": path, "data": {"path": str(tmp_path / "d.txt")}, "train": train}
     assert load_checked(raw={**raw, "parallel": LAYOUTS["pp2_ep2"][0]}).parallel.world_size == 4
+    interleaved = {**LAYOUTS["pp2_ep2"][0], "pp_schedule": "Interleaved1F1B"}
+    assert load_config(raw={**raw, "parallel": interleaved}).parallel.pp_stages_per_rank == 2  # 2 blocks: config only
     virtual = {**LAYOUTS["pp2_ep2"][0], "pp_schedule": "ZBVZeroBubble"}
-    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.pp_schedule=ZBVZeroBubble \(several") as info:
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.pp_schedule=ZBVZeroBubble: torch's") as info:
         load_checked(raw={**raw, "parallel": virtual})
     assert "\n" not in str(info.value)
     router = tiny_config("qwen3_moe")

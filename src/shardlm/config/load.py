@@ -262,6 +262,13 @@ def _validate_pp(cfg: Config) -> None:
             "pass (torch raises); set train.compile: false or a schedule without a split backward (1F1B, GPipe, "
             "Interleaved1F1B, LoopedBFS)"
         )
+    if p.ep > 1 and p.pp_split_backward:  # Interleaved1F1B and LoopedBFS with ep: one process's numbers
+        raise ConfigError(
+            f"parallel.ep={p.ep} with parallel.pp_schedule={p.pp_schedule}: torch's separate weight-gradient pass "
+            "fails through the experts' all-to-all dispatch (measured at ZBVZeroBubble, pp=2 x fsdp=2 x ep=2: "
+            "'backward through the graph a second time'); set parallel.ep: 1 or a schedule without a split "
+            "backward (1F1B, GPipe, Interleaved1F1B, LoopedBFS)"
+        )
     _validate_pp_cp(cfg)
 
 
@@ -312,11 +319,6 @@ def _validate_virtual_stages(p: ParallelConfig) -> None:
             f"parallel.pp_microbatches={p.pp_chunks}: {p.pp_schedule} runs the micro-batches in rounds of "
             f"parallel.pp={p.pp} and needs a multiple of {rounds} rounds' worth; set parallel.pp_microbatches to a "
             f"multiple of {p.pp}"
-        )
-    if p.ep > 1 and v > 1:  # ZBVZeroBubble's weight-gradient pass failed through the dispatch at pp2 x fsdp2 x ep2
-        raise ConfigError(
-            f"parallel.ep={p.ep} with parallel.pp_schedule={p.pp_schedule} (several stages a rank) is not supported "
-            "yet (docs/pipeline.md); set parallel.ep: 1 or parallel.pp_schedule: 1F1B"
         )
 
 
