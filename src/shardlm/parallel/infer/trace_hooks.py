@@ -91,6 +91,11 @@ class TraceHooks:
                     self.styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     self.legit[owner] = True
                     self.tracker.inside.append(name)
+                elif within_heads(self.tracker, args[0], params):
+                    # the same parameters for every head, acting on each head's own features (Inkling's bank of
+                    # relative-logit profiles): replicated, gradients summed over TP; its ops still checked
+                    self.styles[name] = "replicate_grad_allreduce"
+                    self.legit[owner] = True
                 elif (
                     all(p.numel() == width for p in params)
                     and rms_norm_eps(module) is not None
@@ -147,3 +152,14 @@ class TraceHooks:
                         self.tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
 
         return hook
+
+
+def within_heads(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether parameters of a module reading split activations ``t`` act within each head: ``t`` split
+    along a dim before its last (its heads), every parameter at least 2-D with its first dim the last
+    one's size (one head's features: Inkling's ``relative_states @ proj``, ``proj`` [d_rel, extent]). The
+    1-D case is a per-head norm's, judged by its widths; a parameter spanning the heads is no such case."""
+    layout = tracker.layouts.get(id(t))
+    if layout is None or t.dim() < 3 or layout[0] % t.dim() == t.dim() - 1:
+        return False
+    return all(p.dim() >= 2 and p.shape[0] == t.shape[-1] for p in params)
