@@ -66,7 +66,9 @@ def follows(
     found = {tracker.layouts.get(id(s)) for s in met}
     layout = found.pop() if len(found) == 1 else None
     origin = None
-    per = _per_head(t, tdim, met) if name not in _CATS and layout is not None and layout[0] == dim else 1
+    per = 1
+    if name not in _CATS and layout is not None and layout[0] == dim and t.shape[tdim] != param.shape[lead_dim(param)]:
+        per = _per_head(t, tdim, met)  # a view of it into heads
     if (
         layout is not None
         and layout[0] == dim

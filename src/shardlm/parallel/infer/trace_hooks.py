@@ -107,9 +107,10 @@ class TraceHooks:
                 else:
                     across = all(p.numel() == width for p in params)
                     why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
-                    if across and len(params) == 1:
+                    if (across and len(params) == 1) or heads_shaped(self.tracker, args[0], params):
                         # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
-                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
+                        # n_groups divisible by tp), or parameters per head and channel (Inkling 2's L2 clip's
+                        # scale): its ops decide (``ShardTracker.deferred``)
                         self.tracker.deferred.append((name, why, len(self.tracker.violations)))
                     else:
                         self.tracker.violations.append(why)
@@ -163,3 +164,13 @@ def within_heads(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Paramet
     if layout is None or t.dim() < 3 or layout[0] % t.dim() == t.dim() - 1:
         return False
     return all(p.dim() >= 2 and p.shape[0] == t.shape[-1] for p in params)
+
+
+def heads_shaped(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether every parameter has the shape of ``t``'s dims from its split dim on, at least 2-D (Inkling 2's
+    scale [heads, head_dim] multiplying [..., heads, head_dim]): per head and channel, it may follow the heads."""
+    layout = tracker.layouts.get(id(t))
+    if layout is None or not t.dim():
+        return False
+    split = layout[0] % t.dim()
+    return bool(params) and all(p.dim() >= 2 and tuple(p.shape) == tuple(t.shape[split:]) for p in params)
