@@ -332,8 +332,14 @@ def _cut_layers(d: dict) -> list[int] | None:
 
 def _shrink_layer_entry(entry: dict, d: dict) -> dict:
     """One per_layer_config entry: sizes shrunk as the global ones, kv heads as in ``_kv_heads`` (an MLA
-    entry's, Dots 3's sliding layers, stay its heads)."""
+    entry's, Dots 3's sliding layers, stay its heads). A latent's rank narrower than the published width
+    stays narrower than the tiny one: the global rank, not its multiple (Dots 3's sliding layers'
+    ``kv_lora_rank`` 1024 of 5120 would be 64 of 64, a latent no narrower than what it reads)."""
     out = {k: _small(k, v, d.get(k)) if k in SIZES and _int(v) else v for k, v in entry.items()}
+    width = next((d[k] for k in WIDTH if _int(d.get(k))), None)
+    for k, v in entry.items():
+        if k.endswith("lora_rank") and _int(v) and width and v < width and out[k] >= SIZES["hidden_size"]:
+            out[k] = SIZES[k]
     heads = next((out[k] for k in HEADS if _int(out.get(k))), None)
     mla = _int(out.get("kv_lora_rank", d.get("kv_lora_rank")))
     for k in KV_HEADS:

@@ -64,6 +64,21 @@ SPLIT = {
 INDEXED = {"deepseek_v32": ("model.layers.0.self_attn.indexer", ("wq_b", "weights_proj"))}
 CONFIG = {"deepseek_v32": {"index_topk": 4}}  # of 16 tokens: the top-k picks (the default 2048 keeps all)
 WORLD = {**SPLIT, **INDEXED}  # the types trained in the tp=2 worlds
+# planned only (their tp=2 parity is the matrix's rows): the attention of block 1, its linears split by heads
+PLANNED = {
+    # GLM-DSA's attention with a gate and sinks: it returns its indexer's top-k (no gradient), no leak of the q
+    # latent (as GLM-DSA's), heads split; its MLA widths not taken for split ones (q_a_proj, a latent, is whole)
+    "hy_v4": ("model.layers.1.self_attn", ("q_b_proj", "kv_b_proj", "gate_proj", "o_proj")),
+    # sliding layers with twice the config's kv heads: each rank repeats its kv heads by its own groups
+    "mimo_v2_flash": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    # a forget gate adding dt_bias viewed [1, 1, heads, head_dim]: dt_bias follows the heads
+    "bailing_hybrid": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    # a bank of relative-logit profiles [d_rel, extent] applied within each head: gradients summed over TP
+    "inkling_text": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "r_proj", "o_proj")),
+    # sliding layers: an L2 clip scaling each head's channels ([heads, head_dim], follows the heads) and the bank
+    # multiplied within each head, its gradient summed over TP (the full-attention layer 2 stays whole)
+    "inkling2_text": ("model.layers.1.self_attn", ("q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear")),
+}
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
     # q/k/v [64, 64] + bias, o [64, 64], sinks [4]: halved; o's bias [64] whole (added after the all-reduce)
@@ -112,7 +127,7 @@ def _write(root: Path, model_type: str) -> str:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("attention")
-    return {t: _write(root, t) for t in WORLD}
+    return {t: _write(root, t) for t in {**WORLD, **PLANNED}}
 
 
 def test_attention_is_split_with_what_acts_per_head(dirs):
@@ -120,12 +135,22 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
 
-    for model_type, (attention, linears) in SPLIT.items():
+    for model_type, (attention, linears) in {**SPLIT, **PLANNED}.items():
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
-        every = re.sub(r"\.\d+\.", ".*.", attention)  # the attention of every block
-        assert not [f for f in plan.replicated if re.sub(r"\.\d+\.", ".*.", f).startswith(every)], plan.replicated
+        planned = model_type in PLANNED  # its block 1 only (other kinds of blocks may stay whole)
+        every = attention if planned else re.sub(r"\.\d+\.", ".*.", attention)  # the attention of every block
+        kept = [f for f in plan.replicated if (f if planned else re.sub(r"\.\d+\.", ".*.", f)).startswith(every)]
+        assert not [f for f in kept if not f.endswith(".indexer.wk")], plan.replicated  # DSA's one key head only
         styles = [plan.styles[f"{attention}.{name}"] for name in linears]
         assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
+    plan = infer_plan(build_meta_model(dirs["bailing_hybrid"]), 2)
+    assert plan.styles["model.layers.1.self_attn.forget_gate"] == "per_channel"
+    assert set(plan.channels["model.layers.1.self_attn.forget_gate"]) == {"A_log", "dt_bias"}
+    plan = infer_plan(build_meta_model(dirs["inkling_text"]), 2)
+    assert plan.styles["model.layers.1.self_attn.rel_logits_proj"] == "replicate_grad_allreduce"
+    plan = infer_plan(build_meta_model(dirs["inkling2_text"]), 2)
+    assert "model.layers.1.self_attn.relative_position_bias.proj" in plan.partial_grads
+    assert plan.styles["model.layers.1.self_attn.q_proj.norm"] == "per_channel"
     for model_type in ("gpt_oss", "granite_swa"):
         plan = infer_plan(build_meta_model(dirs[model_type]), 2)
         attention = SPLIT[model_type][0]

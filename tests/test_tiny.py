@@ -44,6 +44,9 @@ def test_derived_sizes_stay_derived():
     assert gemma3n.intermediate_size == [128] * gemma3n.num_hidden_layers  # per-layer widths shrunk too
     ernie_vl = tiny_config("ernie4_5_vl_moe_text")  # text and vision experts' widths (1536, 512): still 3 to 1
     assert ernie_vl.moe_intermediate_size == [192, 64]
+    dots3 = tiny_config("dots3_note_text")  # sliding layers' latent (1024 of 5120 published): still narrower
+    sliding = dots3.per_layer_config["sliding_attention"]
+    assert sliding.kv_lora_rank + sliding.qk_rope_head_dim < dots3.hidden_size
 
 
 def test_unequal_sizes_keep_what_each_config_needs():

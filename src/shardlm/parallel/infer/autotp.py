@@ -332,6 +332,19 @@ def _every_block(fqns: set[str], candidates: set[str]) -> set[str]:
     return {f for f in candidates if _block_key(f) in keys}
 
 
+def _alike(bad: set[str], others: set[str], names: set[str]) -> set[str]:
+    """Those of ``others`` (the modules of ``bad`` in other blocks) whose block holds the same modules
+    (``names``, by path below it) as ``bad``'s: a block of another kind is not alike (Inkling 2's
+    full-attention layers convolve keys and values with dynamic taps, its sliding layers with static ones)."""
+
+    def below(fqn: str) -> frozenset[str]:
+        block = _block(fqn) + "."
+        return frozenset(n[len(block) :] for n in names if n.startswith(block))
+
+    kinds = {_block_key(f): below(f) for f in bad}
+    return {f for f in others if kinds.get(_block_key(f)) in (None, below(f))}
+
+
 def _sibling(a: str, b: str) -> bool:
     """Whether modules ``a`` and ``b`` have the same parent."""
     return a.rpartition(".")[0] == b.rpartition(".")[0]
@@ -362,7 +375,7 @@ def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> 
             continue
         bad = _closure(traced, set(sources), bool(echoes))
         if any(sources < e for e in echoes):  # the cause of an echo: every block alike
-            for fqn in _every_block(bad, set(traced.styles)) - bad:
+            for fqn in _alike(bad, _every_block(bad, set(traced.styles)) - bad, set(traced.styles)):
                 bad |= _closure(traced, {fqn}, True)
         for fqn in bad - forced - region:
             reasons.setdefault(fqn, any_block(why))

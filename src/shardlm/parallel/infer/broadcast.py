@@ -22,6 +22,7 @@ _ELEMENTWISE = {
     "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__", "__radd__", "add_", "__iadd__",
     "sub", "__sub__", "__rsub__", "sub_", "__isub__", "div", "__truediv__", "__rtruediv__", "div_",
 }  # fmt: skip
+_MATMULS = {"matmul", "__matmul__"}
 
 
 def declare_broadcast_records(tracker) -> None:
@@ -31,17 +32,40 @@ def declare_broadcast_records(tracker) -> None:
     tracker.whole_uses: set[int] = set()  # ids of parameters met by whole (unsplit) activations
 
 
-def broadcast_over_split(tracker, name: str, t: torch.Tensor, sharded: list[torch.Tensor], sources) -> bool:
+def broadcast_over_split(
+    tracker, name: str, t: torch.Tensor, sharded: list[torch.Tensor], sources, args: tuple = ()
+) -> bool:
     """Whether ``t`` (a parameter, or computed from parameters alone) meets the split ``sharded`` in
-    elementwise op ``name`` broadcast over their split dim; recorded if so."""
-    if name not in _ELEMENTWISE or tracker.owners(t) & tracker.legit.keys():
+    elementwise op ``name`` broadcast over their split dim, or multiplies them within each head
+    (``_within_heads``, ``args`` the op's); recorded if so."""
+    if tracker.owners(t) & tracker.legit.keys():
         return False  # a split module's own parameters are placed by its style
+    if name in _MATMULS:
+        return len(args) == 2 and args[1] is t and _within_heads(tracker, t, sharded, sources)
+    if name not in _ELEMENTWISE:
+        return False
     for s in sharded:
         layout = tracker.layouts.get(id(s))
         if t.numel() == 1:
             continue
         if layout is None or -layout[0] <= t.dim() and t.shape[layout[0]] != 1:
             return False
+    owner = sorted(tracker.owners(t))[0]
+    for pid in tracker.param_ids(t):
+        tracker.broadcast.setdefault(pid, (frozenset(sources), owner))
+    return True
+
+
+def _within_heads(tracker, t: torch.Tensor, sharded: list[torch.Tensor], sources) -> bool:
+    """``split @ t`` with ``t`` 2-D, the split activations cut along a dim before their last (their heads):
+    the same matrix multiplies each head's features (Inkling 2's bank of relative-logit profiles,
+    [d_rel, extent]), so it is whole on every rank and its gradient summed over TP; recorded if so."""
+    if t.dim() != 2 or len(sharded) != 1 or tracker.sharded.get(id(t)) or t is sharded[0]:
+        return False
+    s = sharded[0]
+    layout = tracker.layouts.get(id(s))
+    if layout is None or s.dim() < 3 or layout[0] % s.dim() >= s.dim() - 1 or s.shape[-1] != t.shape[0]:
+        return False
     owner = sorted(tracker.owners(t))[0]
     for pid in tracker.param_ids(t):
         tracker.broadcast.setdefault(pid, (frozenset(sources), owner))

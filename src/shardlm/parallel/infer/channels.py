@@ -132,6 +132,11 @@ def channel_placements(model: nn.Module, plan: Plan) -> dict[str, dict[str, Expe
     return placements
 
 
+def _held_whole(plan: Plan, linear: str, width: int) -> bool:
+    """Whether column-parallel ``linear`` (of ``width`` outputs) computes all its rows on every rank."""
+    return linear in plan.sliced and all(sum(b - a for a, b in rows) == width for rows in plan.sliced[linear])
+
+
 def local_sizes(
     model: nn.Module,
     plan: Plan,
@@ -156,6 +161,8 @@ def local_sizes(
         widths: set[int] = set(split_sizes.get(fqn, ()))
         for child, style in plan.styles.items():
             if child.rpartition(".")[0] == fqn and style in (Style.COLWISE, Style.PACKED_COLWISE):
+                if _held_whole(plan, child, out_features(model.get_submodule(child))):
+                    continue  # a low-rank latent, whole on every rank: its width is no split one (HY-v4's q_a_proj)
                 widths |= {out_features(model.get_submodule(child)), *plan.parts.get(child, [])}
         found = {n: getattr(module, n) for n in sorted(names) if getattr(module, n) in widths}
         packed = [(plan.parts[c], plan.whole_parts[c]) for c in plan.whole_parts if c.rpartition(".")[0] == fqn]

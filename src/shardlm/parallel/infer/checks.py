@@ -38,7 +38,7 @@ def check(
         if follows(tracker, name, t, sharded, args, kwargs or {}, out) or buffer_follows(tracker, t, sharded, out):
             continue
         if (isinstance(t, nn.Parameter) or id(t) in tracker.from_params) and broadcast_over_split(
-            tracker, name, t, sharded, sources
+            tracker, name, t, sharded, sources, args
         ):
             continue  # one whole value for every split position: its gradient summed over TP (``broadcast.py``)
         if isinstance(t, nn.Parameter):

@@ -14,6 +14,8 @@ parameter's parts are those cuts (``ShardTracker.follow_origins``, ``layouts.Cut
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -64,9 +66,18 @@ def follows(
     found = {tracker.layouts.get(id(s)) for s in met}
     layout = found.pop() if len(found) == 1 else None
     origin = None
-    if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
-        whole = len(sources) == 1 and layout[1] == (tracker.widths.get(next(iter(sources))),)
-        follow = (sources, None if whole else layout[1])
+    per = 1
+    if name not in _CATS and layout is not None and layout[0] == dim and t.shape[tdim] != param.shape[lead_dim(param)]:
+        per = _per_head(t, tdim, met)  # a view of it into heads
+    if (
+        layout is not None
+        and layout[0] == dim
+        and sum(layout[1]) == t.shape[tdim]
+        and t.shape[tdim] * per == param.shape[lead_dim(param)]
+    ):
+        parts = tuple(p * per for p in layout[1])  # in the parameter's rows
+        whole = len(sources) == 1 and parts == (tracker.widths.get(next(iter(sources))),)
+        follow = (sources, None if whole else parts)
         origins = {tracker.cuts.origins.get(id(s)) for s in met}
         if not whole and len(origins) == 1 and None not in origins and len(layout[1]) == 1:
             origin = origins.pop()  # its parts: those the linear's cuts make of its columns (``Cuts``)
@@ -117,6 +128,17 @@ def _beside(t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: d
     if cat is None or cat == dim % t.dim() or any(s.dim() != t.dim() or s.shape[dim] != t.shape[dim] for s in sharded):
         return None
     return dim
+
+
+def _per_head(t: torch.Tensor, tdim: int, met: list[torch.Tensor]) -> int:
+    """The rows of the parameter behind ``t`` per index of its split dim, where ``t`` views it as
+    [..., heads, *per-head dims] matching the split tensors' per-head dims (Bailing's ``dt_bias`` of
+    heads x head_dim, viewed [1, 1, heads, head_dim] and added to each head's gate): each head's rows
+    are contiguous, so its split follows the heads. 1 where ``t`` broadcasts along those dims."""
+    trailing = tuple(t.shape[tdim + 1 :])
+    if not trailing or any(tuple(s.shape[s.dim() - len(trailing) :]) != trailing for s in met):
+        return 1
+    return math.prod(trailing)
 
 
 def _arg_dim(args: tuple, kwargs: dict, ndim: int) -> int | None:

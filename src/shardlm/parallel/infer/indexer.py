@@ -24,20 +24,21 @@ from shardlm.parallel.plan.plan import Plan
 _HEADS = ("wq_b", "weights_proj")  # split by the indexer's query heads; ``wk`` (the one key head) stays whole
 
 
+def is_indexer(m: nn.Module) -> bool:
+    """Whether ``m`` is shaped as a DSA indexer: ``wq_b`` (n_heads x head_dim outputs), ``weights_proj``
+    (n_heads), ``wk`` (head_dim: one key head) and an ``index_topk`` (HY-v4's, GLM-DSA's, ... by structure)."""
+    heads, dim = getattr(m, "n_heads", None), getattr(m, "head_dim", None)
+    children = [getattr(m, c, None) for c in (*_HEADS, "wk")]
+    if not (isinstance(heads, int) and isinstance(dim, int) and isinstance(getattr(m, "index_topk", None), int)):
+        return False
+    if not all(c is not None and is_linear(c) for c in children):
+        return False
+    return [out_features(c) for c in children] == [heads * dim, heads, dim]
+
+
 def find_indexers(model: nn.Module, tp: int) -> list[str]:
-    """Modules shaped as a DSA indexer: ``wq_b`` (n_heads x head_dim outputs), ``weights_proj`` (n_heads),
-    ``wk`` (head_dim: one key head) and an ``index_topk``, with ``n_heads`` divisible by ``tp``."""
-    found = []
-    for name, m in model.named_modules():
-        heads, dim = getattr(m, "n_heads", None), getattr(m, "head_dim", None)
-        children = [getattr(m, c, None) for c in (*_HEADS, "wk")]
-        if not (isinstance(heads, int) and isinstance(dim, int) and isinstance(getattr(m, "index_topk", None), int)):
-            continue
-        if not all(c is not None and is_linear(c) for c in children) or heads % tp:
-            continue
-        if [out_features(c) for c in children] == [heads * dim, heads, dim]:
-            found.append(name)
-    return found
+    """The DSA indexers of ``model`` (``is_indexer``) with ``n_heads`` divisible by ``tp``."""
+    return [name for name, m in model.named_modules() if is_indexer(m) and m.n_heads % tp == 0]
 
 
 def split_indexers(model: nn.Module, plan: Plan, tp: int, traced: Traced, forced: frozenset[str]) -> frozenset[str]:

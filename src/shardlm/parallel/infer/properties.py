@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from shardlm.parallel.infer.indexer import is_indexer
+
 _INDEXER = "one key head; the weighted scores of all its heads summed before a top-k over tokens"
 
 _PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")  # Gemma 3n's and Gemma 4's
 
-_INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "Dots3NoteTextIndexer")
+_INDEXER_KEY = "the indexer's one key head, read by all its query heads"
 
 PROPERTIES = {
-    # DeepSeek Sparse Attention's indexer: its one key head, whole on every rank; all of it where tp does not
-    # divide its query heads (``infer/indexer.py`` splits them otherwise)
-    **{f"{c}.wk": "the indexer's one key head, read by all its query heads" for c in _INDEXERS},
-    **dict.fromkeys(_INDEXERS, _INDEXER),
     "CpmAntAttention": (
         "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
     ),
@@ -63,8 +61,12 @@ def model_property(model: nn.Module, fqn: str) -> str | None:
     """The property (``PROPERTIES``) of the nearest module holding ``fqn`` whose class is listed, else None."""
     parts = fqn.split(".")
     for i in range(len(parts) - 1, -1, -1):
-        owner = type(model.get_submodule(".".join(parts[:i]))).__name__
-        below = ".".join(parts[i:])
+        holder = model.get_submodule(".".join(parts[:i]))
+        owner, below = type(holder).__name__, ".".join(parts[i:])
+        if is_indexer(holder):
+            # DeepSeek Sparse Attention's indexer, found by its structure: its one key head, whole on every rank;
+            # all of it where tp does not divide its query heads (``infer/indexer.py`` splits them otherwise)
+            return _INDEXER_KEY if below == "wk" else _INDEXER
         for key in (f"{owner}.{below}", owner):
             if key in PROPERTIES:
                 return PROPERTIES[key]

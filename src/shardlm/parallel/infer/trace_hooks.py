@@ -91,6 +91,11 @@ class TraceHooks:
                     self.styles[name] = "replicate_grad_allreduce"  # per head (Qwen3's q_norm/k_norm)
                     self.legit[owner] = True
                     self.tracker.inside.append(name)
+                elif within_heads(self.tracker, args[0], params):
+                    # the same parameters for every head, acting on each head's own features (Inkling's bank of
+                    # relative-logit profiles): replicated, gradients summed over TP; its ops still checked
+                    self.styles[name] = "replicate_grad_allreduce"
+                    self.legit[owner] = True
                 elif (
                     all(p.numel() == width for p in params)
                     and rms_norm_eps(module) is not None
@@ -102,9 +107,10 @@ class TraceHooks:
                 else:
                     across = all(p.numel() == width for p in params)
                     why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
-                    if across and len(params) == 1:
+                    if (across and len(params) == 1) or heads_shaped(self.tracker, args[0], params):
                         # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
-                        # n_groups divisible by tp): its ops decide (``ShardTracker.deferred``)
+                        # n_groups divisible by tp), or parameters per head and channel (Inkling 2's L2 clip's
+                        # scale): its ops decide (``ShardTracker.deferred``)
                         self.tracker.deferred.append((name, why, len(self.tracker.violations)))
                     else:
                         self.tracker.violations.append(why)
@@ -140,8 +146,31 @@ class TraceHooks:
             if name in self.latents and isinstance(out, torch.Tensor):
                 self.tracker.latent[id(out)] = frozenset({name})
             for t in tree_flatten(out)[0]:
-                for fqn in self.tracker.latent.get(id(t), ()) if isinstance(t, torch.Tensor) else ():
+                # one with no gradient carries no partial one out (GLM-DSA's attention returns its indexer's top-k)
+                carries = isinstance(t, torch.Tensor) and t.requires_grad
+                for fqn in self.tracker.latent.get(id(t), ()) if carries else ():
                     if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
                         self.tracker.latent_leaks.setdefault(fqn, f"{name} returns it")
 
         return hook
+
+
+def within_heads(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether parameters of a module reading split activations ``t`` act within each head: ``t`` split
+    along a dim before its last (its heads), every parameter at least 2-D with its first dim the last
+    one's size (one head's features: Inkling's ``relative_states @ proj``, ``proj`` [d_rel, extent]). The
+    1-D case is a per-head norm's, judged by its widths; a parameter spanning the heads is no such case."""
+    layout = tracker.layouts.get(id(t))
+    if layout is None or t.dim() < 3 or layout[0] % t.dim() == t.dim() - 1:
+        return False
+    return all(p.dim() >= 2 and p.shape[0] == t.shape[-1] for p in params)
+
+
+def heads_shaped(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether every parameter has the shape of ``t``'s dims from its split dim on, at least 2-D (Inkling 2's
+    scale [heads, head_dim] multiplying [..., heads, head_dim]): per head and channel, it may follow the heads."""
+    layout = tracker.layouts.get(id(t))
+    if layout is None or not t.dim():
+        return False
+    split = layout[0] % t.dim()
+    return bool(params) and all(p.dim() >= 2 and tuple(p.shape) == tuple(t.shape[split:]) for p in params)

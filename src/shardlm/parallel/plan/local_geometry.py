@@ -52,10 +52,14 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
     False where it owns no head-count attribute (its config, if it reads one, is left to the caller)."""
     heads, kv, head_dim = plan.geometry.heads or 0, plan.geometry.kv, plan.geometry.head_dim or 0
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
-    if isinstance(getattr(module, "num_key_value_groups", None), int):
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and not isinstance(groups, bool):
         # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
-        # repeats k/v by it; sdpa packs by it)
-        module.num_key_value_groups = max(1, (heads // tp) // local_kv)
+        # repeats k/v by it; sdpa packs by it). Read off the module's own groups where they differ
+        # from the config's kv heads (MiMo-V2-Flash's sliding layers hold twice the kv heads)
+        own_kv = heads // groups if groups and heads % groups == 0 else kv
+        own_local_kv = own_kv // tp if own_kv and own_kv % tp == 0 else local_kv
+        module.num_key_value_groups = max(1, (heads // tp) // own_local_kv)
     if not any(isinstance(getattr(module, a, None), int) for a in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS):
         return False
     for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + WIDTH_ATTRS:
