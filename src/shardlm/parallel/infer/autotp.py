@@ -111,6 +111,7 @@ from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_sp
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
+from shardlm.parallel.infer.vocab_head import check_vocab_head
 from shardlm.parallel.model.geometry import Geometry, read_geometry
 from shardlm.parallel.model.hf import (
     MODULE_KV_COUNT_ATTRS,
@@ -522,6 +523,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: model_property(model, f) or reasons.get(f, "") for f in sorted(forced)}
+    check_vocab_head(model, plan)  # Dory's per-token ``logit_scale`` in its LM head
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]
@@ -544,7 +546,9 @@ def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
         return rank // (tp // kv)
 
     norms = [f for f, style in plan.styles.items() if style == "sharded_norm"]
-    norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms  # k_norm first
+    # k_norm first; a parameter-free norm (Dory's, over attention's output) is none
+    norms = [f for f in norms if getattr(model.get_submodule(f), "weight", None) is not None]
+    norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms
     if replicated and norms:
         valid = [t for t in _valid_tps(geo, plan.geometry.vocab) if kv % t == 0]
         raise ConfigError(

@@ -101,7 +101,8 @@ def _run(
             shape[0 if conv1d else 1] //= tp
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))
         elif style == "sharded_norm":
-            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+            if getattr(module, "weight", None) is not None:  # a parameter-free norm has none (Dory's L2 norm)
+                module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
             module.forward = lambda x, gate=None: x  # ``replicate.ShardedRMSNorm`` keeps the shape (groups by width)
         elif style == "per_channel":
             for pname in plan.channels.get(fqn, {}):

@@ -14,6 +14,8 @@ parameter's parts are those cuts (``ShardTracker.follow_origins``, ``layouts.Cut
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -64,7 +66,7 @@ def follows(
     found = {tracker.layouts.get(id(s)) for s in met}
     layout = found.pop() if len(found) == 1 else None
     origin = None
-    if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == param.shape[lead_dim(param)]:
+    if layout is not None and layout[0] == dim and sum(layout[1]) == t.shape[tdim] == _rows(param, t, tdim, layout):
         whole = len(sources) == 1 and layout[1] == (tracker.widths.get(next(iter(sources))),)
         follow = (sources, None if whole else layout[1])
         origins = {tracker.cuts.origins.get(id(s)) for s in met}
@@ -85,6 +87,18 @@ def follows(
     if origin is not None:
         tracker.follow_origins[pid] = origin
     return True
+
+
+def _rows(param: torch.Tensor, t: torch.Tensor, tdim: int, layout: tuple) -> int:
+    """The rows of ``param`` along the channels ``t`` meets, in units of ``t``'s dim ``tdim``: its lead dim,
+    or, where ``t`` is a 1-D ``param`` viewed into heads (Dory's ``sqk.view(-1, 1, head_dim)``, [heads, 1,
+    head_dim]) meeting one run of heads, its rows per head: split in tp chunks of rows, each rank holds its
+    heads' rows."""
+    rows = param.shape[lead_dim(param)]
+    per_head = math.prod(t.shape[tdim + 1 :])
+    if param.dim() == 1 and len(layout[1]) == 1 and per_head > 1 and rows == t.shape[tdim] * per_head:
+        return rows // per_head
+    return rows
 
 
 def buffer_follows(tracker, t: torch.Tensor, sharded: list[torch.Tensor], out) -> bool:

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.infer.head_inputs import record_inputs
 from shardlm.parallel.infer.summed import track_output
 from shardlm.parallel.infer.tracker import ShardTracker
-from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps
+from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps, weightless_norm
 
 
 class TraceHooks:
@@ -84,6 +84,10 @@ class TraceHooks:
                 self.legit[owner] = True
                 if sources:
                     self.closer_inputs[name] = self.closer_inputs.get(name, frozenset()) | sources
+            elif sources and self._weightless_norm(module, args[0], sources):
+                self.styles[name] = "sharded_norm"  # a parameter-free norm across the split width (Dory's L2 norm)
+                self.legit[owner] = True
+                self.tracker.inside.append(name)
             elif sources and any(True for _ in module.parameters(recurse=False)):
                 width = args[0].shape[-1]
                 params = list(module.parameters(recurse=False))
@@ -110,6 +114,15 @@ class TraceHooks:
                         self.tracker.violations.append(why)
 
         return hook
+
+    def _weightless_norm(self, module: nn.Module, x: torch.Tensor, sources: frozenset[str]) -> bool:
+        """Whether ``module`` is a parameter-free norm (``hf.weightless_norm``) over the whole width of a
+        column-parallel output (not one head's: Dory's per-head q_norm reduces within each rank's heads)."""
+        return (
+            x.dim() > 0
+            and x.shape[-1] in {self.tracker.widths.get(s) for s in sources}
+            and bool(weightless_norm(module))
+        )
 
     def inputs(self, name: str):
         def hook(module, args, kwargs):
