@@ -51,7 +51,7 @@ def check(
                 (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
             )
         elif t.dim() and t.numel() > 1 and tracker.heads and id(t) not in tracker.from_split_shape | tracker.whole_ids:
-            if meets_split(tracker, t):
+            if meets_split(tracker, t, sources):
                 continue  # handed to this module per head (BLOOM's ALiBi): each rank its heads' rows
             for s in sharded:
                 # the heads dim of split activations is never the last (that is head_dim or keys)

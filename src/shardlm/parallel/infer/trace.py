@@ -137,6 +137,7 @@ def trace_model(
                 tracker.tied_owners.setdefault(id(p), {})[m_name] = f"{m_name} ({type(m).__name__})"
     tracker.params = {id(p): p for p in meta.parameters()}
     tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
+    tracker.embedding_params = {id(p) for p in meta.get_input_embeddings().parameters()}  # ``head_inputs.py``
     hooks = TraceHooks(tracker, forced, latents, all_head_widths(meta.config), legit)
     hooks.block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
     tracker.direct_weights = {

@@ -6,7 +6,8 @@ not listed; listed are what TP could have split and did not: sub-blocks kept rep
 reason the trace gave), projections stored whole of which each rank computes its rows (kv heads
 fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
 per-channel parameters whose channels ranks share, parameters of one value broadcast over the
-split heads (DiffLlama's lambdas), and parameters another module's forward reads directly around split
+split heads (DiffLlama's lambdas) or of a per-head table each rank reads its heads' rows of (CPM-Ant's
+position bias), and parameters another module's forward reads directly around split
 layers (``Plan.direct_reads``: Gemma 3n's AltUp coefficients).
 """
 
@@ -56,9 +57,16 @@ def kept_whole(plan: Plan) -> list[str]:
             direct.setdefault(why, {})[_any_block(fqn)] = None
     for why, fqns in direct.items():
         found[f"{', '.join(fqns)}: stored whole ({why[:100]})"] = None
-    broadcast: dict[str, None] = {_any_block(fqn): None for fqn in plan.partial_grads}
-    if broadcast:
-        found[f"{', '.join(broadcast)}: stored whole (one value broadcast over the split heads)"] = None
+    # a split attention's own (DiffLlama's lambdas), or a table a module outside it makes a per-head tensor of
+    # (CPM-Ant's position bias, ``infer/head_inputs.py``)
+    own = [fqn for fqn in plan.partial_grads if fqn.rpartition(".")[0] in plan.attention]
+    for fqns, why in (
+        (own, "one value broadcast over the split heads"),
+        ([f for f in plan.partial_grads if f not in own], "a per-head table: each rank reads its heads' rows"),
+    ):
+        names = dict.fromkeys(_any_block(fqn) for fqn in fqns)
+        if names:
+            found[f"{', '.join(names)}: stored whole ({why})"] = None
     return list(found)
 
 
