@@ -23,9 +23,6 @@ PROPERTIES = {
     # divide its query heads (``infer/indexer.py`` splits them otherwise)
     **{f"{c}.wk": "the indexer's one key head, read by all its query heads" for c in _INDEXERS},
     **dict.fromkeys(_INDEXERS, _INDEXER),
-    "CpmAntAttention": (
-        "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
-    ),
     "BigBirdAttention": (
         "below its block-sparse length the model swaps in an attention built from the config's head count"
     ),
