@@ -176,6 +176,7 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     parity is the matrix's rows."""
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
     from shardlm.parallel.plan.styles import sharded_dim
 
     for model_type in ("dory", "cpmant"):
@@ -192,6 +193,11 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     attention = "cpmant.encoder.layers.0.self_att.self_attention"
     assert not plan.replicated and plan.head_inputs[attention] == {3: 1}, plan.head_inputs
     assert plan.partial_grads == ["cpmant.position_bias.relative_attention_bias"]
+    # XLNet's attention: einsum of parameters of its own, no linear layer: what is stored whole is said
+    tiny_config("xlnet").save_pretrained(tmp_path / "xlnet")
+    meta = build_meta_model(str(tmp_path / "xlnet"))
+    attention = "transformer.layer.*.rel_attn.{q, k, v, o, r, r_r_bias, r_s_bias, r_w_bias, seg_embed}: stored whole"
+    assert kept_whole(infer_plan(meta, 2), meta)[0].startswith(attention)
 
 
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):

@@ -7,8 +7,9 @@ reason the trace gave), projections stored whole of which each rank computes its
 fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
 per-channel parameters whose channels ranks share, parameters of one value broadcast over the
 split heads (DiffLlama's lambdas) or of a per-head table each rank reads its heads' rows of (CPM-Ant's
-position bias), and parameters another module's forward reads directly around split
-layers (``Plan.direct_reads``: Gemma 3n's AltUp coefficients).
+position bias), the parameters of an attention that holds no linear layer (XLNet's, by ``einsum``), and
+parameters another module's forward reads directly around split layers (``Plan.direct_reads``: Gemma 3n's
+AltUp coefficients).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 
 import torch.nn as nn
 
+from shardlm.parallel.model.hf import is_linear
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.describe import describe_plan
 from shardlm.parallel.plan.plan import Plan
@@ -28,10 +30,10 @@ def _any_block(fqn: str) -> str:
     return re.sub(r"(?<=[A-Za-z_])\.\d+(?=\.|$)", ".*", fqn)
 
 
-def kept_whole(plan: Plan) -> list[str]:
+def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """``module: why`` for each kind of thing stored whole on every rank (see the module docstring),
-    one entry for every block alike."""
-    found: dict[str, None] = {}
+    one entry for every block alike; with ``model``, also the attentions of no linear layer (``_no_linears``)."""
+    found: dict[str, None] = dict.fromkeys(_no_linears(model) if model is not None else [])
     replicated: dict[str, dict[str, None]] = {}  # why -> the modules kept replicated for it
     for fqn, why in plan.replicated.items():
         replicated.setdefault(why, {})[_any_block(fqn)] = None
@@ -70,13 +72,34 @@ def kept_whole(plan: Plan) -> list[str]:
     return list(found)
 
 
-def attention_bytes(model: nn.Module, plan: Plan, tp: int) -> tuple[int, int]:
-    """(fp32 bytes of the attention modules' parameters on one rank, in the whole model): the
-    outermost modules of an attention class (``_ATTENTION``), split or kept whole."""
+def _no_linears(model: nn.Module) -> list[str]:
+    """The attention modules (``_tops``) that hold no linear layer, computing on parameters of their own
+    (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and per-head
+    biases): the trace splits linear layers only, so every rank stores them whole; one entry per kind."""
+    found: dict[str, None] = {}
+    for fqn in _tops(model):
+        module = model.get_submodule(fqn)
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if own and not any(is_linear(m) for m in module.modules()):
+            names = ", ".join(own)
+            why = "an attention on parameters of its own (einsum), no linear layer: the trace splits linear layers"
+            found[f"{_any_block(fqn)}.{{{names}}}: stored whole ({why})"] = None
+    return list(found)
+
+
+def _tops(model: nn.Module) -> list[str]:
+    """The outermost modules of an attention class (``_ATTENTION``)."""
     tops: list[str] = []
     for name, module in model.named_modules():
         if _ATTENTION.search(type(module).__name__) and not any(name.startswith(f"{t}.") for t in tops):
             tops.append(name)
+    return tops
+
+
+def attention_bytes(model: nn.Module, plan: Plan, tp: int) -> tuple[int, int]:
+    """(fp32 bytes of the attention modules' parameters on one rank, in the whole model): the
+    outermost modules of an attention class (``_ATTENTION``), split or kept whole."""
+    tops = _tops(model)
     rows = [
         r
         for r in describe_plan(model, plan, tp)
