@@ -172,8 +172,9 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     head_dim]) and ``s_gate`` follow the heads, its LM head's per-token ``logit_scale`` is split by
     vocabulary with the weight (a probe checked it acts per column: ``infer/vocab_head.py``). CPM-Ant:
     the position bias it looks up once in a parameter table and hands to every block is sliced to each
-    rank's heads, the table's gradient summed over TP (``infer/head_inputs.py``). Plans only: their
-    parity is the matrix's rows."""
+    rank's heads, the table's gradient summed over TP (``infer/head_inputs.py``). Doge: its dt_proj's
+    output narrowed to each rank's kv heads (``infer/narrowed.py``). XLNet: what is stored whole is said.
+    Plans only: their parity is the matrix's rows."""
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
     from shardlm.parallel.plan.kept_whole import kept_whole
@@ -193,6 +194,11 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     attention = "cpmant.encoder.layers.0.self_att.self_attention"
     assert not plan.replicated and plan.head_inputs[attention] == {3: 1}, plan.head_inputs
     assert plan.partial_grads == ["cpmant.position_bias.relative_attention_bias"]
+    # Doge: dt_proj, row-parallel, gives one value per kv head to its dynamic mask: each rank its heads' columns
+    tiny_config("doge").save_pretrained(tmp_path / "doge")
+    plan = infer_plan(build_meta_model(str(tmp_path / "doge")), 2)
+    assert not plan.replicated and plan.narrowed == [f"model.layers.{i}.self_attn.dt_proj" for i in range(2)]
+    assert plan.channels["model.layers.0.self_attn"] == {"A": "model.layers.0.self_attn.dt_proj"}
     # XLNet's attention: einsum of parameters of its own, no linear layer: what is stored whole is said
     tiny_config("xlnet").save_pretrained(tmp_path / "xlnet")
     meta = build_meta_model(str(tmp_path / "xlnet"))
@@ -267,7 +273,6 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
 # model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
 KEPT_FOR_A_PROPERTY = {
     "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
-    "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
     "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
     "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
     "big_bird": ("bert.encoder.layer.*.attention.self.query", "below its block-sparse length the model swaps in"),

@@ -105,6 +105,7 @@ from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
 from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
+from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
@@ -210,17 +211,19 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     up: dict[str, str] = {}  # latents proposed -> the up-projection reading each
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
+    narrowed: frozenset[str] = frozenset()  # row-parallel outputs narrowed to each rank's heads (``narrowed.py``)
     geo = read_geometry(model.config)  # read once: the plan carries it
     meta = build_meta(model)
     probes: dict[str, nn.Module] = {}  # modules kept whole, run on CPU tensors (``probe.py``)
     for _ in range(_MAX_ROUNDS):
         try:
-            traced = trace_model(model, forced, meta, latents=latents, wholes=wholes, probes=probes)
+            traced = trace_model(model, forced, meta, latents=latents, wholes=wholes, probes=probes, narrowed=narrowed)
         except Exception as exc:  # noqa: BLE001 - a module whose forward depends on tensor values: kept whole
             forced = forced | _keep_whole_on_values(model, exc, probes, reasons)
             continue
-        if traced.new_wholes:  # summed over their split channels: held whole on every rank, traced again
-            wholes = wholes | traced.new_wholes
+        # summed over their split channels: held whole on every rank; one value per head: narrowed; traced again
+        if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):
+            wholes, narrowed = wholes | traced.new_wholes, narrowed | narrowable(traced.narrow, narrowed, meta, tp)
             continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
@@ -395,6 +398,7 @@ def _assemble(
     model: nn.Module, tp: int, traced: Traced, geometry: Geometry, latents: frozenset[str] = frozenset()
 ) -> Plan:
     plan = Plan(parts=dict(traced.parts), whole_parts=dict(traced.whole), geometry=geometry)
+    plan.narrowed = sorted(f for f in traced.narrowed if traced.styles.get(f) == "rowwise")  # Doge's dt_proj
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())

@@ -100,6 +100,8 @@ def _run(
             shape = list(module.weight.shape)
             shape[0 if conv1d else 1] //= tp
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+            if fqn in plan.narrowed:  # one value per head: this rank's heads' columns (``narrowed.py``)
+                module.forward = lambda x, m=module: type(m).forward(m, x)[..., : out_features(m) // tp]
         elif style == "sharded_norm":
             if getattr(module, "weight", None) is not None:  # a parameter-free norm has none (Dory's L2 norm)
                 module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))

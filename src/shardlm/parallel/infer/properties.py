@@ -26,7 +26,6 @@ PROPERTIES = {
     "BigBirdAttention": (
         "below its block-sparse length the model swaps in an attention built from the config's head count"
     ),
-    "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
     "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
     **dict.fromkeys(
         [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.head_inputs import record_inputs
+from shardlm.parallel.infer.narrowed import mark, record
 from shardlm.parallel.infer.summed import track_output
 from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps, weightless_norm
@@ -149,7 +150,12 @@ class TraceHooks:
                     self.tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                     self.tracker.cuts.origins[id(out)] = (name, 0)
                 self.outputs[name] = out
-            track_output(self.tracker, name, out, self.styles.get(name) == "rowwise")
+            narrowed = name in self.tracker.narrowed and self.styles.get(name) == "rowwise"
+            if narrowed and isinstance(out, torch.Tensor):
+                mark(self.tracker, name, out)  # one value per head, each rank its heads' (Doge's dt_proj)
+            elif self.styles.get(name) == "rowwise":
+                record(self.tracker, name, out)
+            track_output(self.tracker, name, out, self.styles.get(name) == "rowwise" and not narrowed)
             if name in self.latents and isinstance(out, torch.Tensor):
                 self.tracker.latent[id(out)] = frozenset({name})
             for t in tree_flatten(out)[0]:

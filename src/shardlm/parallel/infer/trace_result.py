@@ -53,6 +53,10 @@ class Traced:
     partial_grads: list[str]
     # module -> owner of the tied embedding whose rows it reads by index (``ShardTracker.row_reads``)
     row_reads: dict[str, str]
+    # row-parallel linears whose output, one value per head, could be narrowed to each rank's heads, and those
+    # this trace narrowed (``narrowed.py``)
+    narrow: set[str]
+    narrowed: frozenset[str]
 
 
 def collect(
@@ -124,4 +128,6 @@ def collect(
         tracker.found_head_inputs,
         partial_grads,
         tracker.row_reads,
+        tracker.narrow,
+        tracker.narrowed,
     )

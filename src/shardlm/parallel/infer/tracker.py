@@ -32,6 +32,7 @@ from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
+from shardlm.parallel.infer.narrowed import declare_narrowed_records
 from shardlm.parallel.infer.parts import (
     SPLIT_OPS,
     declare_parts_records,
@@ -116,6 +117,7 @@ class ShardTracker(TorchFunctionMode):
         declare_layout_records(self)
         declare_head_input_records(self)
         declare_broadcast_records(self)
+        declare_narrowed_records(self, frozenset())
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its

@@ -176,7 +176,8 @@ class Rowwise(ParallelStyle):
     reduce-scattered to this rank's slice of the sequence (``reduce_scatter_to_sequence_region``);
     ``"summed"`` for a layer whose whole output is read back inside the split region (Mamba's ``x_proj``:
     ``parallel/infer/summed.py``): each rank's gradient of it covers its own channels only, so the backward
-    of the output's all-reduce is an all-reduce of that gradient (``copy_to_region``). The output is a
+    of the output's all-reduce is an all-reduce of that gradient (``copy_to_region``); ``"narrowed"``, the same,
+    then this rank's chunk of its columns (one value per head: Doge's ``dt_proj``). The output is a
     tensor of its own: models add into it in place (Falcon's ``mlp_output += attention_output``)."""
 
     def __init__(self, output: str = "reduced"):
@@ -200,6 +201,9 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
         out = out + local_view(module.bias)
     elif output == "scattered":
         out = out.clone()  # a view made inside DTensor's redistribute (see the class docstring)
+    if output == "narrowed":  # this rank's columns, one per head (``infer/narrowed.py``); their gradients summed
+        width = out.shape[-1] // mesh.size()
+        return copy_to_region(out, mesh).narrow(-1, mesh.get_local_rank() * width, width)
     return copy_to_region(out, mesh) if output == "summed" else out
 
 
