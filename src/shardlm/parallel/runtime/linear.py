@@ -130,8 +130,9 @@ class Colwise(ParallelStyle):
         # an LM head's own per-token parameters (Dory's ``logit_scale``), by vocabulary rows too
         # (``infer/vocab_head.py`` checked that each acts on its own columns)
         own = {n: Shard(0) for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")}
+        own = own if self.sharded_output else {}  # a colwise layer with more than weight/bias: not placed
         shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0), **own}, self.src_data_rank)
-        if own and self.sharded_output:
+        if own:
             module.forward = functools.partial(_own_head_forward, module, device_mesh, type(module).forward)
         else:
             module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
