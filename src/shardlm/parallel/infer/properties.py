@@ -28,7 +28,9 @@ PROPERTIES = {
     ),
     # ``bsz, tgt_len, embed_dim = hidden_states.size()``, then ``attn_output.reshape(bsz, tgt_len, embed_dim)``: a
     # local variable, so the heads' output of one rank (embed_dim / tp wide) cannot be reshaped to it
-    "TrOCRAttention": "its attention reshapes the output to the embed_dim of its whole input's size(), not a rank's share",
+    "TrOCRAttention": (
+        "its attention reshapes the output to the embed_dim of its whole input's size(), not a rank's share"
+    ),
     **dict.fromkeys(
         [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],
         "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel",
