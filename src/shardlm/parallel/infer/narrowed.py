@@ -25,18 +25,20 @@ from shardlm.parallel.model.hf import out_features
 
 def candidate(tracker, t: torch.Tensor) -> None:
     """A per-head tensor ``t`` meeting split activations in the running module: the row-parallel linears
-    under that module whose output it is computed from (found in its autograd graph, meta tensors have
-    one) become candidates."""
-    here = f"{tracker.running[-1]}." if tracker.running else ""
+    of that module (its children) of one output per head whose output it is computed from (found in its
+    autograd graph, meta tensors have one) become candidates. Not another module's, nor a linear back into
+    the residual stream (Gemma 3n's AltUp streams, as many as the heads, meet split activations in its
+    decoder layer: its o_proj and down_proj are no candidates)."""
+    here = tracker.running[-1] if tracker.running else None
     seen, stack = set(), [t.grad_fn]
-    while here and stack:
+    while here is not None and stack:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
         name = tracker.rowwise_fns.get(fn)
         if name is not None:  # not further: what it read is split, and earlier blocks are not this module's
-            if name.startswith(here):
+            if name.rpartition(".")[0] == here and tracker.widths.get(name) in tracker.heads:
                 tracker.narrow.add(name)
             continue
         stack.extend(f for f, _ in fn.next_functions)
