@@ -33,7 +33,7 @@ def _any_block(fqn: str) -> str:
 def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """``module: why`` for each kind of thing stored whole on every rank (see the module docstring),
     one entry for every block alike; with ``model``, also the attentions of no linear layer (``_no_linears``)."""
-    found: dict[str, None] = dict.fromkeys(_no_linears(model) if model is not None else [])
+    found: dict[str, None] = dict.fromkeys(_no_linears(model, plan) if model is not None else [])
     replicated: dict[str, dict[str, None]] = {}  # why -> the modules kept replicated for it
     for fqn, why in plan.replicated.items():
         replicated.setdefault(why, {})[_any_block(fqn)] = None
@@ -72,15 +72,18 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
     return list(found)
 
 
-def _no_linears(model: nn.Module) -> list[str]:
-    """The attention modules (``_tops``) that hold no linear layer, computing on parameters of their own
-    (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and per-head
-    biases): the trace splits linear layers only, so every rank stores them whole; one entry per kind."""
+def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
+    """The attention modules (``_tops``) that hold no linear layer, computing on per-head parameters of
+    their own (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and
+    per-head biases): the trace splits linear layers only, so every rank stores them whole; one entry per
+    kind. A parameter of [heads, head_dim] says per-head (not Inkling's attention residuals' queries)."""
     found: dict[str, None] = {}
+    heads, width = plan.geometry.heads, plan.geometry.head_dim
     for fqn in _tops(model):
         module = model.get_submodule(fqn)
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and not any(is_linear(m) for m in module.modules()):
+        per_head = any(heads in p.shape and width in p.shape for p in module.parameters(recurse=False))
+        if own and per_head and not any(is_linear(m) for m in module.modules()):
             names = ", ".join(own)
             why = "an attention on parameters of its own (einsum), no linear layer: the trace splits linear layers"
             found[f"{_any_block(fqn)}.{{{names}}}: stored whole ({why})"] = None
