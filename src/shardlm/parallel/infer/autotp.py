@@ -194,9 +194,9 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
         ) from None
 
 
-# Every round that does not end the search adds to the modules kept whole (or to the wholes held, or learns
-# that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-connections make it
-# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
+# Every round that does not end the search adds to the modules kept whole (or to the wholes held or outputs
+# narrowed, or learns that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-
+# connections make it long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
 # plan takes 6 (its echoes wait, ``_region``)
 _MAX_ROUNDS = 32
 
@@ -212,8 +212,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     up: dict[str, str] = {}  # latents proposed -> the up-projection reading each
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
     narrowed: frozenset[str] = frozenset()  # row-parallel outputs narrowed to each rank's heads (``narrowed.py``)
-    geo = read_geometry(model.config)  # read once: the plan carries it
-    meta = build_meta(model)
+    geo, meta = read_geometry(model.config), build_meta(model)  # the geometry read once: the plan carries it
     probes: dict[str, nn.Module] = {}  # modules kept whole, run on CPU tensors (``probe.py``)
     for _ in range(_MAX_ROUNDS):
         try:
@@ -221,8 +220,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         except Exception as exc:  # noqa: BLE001 - a module whose forward depends on tensor values: kept whole
             forced = forced | _keep_whole_on_values(model, exc, probes, reasons)
             continue
-        # summed over their split channels: held whole on every rank; one value per head: narrowed; traced again
-        if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):
+        if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):  # held whole / narrowed, again
             wholes, narrowed = wholes | traced.new_wholes, narrowed | narrowable(traced.narrow, narrowed, meta, tp)
             continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
