@@ -143,7 +143,7 @@ def survey(model_type: str, root: str, sizes: str = "equal") -> dict:
         row["n_replicated"] = len(plan.replicated)
         row["n_split"] = sum(s in ("colwise", "rowwise", "packed_colwise") for s in plan.styles.values())
         meta = build_meta_model(path)
-        row["kept_whole"] = kept_whole(plan)
+        row["kept_whole"] = kept_whole(plan, meta)
         row["attention_bytes"] = attention_bytes(meta, plan, 2)  # (per rank, whole)
     except ConfigError as exc:
         row["plan"] = "refused"

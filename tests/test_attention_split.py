@@ -191,6 +191,46 @@ def test_attention_is_split_with_what_acts_per_head(dirs):
         assert plan.sliced[f"{attention}.{fused}"] == [[(0, 32), (64, 80), (80, 96)], [(32, 64), (64, 80), (80, 96)]]
 
 
+def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
+    """Dory (nGPT): its parameter-free L2 norms across the split attention output and MLP width are
+    ``sharded_norm`` (the sum of squares all-reduced), ``sqk`` (one flat vector viewed into [heads, 1,
+    head_dim]) and ``s_gate`` follow the heads, its LM head's per-token ``logit_scale`` is split by
+    vocabulary with the weight (a probe checked it acts per column: ``infer/vocab_head.py``). CPM-Ant:
+    the position bias it looks up once in a parameter table and hands to every block is sliced to each
+    rank's heads, the table's gradient summed over TP (``infer/head_inputs.py``). Doge: its dt_proj's
+    output narrowed to each rank's kv heads (``infer/narrowed.py``). XLNet: what is stored whole is said.
+    Plans only: their parity is the matrix's rows."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import kept_whole
+    from shardlm.parallel.plan.styles import sharded_dim
+
+    for model_type in ("dory", "cpmant"):
+        tiny_config(model_type).save_pretrained(tmp_path / model_type)
+    meta = build_meta_model(str(tmp_path / "dory"))
+    plan = infer_plan(meta, 2)
+    attention, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert not plan.replicated and plan.styles[f"{attention}.o_proj"] == "rowwise"
+    assert plan.styles[f"{attention}.attn_sub_norm"] == plan.styles[f"{mlp}.ffn_sub_norm"] == "sharded_norm"
+    assert f"{attention}.q_norm" not in plan.styles  # per head: within each rank's heads
+    assert set(plan.channels[attention]) == {"sqk", "s_gate"} and plan.experts[attention]["sqk"].dim == 0
+    assert sharded_dim(plan.styles["lm_head"], meta.lm_head, "logit_scale") == 0
+    plan = infer_plan(build_meta_model(str(tmp_path / "cpmant")), 2)
+    attention = "cpmant.encoder.layers.0.self_att.self_attention"
+    assert not plan.replicated and plan.head_inputs[attention] == {3: 1}, plan.head_inputs
+    assert plan.partial_grads == ["cpmant.position_bias.relative_attention_bias"]
+    # Doge: dt_proj, row-parallel, gives one value per kv head to its dynamic mask: each rank its heads' columns
+    tiny_config("doge").save_pretrained(tmp_path / "doge")
+    plan = infer_plan(build_meta_model(str(tmp_path / "doge")), 2)
+    assert not plan.replicated and plan.narrowed == [f"model.layers.{i}.self_attn.dt_proj" for i in range(2)]
+    assert plan.channels["model.layers.0.self_attn"] == {"A": "model.layers.0.self_attn.dt_proj"}
+    # XLNet's attention: einsum of parameters of its own, no linear layer: what is stored whole is said
+    tiny_config("xlnet").save_pretrained(tmp_path / "xlnet")
+    meta = build_meta_model(str(tmp_path / "xlnet"))
+    attention = "transformer.layer.*.rel_attn.{q, k, v, o, r, r_r_bias, r_s_bias, r_w_bias, seg_embed}: stored whole"
+    assert kept_whole(infer_plan(meta, 2), meta)[0].startswith(attention)
+
+
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
     """tp=8 on a CodeGen of 8 heads: its 4 qkv groups cannot each be whole on a rank, so its attention
     is kept replicated with the groups named (the MLP still split)."""
@@ -258,8 +298,6 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
 # model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
 KEPT_FOR_A_PROPERTY = {
     "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
-    "cpmant": ("cpmant.encoder.layers.*.self_att.self_attention.attention_out", "a per-head position bias computed"),
-    "doge": ("model.layers.*.self_attn.dt_proj", "dt_proj maps all kv heads' values to one value per kv head"),
     "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
     "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
     "big_bird": ("bert.encoder.layer.*.attention.self.query", "below its block-sparse length the model swaps in"),

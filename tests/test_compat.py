@@ -49,7 +49,8 @@ EXPECT = {
     "gpt_bigcode": (0, "packed transformer.h.0.attn.c_attn: parts [64, 16, 16], rows shared by ranks", None),
     # the short conv over the x third of in_proj follows its channels (parallel/infer/layouts.py): nothing kept whole
     "lfm2_conv": (0, "packed model.layers.0.conv.in_proj: parts [64, 64, 64], each split 2 ways", None),
-    "cpmant": (0, "relative_attention_bias", "cpmant.encoder.layers.*.self_att.self_attention.project_q"),
+    # its position bias, looked up in a parameter table once per forward, sliced to each rank's heads in every block
+    "cpmant": (0, "gradients summed over TP: cpmant.position_bias.relative_attention_bias", None),
     "xlm": (0, "transformer.layer_norm_emb", None),
     "roc_bert": (0, "cls.predictions.decoder", None),
     "diffllama": (

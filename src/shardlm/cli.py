@@ -203,8 +203,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if inputs:  # BLOOM's ALiBi bias, built by the model from the config's head count
         print(f"per-head inputs sliced to each rank's heads (at their global index): {', '.join(inputs)}")
     broadcast = dict.fromkeys(any_block(f) for f in plan.partial_grads)
-    if broadcast:  # DiffLlama's lambdas
-        print(f"stored whole, one value for every split head, gradients summed over TP: {', '.join(broadcast)}")
+    if broadcast:  # DiffLlama's lambdas, CPM-Ant's position bias table
+        what = "one value for every split head or a per-head table each rank reads its heads' rows of"
+        print(f"stored whole ({what}), gradients summed over TP: {', '.join(broadcast)}")
     whole = {
         f"{any_block(m)}.{a}={v}": None
         for m, sizes in plan.local_sizes.items()

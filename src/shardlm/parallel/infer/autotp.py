@@ -105,12 +105,14 @@ from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
 from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.latent import place_latents
+from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
+from shardlm.parallel.infer.vocab_head import check_vocab_head
 from shardlm.parallel.model.geometry import Geometry, read_geometry
 from shardlm.parallel.model.hf import (
     MODULE_KV_COUNT_ATTRS,
@@ -192,9 +194,9 @@ def _infer_or_refuse(model: nn.Module, tp: int) -> Plan:
         ) from None
 
 
-# Every round that does not end the search adds to the modules kept whole (or to the wholes held, or learns
-# that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-connections make it
-# long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
+# Every round that does not end the search adds to the modules kept whole (or to the wholes held or outputs
+# narrowed, or learns that a latent leaks): it cannot cycle, only the count of rounds is bounded. Hyper-
+# connections make it long: Qwen4-exp's low-rank mixing linears are found one per two rounds (a plan in 13); Gemma 3n's
 # plan takes 6 (its echoes wait, ``_region``)
 _MAX_ROUNDS = 32
 
@@ -209,17 +211,17 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     latents: frozenset[str] = frozenset()  # MLA: forced linears whose region carries partial gradients
     up: dict[str, str] = {}  # latents proposed -> the up-projection reading each
     wholes: frozenset[tuple[str, int, int]] = frozenset()  # stretches of outputs held whole (Mamba-2's B, C)
-    geo = read_geometry(model.config)  # read once: the plan carries it
-    meta = build_meta(model)
+    narrowed: frozenset[str] = frozenset()  # row-parallel outputs narrowed to each rank's heads (``narrowed.py``)
+    geo, meta = read_geometry(model.config), build_meta(model)  # the geometry read once: the plan carries it
     probes: dict[str, nn.Module] = {}  # modules kept whole, run on CPU tensors (``probe.py``)
     for _ in range(_MAX_ROUNDS):
         try:
-            traced = trace_model(model, forced, meta, latents=latents, wholes=wholes, probes=probes)
+            traced = trace_model(model, forced, meta, latents=latents, wholes=wholes, probes=probes, narrowed=narrowed)
         except Exception as exc:  # noqa: BLE001 - a module whose forward depends on tensor values: kept whole
             forced = forced | _keep_whole_on_values(model, exc, probes, reasons)
             continue
-        if traced.new_wholes:  # summed over their split channels: held whole on every rank, traced again
-            wholes = wholes | traced.new_wholes
+        if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):  # held whole / narrowed, again
+            wholes, narrowed = wholes | traced.new_wholes, narrowed | narrowable(traced.narrow, narrowed, meta, tp)
             continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
@@ -407,6 +409,7 @@ def _assemble(
     model: nn.Module, tp: int, traced: Traced, geometry: Geometry, latents: frozenset[str] = frozenset()
 ) -> Plan:
     plan = Plan(parts=dict(traced.parts), whole_parts=dict(traced.whole), geometry=geometry)
+    plan.narrowed = sorted(f for f in traced.narrowed if traced.styles.get(f) == "rowwise")  # Doge's dt_proj
     styles = dict(traced.styles)
     emb = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings())
@@ -535,6 +538,7 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
     plan.replicated = {f: model_property(model, f) or reasons.get(f, "") for f in sorted(forced)}
+    check_vocab_head(model, plan)  # Dory's per-token ``logit_scale`` in its LM head
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too
     if forced and not split:
         first = reasons[min(forced)]
@@ -557,7 +561,9 @@ def _slice_shared_rows(model: nn.Module, plan: Plan, tp: int) -> None:
         return rank // (tp // kv)
 
     norms = [f for f, style in plan.styles.items() if style == "sharded_norm"]
-    norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms  # k_norm first
+    # k_norm first; a parameter-free norm (Dory's, over attention's output) is none
+    norms = [f for f in norms if getattr(model.get_submodule(f), "weight", None) is not None]
+    norms = [f for f in norms if model.get_submodule(f).weight.shape[0] == kv * d] or norms
     if replicated and norms:
         valid = [t for t in _valid_tps(geo, plan.geometry.vocab) if kv % t == 0]
         raise ConfigError(

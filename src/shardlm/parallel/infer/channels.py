@@ -56,7 +56,9 @@ def place_channels(
     parts in ``plan.channel_parts``."""
     for pfqn, (sources, layout) in sorted(follows.items()):
         owner, _, pname = pfqn.rpartition(".")
-        if any(plan.styles.get(s) not in (Style.COLWISE, Style.PACKED_COLWISE) for s in sources):
+        if any(
+            plan.styles.get(s) not in (Style.COLWISE, Style.PACKED_COLWISE) and s not in plan.narrowed for s in sources
+        ):
             continue  # its sources stay whole (a kept-replicated sub-block): so does it
         if any(s in plan.sliced and layout is not None and not _chunked(plan, s, tp) for s in sources):
             continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole

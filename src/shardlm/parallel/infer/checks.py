@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardlm.parallel.infer.broadcast import broadcast_over_split
 from shardlm.parallel.infer.follow import buffer_follows, follows
 from shardlm.parallel.infer.head_inputs import meets_split
+from shardlm.parallel.infer.narrowed import candidate
 
 # ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
 # would reduce its own columns only (a parameter-free norm, a softmax gate)
@@ -51,12 +52,13 @@ def check(
                 (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
             )
         elif t.dim() and t.numel() > 1 and tracker.heads and id(t) not in tracker.from_split_shape | tracker.whole_ids:
-            if meets_split(tracker, t):
+            if meets_split(tracker, t, sources):
                 continue  # handed to this module per head (BLOOM's ALiBi): each rank its heads' rows
             for s in sharded:
                 # the heads dim of split activations is never the last (that is head_dim or keys)
                 for i in range(2, min(t.dim(), s.dim()) + 1):
                     if t.shape[-i] == s.shape[-i] and t.shape[-i] in tracker.heads:
+                        candidate(tracker, t)  # made from a row-parallel output: narrowed? (Doge's mask)
                         tracker.violations.append(
                             (
                                 sources,

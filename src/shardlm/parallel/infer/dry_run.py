@@ -100,8 +100,11 @@ def _run(
             shape = list(module.weight.shape)
             shape[0 if conv1d else 1] //= tp
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))
+            if fqn in plan.narrowed:  # one value per head: this rank's heads' columns (``narrowed.py``)
+                module.forward = lambda x, m=module: type(m).forward(m, x)[..., : out_features(m) // tp]
         elif style == "sharded_norm":
-            module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
+            if getattr(module, "weight", None) is not None:  # a parameter-free norm has none (Dory's L2 norm)
+                module.weight = nn.Parameter(torch.empty(module.weight.shape[0] // tp, device="meta"))
             module.forward = lambda x, gate=None: x  # ``replicate.ShardedRMSNorm`` keeps the shape (groups by width)
         elif style == "per_channel":
             for pname in plan.channels.get(fqn, {}):

@@ -133,12 +133,19 @@ def _beside(t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: d
 def _per_head(t: torch.Tensor, tdim: int, met: list[torch.Tensor]) -> int:
     """The rows of the parameter behind ``t`` per index of its split dim, where ``t`` views it as
     [..., heads, *per-head dims] matching the split tensors' per-head dims (Bailing's ``dt_bias`` of
-    heads x head_dim, viewed [1, 1, heads, head_dim] and added to each head's gate): each head's rows
-    are contiguous, so its split follows the heads. 1 where ``t`` broadcasts along those dims."""
+    heads x head_dim, viewed [1, 1, heads, head_dim] and added to each head's gate; Dory's 1-D ``sqk``
+    viewed [heads, 1, head_dim]): each head's rows are contiguous, so its split follows the heads. 1 where
+    ``t`` broadcasts along all of those dims."""
     trailing = tuple(t.shape[tdim + 1 :])
-    if not trailing or any(tuple(s.shape[s.dim() - len(trailing) :]) != trailing for s in met):
+    if not trailing or not all(_heads_alike(trailing, tuple(s.shape[s.dim() - len(trailing) :])) for s in met):
         return 1
     return math.prod(trailing)
+
+
+def _heads_alike(trailing: tuple, per_head: tuple) -> bool:
+    """``t``'s per-head dims against a split tensor's: equal, or 1 where it broadcasts (Dory's ``sqk`` viewed
+    [heads, 1, head_dim] against q's [heads, seq, head_dim])."""
+    return len(trailing) == len(per_head) and all(a in (b, 1) for a, b in zip(trailing, per_head))
 
 
 def _arg_dim(args: tuple, kwargs: dict, ndim: int) -> int | None:

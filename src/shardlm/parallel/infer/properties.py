@@ -21,14 +21,14 @@ _PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")  # Gemma 3n'
 _INDEXER_KEY = "the indexer's one key head, read by all its query heads"
 
 PROPERTIES = {
-    "CpmAntAttention": (
-        "a per-head position bias computed from a parameter (relative_attention_bias), added in every block"
-    ),
     "BigBirdAttention": (
         "below its block-sparse length the model swaps in an attention built from the config's head count"
     ),
-    "DogeAttention": "dt_proj maps all kv heads' values to one value per kv head (its dynamic mask)",
-    "TrOCRAttention": "its attention reshapes the output to the embed_dim it reads off its whole input",
+    # ``bsz, tgt_len, embed_dim = hidden_states.size()``, then ``attn_output.reshape(bsz, tgt_len, embed_dim)``: a
+    # local variable, so the heads' output of one rank (embed_dim / tp wide) cannot be reshaped to it
+    "TrOCRAttention": (
+        "its attention reshapes the output to the embed_dim of its whole input's size(), not a rank's share"
+    ),
     **dict.fromkeys(
         [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],
         "per_layer_input (whole, with gradients) multiplies the gate's output channel by channel",

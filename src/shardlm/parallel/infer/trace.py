@@ -111,13 +111,15 @@ def trace_model(
     latents: frozenset[str] = frozenset(),
     wholes: frozenset[tuple[str, int, int]] = frozenset(),
     probes: dict[str, nn.Module] | None = None,
+    narrowed: frozenset[str] = frozenset(),
 ) -> Traced:
     """Directions of every linear inside the decoder blocks, packed parts, and the dropout call
     sites, from one meta forward of a ``shape`` batch; ``forced``: linears kept replicated (their
     outputs are whole on every rank); ``meta``: a meta copy of ``model`` to trace (built if not
     given; the trace leaves it as is); ``latents``: forced linears whose outputs are low-rank
     latents read per head (``latent.py``): the modules reading them and what they meet are recorded;
-    ``probes``: modules kept whole, run on CPU tensors (``probe.py``)."""
+    ``probes``: modules kept whole, run on CPU tensors (``probe.py``); ``narrowed``: row-parallel linears
+    whose output each rank narrows to its heads' columns (``narrowed.py``)."""
     meta = meta if meta is not None else build_meta(model)
     registrations: dict[int, int] = {}
     for _, m in meta.named_modules():
@@ -131,12 +133,14 @@ def trace_model(
     legit: dict[str, bool] = {}
     tracker = ShardTracker(param_owner, legit, head_counts(meta.config), wholes)
     tracker.tied = {i for i, n in registrations.items() if n > 1}
+    tracker.narrowed = narrowed
     for m_name, m in meta.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             if id(p) in tracker.tied:
                 tracker.tied_owners.setdefault(id(p), {})[m_name] = f"{m_name} ({type(m).__name__})"
     tracker.params = {id(p): p for p in meta.parameters()}
     tracker.buffers = {id(b): name for name, b in meta.named_buffers()}
+    tracker.embedding_params = {id(p) for p in meta.get_input_embeddings().parameters()}  # ``head_inputs.py``
     hooks = TraceHooks(tracker, forced, latents, all_head_widths(meta.config), legit)
     hooks.block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
     tracker.direct_weights = {

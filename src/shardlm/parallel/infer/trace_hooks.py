@@ -15,9 +15,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.head_inputs import record_inputs
+from shardlm.parallel.infer.narrowed import mark, record
 from shardlm.parallel.infer.summed import track_output
 from shardlm.parallel.infer.tracker import ShardTracker
-from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps
+from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps, weightless_norm
 
 
 class TraceHooks:
@@ -84,6 +85,10 @@ class TraceHooks:
                 self.legit[owner] = True
                 if sources:
                     self.closer_inputs[name] = self.closer_inputs.get(name, frozenset()) | sources
+            elif sources and self._weightless_norm(module, args[0], sources):
+                self.styles[name] = "sharded_norm"  # a parameter-free norm across the split width (Dory's L2 norm)
+                self.legit[owner] = True
+                self.tracker.inside.append(name)
             elif sources and any(True for _ in module.parameters(recurse=False)):
                 width = args[0].shape[-1]
                 params = list(module.parameters(recurse=False))
@@ -117,6 +122,15 @@ class TraceHooks:
 
         return hook
 
+    def _weightless_norm(self, module: nn.Module, x: torch.Tensor, sources: frozenset[str]) -> bool:
+        """Whether ``module`` is a parameter-free norm (``hf.weightless_norm``) over the whole width of a
+        column-parallel output (not one head's: Dory's per-head q_norm reduces within each rank's heads)."""
+        return (
+            x.dim() > 0
+            and x.shape[-1] in {self.tracker.widths.get(s) for s in sources}
+            and bool(weightless_norm(module))
+        )
+
     def inputs(self, name: str):
         def hook(module, args, kwargs):
             record_inputs(self.tracker, name, args, kwargs, module)  # per-head tensors it is handed (ALiBi)
@@ -142,7 +156,12 @@ class TraceHooks:
                     self.tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                     self.tracker.cuts.origins[id(out)] = (name, 0)
                 self.outputs[name] = out
-            track_output(self.tracker, name, out, self.styles.get(name) == "rowwise")
+            narrowed = name in self.tracker.narrowed and self.styles.get(name) == "rowwise"
+            if narrowed and isinstance(out, torch.Tensor):
+                mark(self.tracker, name, out)  # one value per head, each rank its heads' (Doge's dt_proj)
+            elif self.styles.get(name) == "rowwise":
+                record(self.tracker, name, out)
+            track_output(self.tracker, name, out, self.styles.get(name) == "rowwise" and not narrowed)
             if name in self.latents and isinstance(out, torch.Tensor):
                 self.tracker.latent[id(out)] = frozenset({name})
             for t in tree_flatten(out)[0]:

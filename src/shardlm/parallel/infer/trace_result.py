@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardlm.parallel.infer.broadcast import broadcast_violations
+from shardlm.parallel.infer.head_inputs import partial_grads as head_partial_grads
 from shardlm.parallel.infer.latent import latent_candidates
 from shardlm.parallel.infer.parts import parts_from_consumer, refined
 from shardlm.parallel.infer.trace_hooks import TraceHooks
@@ -52,6 +53,10 @@ class Traced:
     partial_grads: list[str]
     # module -> owner of the tied embedding whose rows it reads by index (``ShardTracker.row_reads``)
     row_reads: dict[str, str]
+    # row-parallel linears whose output, one value per head, could be narrowed to each rank's heads, and those
+    # this trace narrowed (``narrowed.py``)
+    narrow: set[str]
+    narrowed: frozenset[str]
 
 
 def collect(
@@ -92,7 +97,8 @@ def collect(
         for m_name, m in meta.named_modules()
         for p_name, p in m.named_parameters(recurse=False)
     }
-    partial_grads = broadcast_violations(tracker, names)  # before the violations are handed on
+    # before the violations are handed on; CPM-Ant's position bias table too (``head_inputs.py``)
+    partial_grads = broadcast_violations(tracker, names) + head_partial_grads(tracker, names)
     follows = {names[pid]: source for pid, source in tracker.follows.items()} | tracker.buffer_follows
     whole = {name: whole_flags(wholes, name, 0, p) for name, p in parts.items()}
     for pid, (linear, start) in tracker.follow_origins.items():  # a stretch of a linear cut again later
@@ -122,4 +128,6 @@ def collect(
         tracker.found_head_inputs,
         partial_grads,
         tracker.row_reads,
+        tracker.narrow,
+        tracker.narrowed,
     )

@@ -27,11 +27,12 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
-from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product
+from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product, whole_use
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
 from shardlm.parallel.infer.layouts import declare_layout_records, propagate
 from shardlm.parallel.infer.meta_answers import asks_data, meta_answer
+from shardlm.parallel.infer.narrowed import declare_narrowed_records
 from shardlm.parallel.infer.parts import (
     SPLIT_OPS,
     declare_parts_records,
@@ -116,6 +117,7 @@ class ShardTracker(TorchFunctionMode):
         declare_layout_records(self)
         declare_head_input_records(self)
         declare_broadcast_records(self)
+        declare_narrowed_records(self, frozenset())
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its
@@ -223,6 +225,7 @@ class ShardTracker(TorchFunctionMode):
         if not sources:
             follow_head_input(self, inputs, out)  # MPT's position bias sliced inside its attention
             per_rank_product(self, inputs, out)  # MiniMax's ``state * block_decay``
+            whole_use(self, inputs)  # CPM-Ant's position bias, with gradients, added to whole scores
         track(self, name, inputs, sources, out)
         if inputs and not sources and all(self.owners(t) for t in inputs):
             owners = frozenset().union(*(self.owners(t) for t in inputs))

@@ -240,6 +240,32 @@ def _computes_rms_norm(module: nn.Module, eps: float, gated: bool) -> bool:
         return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
 
 
+def weightless_norm(module: nn.Module) -> tuple[float, bool] | None:
+    """``(eps, mean)`` if ``module`` owns no parameters or buffers and computes ``x / sqrt(sum(x^2) + eps)``
+    (nGPT's L2 norm onto the unit sphere, Dory's ``DoryL2Norm``; ``mean`` False) or ``x / sqrt(mean(x^2) + eps)`` (a
+    weightless RMSNorm; ``mean`` True) over its input's last dim, in fp32; None otherwise. Checked by
+    running it on random numbers, so that only what ``sharded_norm`` reproduces gets that style."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()) or not isinstance(eps, float):
+        return None
+    # outside every torch-function mode (a trace's tracker, the meta device) and the module's own hooks
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), device="cpu")
+        try:
+            got = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001 - a forward of other arguments: not this norm
+            return None
+        for mean in (False, True):
+            want = x * torch.rsqrt(_squares(x, mean) + eps)
+            if isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(got, want, 1e-5, 1e-6):
+                return eps, mean
+    return None
+
+
+def _squares(x: torch.Tensor, mean: bool) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True) if mean else x.pow(2).sum(-1, keepdim=True)
+
+
 def weight_kernels_available() -> bool:
     """Whether transformers would run ``WEIGHT_KERNELS`` here: mamba_ssm on a CUDA machine, or the
     hub's kernels switched on (``TRANSFORMERS_USE_HUB_KERNELS``)."""

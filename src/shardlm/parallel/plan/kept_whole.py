@@ -6,8 +6,10 @@ not listed; listed are what TP could have split and did not: sub-blocks kept rep
 reason the trace gave), projections stored whole of which each rank computes its rows (kv heads
 fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
 per-channel parameters whose channels ranks share, parameters of one value broadcast over the
-split heads (DiffLlama's lambdas), and parameters another module's forward reads directly around split
-layers (``Plan.direct_reads``: Gemma 3n's AltUp coefficients).
+split heads (DiffLlama's lambdas) or of a per-head table each rank reads its heads' rows of (CPM-Ant's
+position bias), the parameters of an attention that holds no linear layer (XLNet's, by ``einsum``), and
+parameters another module's forward reads directly around split layers (``Plan.direct_reads``: Gemma 3n's
+AltUp coefficients).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 
 import torch.nn as nn
 
+from shardlm.parallel.model.hf import is_linear
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.describe import describe_plan
 from shardlm.parallel.plan.plan import Plan
@@ -27,10 +30,10 @@ def _any_block(fqn: str) -> str:
     return re.sub(r"(?<=[A-Za-z_])\.\d+(?=\.|$)", ".*", fqn)
 
 
-def kept_whole(plan: Plan) -> list[str]:
+def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """``module: why`` for each kind of thing stored whole on every rank (see the module docstring),
-    one entry for every block alike."""
-    found: dict[str, None] = {}
+    one entry for every block alike; with ``model``, also the attentions of no linear layer (``_no_linears``)."""
+    found: dict[str, None] = dict.fromkeys(_no_linears(model, plan) if model is not None else [])
     replicated: dict[str, dict[str, None]] = {}  # why -> the modules kept replicated for it
     for fqn, why in plan.replicated.items():
         replicated.setdefault(why, {})[_any_block(fqn)] = None
@@ -56,19 +59,50 @@ def kept_whole(plan: Plan) -> list[str]:
             direct.setdefault(why, {})[_any_block(fqn)] = None
     for why, fqns in direct.items():
         found[f"{', '.join(fqns)}: stored whole ({why[:100]})"] = None
-    broadcast: dict[str, None] = {_any_block(fqn): None for fqn in plan.partial_grads}
-    if broadcast:
-        found[f"{', '.join(broadcast)}: stored whole (one value broadcast over the split heads)"] = None
+    # a split attention's own (DiffLlama's lambdas), or a table a module outside it makes a per-head tensor of
+    # (CPM-Ant's position bias, ``infer/head_inputs.py``)
+    own = [fqn for fqn in plan.partial_grads if fqn.rpartition(".")[0] in plan.attention]
+    for fqns, why in (
+        (own, "one value broadcast over the split heads"),
+        ([f for f in plan.partial_grads if f not in own], "a per-head table: each rank reads its heads' rows"),
+    ):
+        names = dict.fromkeys(_any_block(fqn) for fqn in fqns)
+        if names:
+            found[f"{', '.join(names)}: stored whole ({why})"] = None
     return list(found)
+
+
+def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
+    """The attention modules (``_tops``) that hold no linear layer, computing on per-head parameters of
+    their own (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and
+    per-head biases): the trace splits linear layers only, so every rank stores them whole; one entry per
+    kind. A parameter of [heads, head_dim] says per-head (not Inkling's attention residuals' queries)."""
+    found: dict[str, None] = {}
+    heads, width = plan.geometry.heads, plan.geometry.head_dim
+    for fqn in _tops(model):
+        module = model.get_submodule(fqn)
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        per_head = any(heads in p.shape and width in p.shape for p in module.parameters(recurse=False))
+        if own and per_head and not any(is_linear(m) for m in module.modules()):
+            names = ", ".join(own)
+            why = "an attention on parameters of its own (einsum), no linear layer: the trace splits linear layers"
+            found[f"{_any_block(fqn)}.{{{names}}}: stored whole ({why})"] = None
+    return list(found)
+
+
+def _tops(model: nn.Module) -> list[str]:
+    """The outermost modules of an attention class (``_ATTENTION``)."""
+    tops: list[str] = []
+    for name, module in model.named_modules():
+        if _ATTENTION.search(type(module).__name__) and not any(name.startswith(f"{t}.") for t in tops):
+            tops.append(name)
+    return tops
 
 
 def attention_bytes(model: nn.Module, plan: Plan, tp: int) -> tuple[int, int]:
     """(fp32 bytes of the attention modules' parameters on one rank, in the whole model): the
     outermost modules of an attention class (``_ATTENTION``), split or kept whole."""
-    tops: list[str] = []
-    for name, module in model.named_modules():
-        if _ATTENTION.search(type(module).__name__) and not any(name.startswith(f"{t}.") for t in tops):
-            tops.append(name)
+    tops = _tops(model)
     rows = [
         r
         for r in describe_plan(model, plan, tp)

@@ -66,3 +66,6 @@ class Plan:
     # DeepSeek Sparse Attention's indexer (``parallel/infer/indexer.py``) -> its global head count: its query
     # heads split, each rank's sum of its heads' scores all-reduced over TP before its top-k (``runtime/indexer.py``)
     indexers: dict[str, int] = field(default_factory=dict)
+    # row-parallel linears whose all-reduced output, one value per head (Doge's ``dt_proj``), each rank narrows
+    # to its heads' columns, the gradients of the columns summed over TP (``parallel/infer/narrowed.py``)
+    narrowed: list[str] = field(default_factory=list)

@@ -160,6 +160,8 @@ def sharded_dim(
     if style in (Style.EXPERTS, Style.PER_CHANNEL):
         return experts[param].dim if experts and param in experts else None
     placement = PLACEMENTS[Style(style)]
+    if style == Style.LM_HEAD and param not in ("weight", "bias"):
+        return 0  # the LM head's own per-token parameters (Dory's ``logit_scale``: ``infer/vocab_head.py``)
     dim = {"weight": placement.weight, "bias": placement.bias}.get(param)
     if dim is not None and param == "weight" and is_conv1d(module):
         dim = 1 - dim

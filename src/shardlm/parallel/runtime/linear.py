@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shardlm.distributed.shards import local_view, packed_placement, parameter
+from shardlm.distributed.shards import LocalParams, local_view, packed_placement, parameter
 from shardlm.parallel.model.hf import (
     is_conv1d,
 )
@@ -127,14 +127,35 @@ class Colwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         dim = 1 if is_conv1d(module) else 0
-        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0)}, self.src_data_rank)
-        module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
+        # an LM head's own per-token parameters (Dory's ``logit_scale``), by vocabulary rows too
+        # (``infer/vocab_head.py`` checked that each acts on its own columns)
+        own = {n: Shard(0) for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")}
+        own = own if self.sharded_output else {}  # a colwise layer with more than weight/bias: not placed
+        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0), **own}, self.src_data_rank)
+        if own:
+            module.forward = functools.partial(_own_head_forward, module, device_mesh, type(module).forward)
+        else:
+            module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
         return module
 
 
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
     out = local_linear(module, column_input(x, mesh))
     return sharded_logits(out, module.weight.shape[1 if is_conv1d(module) else 0], mesh) if sharded_output else out
+
+
+def _own_head_forward(module: nn.Module, mesh: DeviceMesh, forward, x: torch.Tensor) -> DTensor:
+    """An LM head's own forward (Dory's ``logits * logit_scale``) on the local pieces of its parameters:
+    this rank's vocabulary columns of the logits, kept split like ``_colwise_forward``'s."""
+    params = LocalParams()
+    for name, param in list(module._parameters.items()):
+        if isinstance(param, DTensor):
+            params.swap(module, name, local_view(param))
+    try:
+        out = forward(module, column_input(x, mesh))
+    finally:
+        params.restore()
+    return sharded_logits(out, module.weight.shape[0], mesh)
 
 
 def sharded_logits(local: torch.Tensor, vocab: int, mesh: DeviceMesh) -> DTensor:
@@ -156,7 +177,8 @@ class Rowwise(ParallelStyle):
     reduce-scattered to this rank's slice of the sequence (``reduce_scatter_to_sequence_region``);
     ``"summed"`` for a layer whose whole output is read back inside the split region (Mamba's ``x_proj``:
     ``parallel/infer/summed.py``): each rank's gradient of it covers its own channels only, so the backward
-    of the output's all-reduce is an all-reduce of that gradient (``copy_to_region``). The output is a
+    of the output's all-reduce is an all-reduce of that gradient (``copy_to_region``); ``"narrowed"``, the same,
+    then this rank's chunk of its columns (one value per head: Doge's ``dt_proj``). The output is a
     tensor of its own: models add into it in place (Falcon's ``mlp_output += attention_output``)."""
 
     def __init__(self, output: str = "reduced"):
@@ -180,6 +202,9 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
         out = out + local_view(module.bias)
     elif output == "scattered":
         out = out.clone()  # a view made inside DTensor's redistribute (see the class docstring)
+    if output == "narrowed":  # this rank's columns, one per head (``infer/narrowed.py``); their gradients summed
+        width = out.shape[-1] // mesh.size()
+        return copy_to_region(out, mesh).narrow(-1, mesh.get_local_rank() * width, width)
     return copy_to_region(out, mesh) if output == "summed" else out
 
 

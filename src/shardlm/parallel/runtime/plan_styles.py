@@ -31,6 +31,7 @@ def make_style(
     latent_input: bool = False,
     summed: bool = False,
     sequence_parallel: bool = False,
+    narrowed: bool = False,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
@@ -39,7 +40,8 @@ def make_style(
     ``colwise`` layer reads a low-rank latent kept whole (``Plan.latent_readers``); ``summed``: a
     ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``); ``sequence_parallel``: a
     ``rowwise`` layer's output (an ``embedding``'s partial sums) is reduce-scattered over the sequence
-    (``runtime/sequence.py``)."""
+    (``runtime/sequence.py``); ``narrowed``: a ``rowwise`` layer's output narrowed to this rank's heads'
+    columns (``Plan.narrowed``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
@@ -48,6 +50,8 @@ def make_style(
         case Style.ROWWISE:
             if sequence_parallel:
                 return Rowwise("scattered")
+            if narrowed:  # one value per head, each rank its heads' columns (``Plan.narrowed``)
+                return Rowwise("narrowed")
             return Rowwise("summed") if summed else Rowwise()
         case Style.PACKED_COLWISE:
             return PackedColwiseParallel(parts)
@@ -86,6 +90,7 @@ def plan_styles(plan: Plan, scattered: set[str] | frozenset = frozenset()) -> di
             fqn in plan.latent_readers,
             fqn in plan.summed,
             fqn in scattered,
+            fqn in plan.narrowed,
         )
         for fqn, s in plan.styles.items()
     }

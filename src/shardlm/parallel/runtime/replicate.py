@@ -14,9 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.distributed.shards import LocalParams, local_view
-from shardlm.parallel.model.hf import (
-    rms_norm_eps,
-)
+from shardlm.parallel.model.hf import rms_norm_eps, weightless_norm
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.runtime.linear import shard_params
 
@@ -109,11 +107,16 @@ class ShardedRMSNorm(ParallelStyle):
     weight is sharded like the activation; each rank sums the squares of its slice and one
     all-reduce of that ``[tokens, 1]`` sum gives the full width's mean (in the backward, the
     gradients of the sum are all-reduced the same way). No activation is gathered. The formula
-    is checked against the module's own forward when the plan is made (``hf.rms_norm_eps``)."""
+    is checked against the module's own forward when the plan is made (``hf.rms_norm_eps``). A
+    parameter-free norm (Dory's L2 norm ``x / sqrt(sum(x^2) + eps)``, ``hf.weightless_norm``) is the
+    same without a weight, over the sum or the mean of the squares."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        eps, width = rms_norm_eps(module), module.weight.shape[0]
-        shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+        weighted = getattr(module, "weight", None) is not None
+        eps, mean = (rms_norm_eps(module), True) if weighted else weightless_norm(module)
+        width = module.weight.shape[0] if weighted else None  # else the whole width: tp equal slices
+        if weighted:
+            shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
 
         def forward(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
             h = x.float()
@@ -121,7 +124,10 @@ class ShardedRMSNorm(ParallelStyle):
                 h = h * F.silu(gate.float())
             squares = DTensor.from_local(h.pow(2).sum(-1, keepdim=True), device_mesh, [Partial()], run_check=False)
             total = squares.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-            return (local_view(module.weight) * (h * torch.rsqrt(total / width + eps))).to(x.dtype)
+            if mean:
+                total = total / (width or h.shape[-1] * device_mesh.size())
+            normed = h * torch.rsqrt(total + eps)
+            return (local_view(module.weight) * normed if weighted else normed).to(x.dtype)
 
         module.forward = forward
         return module
