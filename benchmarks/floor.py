@@ -18,10 +18,11 @@ includes time spent descheduled. Wall figures are minima (the least disturbed st
 
 ``floor = compute + communication``; the step is ``measured / floor - 1`` above it.
 
-``one``: the whole model on the whole batch in one process on every core (``os.cpu_count()`` threads, as
-``against.py``'s ``one``), compute alone. With ``tp2`` beside it, the best TP efficiency the machine allows:
-one process's wall over a tp2 rank's floor (its compute alone on one thread + its collectives alone, wall),
-what ``against.py``'s ``TP efficiency`` would read if a tp2 step cost nothing beyond its floor.
+``one``: the whole model on the whole batch in one process, compute alone, on every core (``os.cpu_count()``
+threads, as ``against.py``'s ``one``) and on one thread. With ``tp2`` beside it, the best TP efficiency the
+machine allows: one process's wall over a tp2 rank's floor (its compute alone on one thread + its collectives
+alone, wall), what ``against.py``'s ``TP efficiency`` would read if a tp2 step cost nothing beyond its floor;
+and the same against one process whose threads scaled perfectly (one thread's wall / cores).
 
     python benchmarks/floor.py [--layouts tp2,fsdp2,tp2_fsdp2,one] [--steps 5]
 """
@@ -176,9 +177,13 @@ def main() -> None:
         floors: dict[str, float] = {}
         for name in args.layouts.split(","):
             if name == "one":
+                serial = compute_alone({}, args.steps)
                 one = compute_alone({}, args.steps, threads=os.cpu_count() or 1)
-                floors[name] = one["wall_ms"]
-                print(f"one ({os.cpu_count()} threads): {one['wall_ms']:.0f} ms wall, {one['cpu_ms']:.0f} ms CPU")
+                floors[name], floors["serial"] = one["wall_ms"], serial["wall_ms"]
+                print(
+                    f"one: {os.cpu_count()} threads {one['wall_ms']:.0f} ms wall, {one['cpu_ms']:.0f} ms CPU; "
+                    f"1 thread {serial['wall_ms']:.0f} ms wall, {serial['cpu_ms']:.0f} ms CPU"
+                )
                 continue
             _, layout = LAYOUTS[name]
             world = layout.get("tp", 1) * layout.get("fsdp", 1)
@@ -197,7 +202,11 @@ def main() -> None:
                 flush=True,
             )
         if "one" in floors and "tp2" in floors:
-            print(f"best TP efficiency (one's wall / tp2's floor wall): {floors['one'] / floors['tp2']:.2f}")
+            ideal = floors["serial"] / (os.cpu_count() or 1)
+            print(
+                f"best TP efficiency (one's wall / tp2's floor wall): {floors['one'] / floors['tp2']:.2f}; "
+                f"against one process scaling perfectly (1 thread's wall / cores): {ideal / floors['tp2']:.2f}"
+            )
 
 
 if __name__ == "__main__":
