@@ -59,7 +59,6 @@ from shardlm.distributed.shards import local_view, packed_placement, parameter
 from shardlm.parallel.model.hf import (
     is_conv1d,
 )
-from shardlm.parallel.runtime.overlap import ColumnLinear, ColumnRegion
 from shardlm.parallel.runtime.regions import (
     copy_to_region,
     gather_to_column_region,
@@ -78,8 +77,7 @@ class _SharedInput:
     under sequence parallelism the gathered sequence they read (``gathered_input``): Python state kept
     between the readers' calls, keyed by the activation's identity and the TP mesh object."""
 
-    # (weakref to the activation, mesh, what its readers read, its ``overlap.ColumnRegion`` or None)
-    last: tuple = (None, None, None, None)
+    last: tuple = (None, None, None)  # (weakref to the activation, mesh, what its readers read)
     # sequence parallelism: (weakref to the sequence slice, mesh, the whole sequence)
     gathered: tuple = (None, None, None)
 
@@ -95,27 +93,11 @@ def column_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
     Kept out of ``train.compile``'s graphs (``train/compile.py``): the cached input is Python state
     between calls that a graph cannot carry."""
-    ref, last_mesh, shared, _ = _SharedInput.last
+    ref, last_mesh, shared = _SharedInput.last
     if ref is None or ref() is not x or last_mesh is not mesh:
-        region = ColumnRegion() if torch.is_grad_enabled() and x.requires_grad else None
-        shared = copy_to_region(x, mesh, region)
-        _SharedInput.last = (weakref.ref(x), mesh, shared, region)
+        shared = copy_to_region(x, mesh)
+        _SharedInput.last = (weakref.ref(x), mesh, shared)
     return shared
-
-
-def column_linear(module: nn.Module, x: torch.Tensor, mesh: DeviceMesh, rows=None) -> torch.Tensor:
-    """A column-parallel reader of ``x`` (``column_input``): ``local_linear`` (``sliced_linear`` on ``rows``),
-    whose weight gradient its region computes while the input gradient's all-reduce is in flight
-    (``overlap.py``); in a compiled block, or without a region, the plain layer."""
-    shared = column_input(x, mesh)
-    region = None if torch.compiler.is_compiling() else _SharedInput.last[3]
-    if region is None:
-        return sliced_linear(module, shared, rows) if rows is not None else local_linear(module, shared)
-    weight = local_view(module.weight)
-    bias = local_view(module.bias) if module.bias is not None else None
-    if rows is not None:
-        weight, bias = take_rows(weight, rows), take_rows(bias, rows) if bias is not None else None
-    return ColumnLinear.apply(shared, weight, bias, region, (module.weight, module.bias), is_conv1d(module))
 
 
 def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -128,7 +110,7 @@ def gathered_input(chunk: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     if ref is None or ref() is not chunk or last_mesh is not mesh:
         full = gather_to_column_region(chunk, mesh).to_local(grad_placements=[Partial()])
         _SharedInput.gathered = (weakref.ref(chunk), mesh, full)
-    _SharedInput.last = (weakref.ref(full), mesh, full, None)
+    _SharedInput.last = (weakref.ref(full), mesh, full)
     return full
 
 
@@ -151,7 +133,7 @@ class Colwise(ParallelStyle):
 
 
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
-    out = column_linear(module, x, mesh)
+    out = local_linear(module, column_input(x, mesh))
     return sharded_logits(out, module.weight.shape[1 if is_conv1d(module) else 0], mesh) if sharded_output else out
 
 
@@ -219,7 +201,7 @@ def _local_linear_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) 
     input by (``column_input``); the weight's ``device_mesh`` is an equal but distinct
     object, with which this layer's input gradient was all-reduced on its own (Qwen3.5's
     ``in_proj_qkv`` beside ``in_proj_z/b/a``: one all-reduce more per mixer backward)."""
-    return column_linear(module, x, mesh)
+    return local_linear(module, column_input(x, mesh))
 
 
 class PackedColwiseParallel(ParallelStyle):
@@ -246,7 +228,7 @@ def _sliced_linear_forward(
     view of ``x``, it is summed once over TP together with the sibling colwise layers'
     (``mesh`` is the object sibling Colwise layers see: their shared view's key).
     """
-    return column_linear(module, x, mesh, rows)
+    return sliced_linear(module, column_input(x, mesh), rows)
 
 
 def take_rows(t: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:

@@ -3,8 +3,7 @@
 
 ``copy_to_region``      forward: identity (the replicated input enters the region); backward: the
                         input's gradient, which covers this rank's pieces only, summed over TP
-                        (Megatron's ``copy_to_tensor_model_parallel_region``, its "f"); the column-parallel
-                        readers' weight gradients computed while that all-reduce is in flight (``overlap.py``).
+                        (Megatron's ``copy_to_tensor_model_parallel_region``, its "f").
 ``CopyToRegion``        the same for several tensors at once, their gradients summed in one all-reduce.
 ``reduce_from_region``  forward: the partial sums of the region added over TP (an all-reduce);
                         backward: identity (Megatron's ``reduce_from_tensor_model_parallel_region``,
@@ -47,8 +46,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from shardlm.parallel.runtime.overlap import ColumnRegion
-
 
 def sequence_dim(x: torch.Tensor) -> int:
     """The dim of ``x`` the sequence is split on: the one before the features, the sequence of
@@ -57,11 +54,10 @@ def sequence_dim(x: torch.Tensor) -> int:
     return x.dim() - 2
 
 
-def copy_to_region(x: torch.Tensor, mesh: DeviceMesh, region: ColumnRegion | None = None) -> torch.Tensor:
+def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``x`` (replicated) with the same values, its gradient summed over TP on the way back (an all-reduce
-    of a plain tensor: no DTensor dispatch). With ``region``, the weight gradients its readers left there
-    (``overlap.py``) are computed between issuing that all-reduce and waiting for it."""
-    return _CopyToRegion.apply(x, mesh, region)
+    of a plain tensor: no DTensor dispatch)."""
+    return _CopyToRegion.apply(x, mesh)
 
 
 def reduce_from_region(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -79,17 +75,13 @@ def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tens
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, region: ColumnRegion | None) -> torch.Tensor:
-        ctx.mesh, ctx.region = mesh, region  # ``region``: read by the readers' backward (``overlap.py``)
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.region is None or not ctx.region.deferred:
-            return all_reduce(grad, ctx.mesh), None, None
-        pending = torch.ops._c10d_functional.all_reduce(grad, "sum", ctx.mesh.get_group().group_name)
-        ctx.region.run_deferred()
-        return torch.ops._c10d_functional.wait_tensor(pending), None, None
+        return all_reduce(grad, ctx.mesh), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
