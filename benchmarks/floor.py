@@ -18,7 +18,13 @@ includes time spent descheduled. Wall figures are minima (the least disturbed st
 
 ``floor = compute + communication``; the step is ``measured / floor - 1`` above it.
 
-    python benchmarks/floor.py [--layouts tp2,fsdp2] [--steps 5]
+``one``: the whole model on the whole batch in one process, compute alone, on every core (``os.cpu_count()``
+threads, as ``against.py``'s ``one``) and on one thread. With ``tp2`` beside it, the best TP efficiency the
+machine allows: one process's wall over a tp2 rank's floor (its compute alone on one thread + its collectives
+alone, wall), what ``against.py``'s ``TP efficiency`` would read if a tp2 step cost nothing beyond its floor;
+and the same against one process whose threads scaled perfectly (one thread's wall / cores).
+
+    python benchmarks/floor.py [--layouts tp2,fsdp2,tp2_fsdp2,one] [--steps 5]
 """
 
 from __future__ import annotations
@@ -124,9 +130,9 @@ def local_model(layout: dict) -> tuple[torch.nn.Module, int, int]:
     return LlamaForCausalLM(LlamaConfig(**sizes)).float(), sizes["vocab_size"], GLOBAL_BATCH // fsdp
 
 
-def compute_alone(layout: dict, steps: int) -> dict:
-    """One rank's compute on one thread: forward, loss, backward, AdamW (module docstring)."""
-    torch.set_num_threads(1)
+def compute_alone(layout: dict, steps: int, threads: int = 1) -> dict:
+    """One rank's compute on ``threads`` threads: forward, loss, backward, AdamW (module docstring)."""
+    torch.set_num_threads(threads)
     model, vocab, batch = local_model(layout)
     fsdp = layout.get("fsdp", 1)
     params = list(model.parameters())
@@ -168,13 +174,24 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')} UTC, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         path = write_model(os.path.join(tmp, "llama"))
+        floors: dict[str, float] = {}
         for name in args.layouts.split(","):
+            if name == "one":
+                serial = compute_alone({}, args.steps)
+                one = compute_alone({}, args.steps, threads=os.cpu_count() or 1)
+                floors[name], floors["serial"] = one["wall_ms"], serial["wall_ms"]
+                print(
+                    f"one: {os.cpu_count()} threads {one['wall_ms']:.0f} ms wall, {one['cpu_ms']:.0f} ms CPU; "
+                    f"1 thread {serial['wall_ms']:.0f} ms wall, {serial['cpu_ms']:.0f} ms CPU"
+                )
+                continue
             _, layout = LAYOUTS[name]
             world = layout.get("tp", 1) * layout.get("fsdp", 1)
             step = spawn(rank_main, world, path, layout, args.steps)[0]
             compute = compute_alone(layout, args.steps)
             floor = compute["wall_ms"] + step["comm_ms"]
             cpu_floor = compute["cpu_ms"] + step["comm_cpu_ms"]
+            floors[name] = floor
             print(
                 f"{name}: step {step['wall_ms']:.0f} ms wall, {step['cpu_ms']:.0f} ms CPU/rank; "
                 f"compute alone {compute['wall_ms']:.0f} ms wall, {compute['cpu_ms']:.0f} ms CPU; "
@@ -183,6 +200,12 @@ def main() -> None:
                 f"{100 * (step['wall_ms'] / floor - 1):.0f}% (wall), "
                 f"{100 * (step['cpu_ms'] / cpu_floor - 1):.0f}% (CPU) above it",
                 flush=True,
+            )
+        if "one" in floors and "tp2" in floors:
+            ideal = floors["serial"] / (os.cpu_count() or 1)
+            print(
+                f"best TP efficiency (one's wall / tp2's floor wall): {floors['one'] / floors['tp2']:.2f}; "
+                f"against one process scaling perfectly (1 thread's wall / cores): {ideal / floors['tp2']:.2f}"
             )
 
 
