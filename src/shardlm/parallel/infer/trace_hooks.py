@@ -49,6 +49,7 @@ class TraceHooks:
         self.closer_inputs: dict[str, frozenset[str]] = {}  # rowwise linear -> sources of what it reads
         self.running: list[str] = []  # modules whose forward is running (named when an exception escapes)
         tracker.running = self.running
+        self.ran: set[str] = set()  # modules whose forward ran (``Plan.unrun``: those that never did)
         self.handles: list = []
 
     def install(self, meta: nn.Module) -> None:
@@ -66,6 +67,7 @@ class TraceHooks:
 
         def hook(module, args):
             self.running.append(name)
+            self.ran.add(name)
             self.tracker.shape_heads.clear()
             if not args or not isinstance(args[0], torch.Tensor):
                 return

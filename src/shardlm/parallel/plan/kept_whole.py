@@ -9,7 +9,8 @@ per-channel parameters whose channels ranks share, parameters of one value broad
 split heads (DiffLlama's lambdas) or of a per-head table each rank reads its heads' rows of (CPM-Ant's
 position bias), the parameters of an attention that holds no linear layer (XLNet's, by ``einsum``), and
 parameters another module's forward reads directly around split layers (``Plan.direct_reads``: Gemma 3n's
-AltUp coefficients).
+AltUp coefficients), and modules whose forward never runs on text rows (``Plan.unrun``: a decoder-only class's
+cross-attention, without encoder states; a multimodal checkpoint's vision or audio tower): no trace saw them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import re
 
 import torch.nn as nn
 
-from shardlm.parallel.model.hf import is_linear
+from shardlm.parallel.model.hf import is_linear, tower_parameters
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.describe import describe_plan
 from shardlm.parallel.plan.plan import Plan
 
-_ATTENTION = re.compile(r"Attention|Attn")  # transformers' attention classes: ``LlamaAttention``, ``GPT2Attention``
+# transformers' attention classes: ``LlamaAttention``, ``GPT2Attention``, ``GPTNeoFlashAttention2``; not a class
+# holding more than an attention (Jamba's ``JambaAttentionDecoderLayer``, SigLIP's ``...AttentionPoolingHead``)
+_ATTENTION = re.compile(r"(Attention|Attn)\d*$")
+_CROSS = re.compile(r"encoder_attn|cross", re.IGNORECASE)  # cross-attention modules: BART's, Whisper's ``encoder_attn``
 
 
 def _any_block(fqn: str) -> str:
@@ -69,7 +73,26 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
         names = dict.fromkeys(_any_block(fqn) for fqn in fqns)
         if names:
             found[f"{', '.join(names)}: stored whole ({why})"] = None
+    found.update(dict.fromkeys(_unrun(plan, model)))
     return list(found)
+
+
+def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
+    """``Plan.unrun`` grouped by why it never runs on text rows: the tower parameters (``hf.tower_parameters``,
+    with ``model``), cross-attention (by name, ``_CROSS``), else only that the trace never ran it."""
+    towers = set(tower_parameters(model)) if model is not None else set()
+    groups: dict[str, dict[str, None]] = {}
+    for fqn in plan.unrun:
+        module = model.get_submodule(fqn) if model is not None else None
+        params = [f"{fqn}.{n}" for n, _ in module.named_parameters()] if module is not None else []
+        if params and all(p in towers for p in params):
+            why = "a vision/audio tower: not run on text rows; frozen unless train.train_vision_tower"
+        elif _CROSS.search(fqn.rpartition(".")[2]):
+            why = "cross-attention: never run without encoder states (text rows)"
+        else:
+            why = "never run on text rows: the trace never reached it"
+        groups.setdefault(why, {})[f"{_any_block(fqn)}.*"] = None
+    return [f"{', '.join(fqns)}: stored whole ({why})" for why, fqns in groups.items()]
 
 
 def _no_linears(model: nn.Module, plan: Plan) -> list[str]:

@@ -69,3 +69,5 @@ class Plan:
     # row-parallel linears whose all-reduced output, one value per head (Doge's ``dt_proj``), each rank narrows
     # to its heads' columns, the gradients of the columns summed over TP (``parallel/infer/narrowed.py``)
     narrowed: list[str] = field(default_factory=list)
+    # the outermost modules whose forwards never ran in the trace (``trace_result.unrun``): stored whole on every rank
+    unrun: list[str] = field(default_factory=list)
