@@ -111,8 +111,8 @@ ATTENTION_ELEMENTS = {
 # the attention's fp32 bytes (per rank, whole) over both blocks where they differ: MiniMax's block 0 is
 # softmax attention (q/k/v/o [64, 64])
 ATTENTION_BYTES = {"minimax": (4 * (10272 + 8192), 4 * (20544 + 16384))}
-# DBRX's attention class wraps its two norms (DbrxNormAttentionNorm: 2 x [64] per block), whole on every rank
-ATTENTION_BYTES["dbrx"] = (4 * (2 * 8192 + 256), 4 * (2 * 10240 + 256))
+# DBRX's DbrxNormAttentionNorm (its two norms around the attention) is no attention class (``kept_whole._ATTENTION``):
+# its DbrxAttention alone is counted
 
 
 def _write(root: Path, model_type: str) -> str:

@@ -83,6 +83,9 @@ def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
     towers = set(tower_parameters(model)) if model is not None else set()
     groups: dict[str, dict[str, None]] = {}
     for fqn in plan.unrun:
+        under = [s for f, s in plan.styles.items() if f == fqn or f.startswith(f"{fqn}.")]
+        if any(s not in ("replicate", "replicate_local") for s in under):
+            continue  # placed without the trace (MoE experts, probed: ``experts.py``)
         module = model.get_submodule(fqn) if model is not None else None
         params = [f"{fqn}.{n}" for n, _ in module.named_parameters()] if module is not None else []
         if params and all(p in towers for p in params):
