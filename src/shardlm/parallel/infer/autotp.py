@@ -112,7 +112,7 @@ from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_sp
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
-from shardlm.parallel.infer.trace_result import unrun
+from shardlm.parallel.infer.unrun import split_like, unrun
 from shardlm.parallel.infer.vocab_head import check_vocab_head
 from shardlm.parallel.model.geometry import Geometry, read_geometry
 from shardlm.parallel.model.hf import (
@@ -435,7 +435,6 @@ def _assemble(
     _slice_shared_rows(model, plan, tp)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
     plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
-    plan.unrun = unrun(model, traced)  # cross-attention without encoder states, multimodal towers
     for user, owner in traced.row_reads.items():  # Gemma 4's pad row (``runtime/row_reads.py``)
         if owner.split(" (")[0] in (emb, head):
             plan.row_reads[user] = emb
@@ -447,6 +446,8 @@ def _assemble(
     whole, split = used_only(traced.int_uses, "whole"), used_only(traced.int_uses, "split")
     reads = {f: r - whole.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
     local_sizes(model, plan, reads, traced.split_sizes, tp, split)
+    plan.unrun = unrun(model, traced)  # cross-attention without encoder states, multimodal towers
+    split_like(model, plan)  # a cross-attention like a split self-attention: split as it is
     return plan
 
 

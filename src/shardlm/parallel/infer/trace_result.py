@@ -133,19 +133,3 @@ def collect(
         tracker.narrowed,
         frozenset(hooks.ran),
     )
-
-
-def unrun(meta: nn.Module, traced: Traced) -> list[str]:
-    """The outermost modules holding parameters none of whose forwards ran in the traced text forward, nor
-    had their parameters read by another module's forward (a decoder-only class's cross-attention, never run
-    without encoder states; a multimodal checkpoint's vision or audio tower): no trace placed them, so every
-    rank stores them whole (``kept_whole``)."""
-    used = {o.split(" (")[0] for o in [*traced.foreign, *traced.row_reads.values()]} | traced.direct
-    found: list[str] = []
-    for name, module in meta.named_modules():
-        if not name or any(name.startswith(f"{f}.") for f in found) or not any(True for _ in module.parameters()):
-            continue
-        ran = any(n in traced.ran for n, _ in module.named_modules(prefix=name))
-        if not ran and not any(n in used for n, _ in module.named_modules(prefix=name)):
-            found.append(name)
-    return found

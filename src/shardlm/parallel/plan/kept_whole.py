@@ -10,7 +10,8 @@ split heads (DiffLlama's lambdas) or of a per-head table each rank reads its hea
 position bias), the parameters of an attention that holds no linear layer (XLNet's, by ``einsum``), and
 parameters another module's forward reads directly around split layers (``Plan.direct_reads``: Gemma 3n's
 AltUp coefficients), and modules whose forward never runs on text rows (``Plan.unrun``: a decoder-only class's
-cross-attention, without encoder states; a multimodal checkpoint's vision or audio tower): no trace saw them.
+cross-attention, without encoder states, where it is not split like its self-attention (``infer/unrun.py``); a
+multimodal checkpoint's vision or audio tower): no trace saw them.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
             continue  # placed without the trace (MoE experts, probed: ``experts.py``)
         module = model.get_submodule(fqn) if model is not None else None
         params = [f"{fqn}.{n}" for n, _ in module.named_parameters()] if module is not None else []
+        if module is not None and all(p.dim() == 1 for p in module.parameters()):
+            continue  # a norm (the cross-attention's own): norms are not listed
         if params and all(p in towers for p in params):
             why = "a vision/audio tower: not run on text rows; frozen unless train.train_vision_tower"
         elif _CROSS.search(fqn.rpartition(".")[2]):

@@ -69,5 +69,6 @@ class Plan:
     # row-parallel linears whose all-reduced output, one value per head (Doge's ``dt_proj``), each rank narrows
     # to its heads' columns, the gradients of the columns summed over TP (``parallel/infer/narrowed.py``)
     narrowed: list[str] = field(default_factory=list)
-    # the outermost modules whose forwards never ran in the trace (``trace_result.unrun``): stored whole on every rank
+    # the outermost modules whose forwards never ran in the trace (``infer/unrun.py``): stored whole on every rank,
+    # or split like a traced attention of their class (``split_like``)
     unrun: list[str] = field(default_factory=list)
