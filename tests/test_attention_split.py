@@ -308,6 +308,31 @@ def test_kept_whole_names_what_each_rank_stores_whole(dirs):
     assert kept_whole(plan) == ["model.layers.*.self_attn.q_proj: replicated (why)"]
 
 
+def test_cross_attention_never_run_is_split_like_self_attention(tmp_path):
+    """Whisper's decoder-only class: its cross-attention (``encoder_attn``) never runs on text rows (no encoder
+    states), so no trace places it; it is split by heads as the self-attention of its class is
+    (``infer/unrun.split_like``): the same styles, the same bytes per rank, nothing listed as kept whole."""
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.describe import describe_plan
+    from shardlm.parallel.plan.kept_whole import kept_whole
+
+    tiny_config("whisper").save_pretrained(tmp_path)
+    meta = build_meta_model(str(tmp_path))
+    plan = infer_plan(meta, 2)
+    layer = "model.decoder.layers.0"
+    assert f"{layer}.encoder_attn" in plan.unrun and f"{layer}.encoder_attn" in plan.attention
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        assert plan.styles[f"{layer}.encoder_attn.{name}"] == plan.styles[f"{layer}.self_attn.{name}"], name
+    rows = describe_plan(meta, plan, 2)
+    per_rank = {
+        a: sum(r["bytes_per_rank"] for r in rows if r["module"].startswith(f"{layer}.{a}."))
+        for a in ("self_attn", "encoder_attn")
+    }
+    assert per_rank["encoder_attn"] == per_rank["self_attn"] < 4 * 4 * 64 * 64 / 2 + 4 * 4 * 64, per_rank
+    assert kept_whole(plan, meta) == []
+
+
 # model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
 KEPT_FOR_A_PROPERTY = {
     "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),

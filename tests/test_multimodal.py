@@ -27,6 +27,7 @@ from shardlm.cli import main
 from shardlm.parallel.infer.autotp import infer_plan
 from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.plan.kept_whole import kept_whole
 
 GLOBAL_BATCH = 4
 TOWER = ("model.vision_tower.", "model.multi_modal_projector.")
@@ -65,6 +66,9 @@ def test_language_model_split_tower_kept_whole(published):
     assert plan.row_reads == ({"model": "model.language_model.embed_tokens"} if name == "gemma4" else {})
     names = tower_parameters(model)
     assert names and all(n.startswith(TOWER) for n in names)
+    # the kept-whole column (``plan/kept_whole.py``) names the towers, never run on text rows (``Plan.unrun``)
+    why = "stored whole (a vision/audio tower: not run on text rows; frozen unless train.train_vision_tower)"
+    assert f"{TOWER[0]}*, {TOWER[1]}*: {why}" in kept_whole(plan, model)
     assert not [n for n, _ in model.named_parameters() if n.startswith(TOWER) and n not in names]
 
 
