@@ -145,6 +145,7 @@ def survey(model_type: str, root: str, sizes: str = "equal") -> dict:
         meta = build_meta_model(path)
         row["kept_whole"] = kept_whole(plan, meta)
         row["attention_bytes"] = attention_bytes(meta, plan, 2)  # (per rank, whole)
+        row["attention_bytes_ran"] = attention_bytes(meta, plan, 2, ran=True)  # of those run on text rows
     except ConfigError as exc:
         row["plan"] = "refused"
         row["refusal"] = f"error: {exc}"
@@ -260,8 +261,9 @@ def write_docs(rows: list[dict], seconds: float, out_dir: Path, rerun: list[str]
         "made a plan (`k/n`: k linears kept replicated of n), or refused with one line. **tp=2**: 3 training steps "
         "against one process (max relative difference of loss and grad_norm; parity means <= 1e-5 and 1e-4). "
         f"**tp2 x fsdp2**: the same on 4 ranks, for a subset. **kept whole**: the attention's parameter bytes "
-        "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split), and what the plan stores "
-        "whole on every rank and why (`parallel/plan/kept_whole.py`; empty in rows from before it). A column "
+        "per rank over the whole model's at tp=2 (1/tp = 0.500 where all of it is split; then, where they differ, "
+        "of the attention the text rows run, not a tower's), and what the plan stores whole on every rank and why "
+        "(`parallel/plan/kept_whole.py`; empty in rows from before it). A column "
         "named after another size set (`--sizes`, `scripts/tiny.py: SIZE_SETS`; `unequal`: 8 heads, 4 kv heads, "
         "hidden 96, intermediate 160, vocabulary 253, split 127 and 126 rows, trained on ids over all of it; "
         "`unequal_even`: the same with vocabulary 254, the second set while a vocabulary tp does not divide was "
@@ -336,6 +338,9 @@ def _whole_cell(r: dict) -> str:
         return ""
     local, whole = r["attention_bytes"]
     share = f"attention {local / whole:.3f} per rank (1/tp = 0.500)" if whole else "no attention"
+    ran_local, ran_whole = r.get("attention_bytes_ran", (local, whole))
+    if ran_whole and (ran_local, ran_whole) != (local, whole):  # a tower or a cross-attention never run
+        share = share.replace(")", f"; {ran_local / ran_whole:.3f} of the attention run on text rows)")
     return "; ".join([share, *r["kept_whole"]]).replace("|", "\\|")
 
 

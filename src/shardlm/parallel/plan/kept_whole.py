@@ -95,8 +95,8 @@ def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
             why = "a vision/audio tower: not run on text rows; frozen unless train.train_vision_tower"
         elif _CROSS.search(fqn.rpartition(".")[2]):
             why = "cross-attention: never run without encoder states (text rows)"
-        else:
-            why = "never run on text rows: the trace never reached it"
+        else:  # Phi-4-multimodal's image/audio embedders, inside its language model
+            why = "never run on text rows: the trace never reached it; not a tower, so not frozen"
         groups.setdefault(why, {})[f"{_any_block(fqn)}.*"] = None
     return [f"{', '.join(fqns)}: stored whole ({why})" for why, fqns in groups.items()]
 
@@ -128,10 +128,11 @@ def _tops(model: nn.Module) -> list[str]:
     return tops
 
 
-def attention_bytes(model: nn.Module, plan: Plan, tp: int) -> tuple[int, int]:
+def attention_bytes(model: nn.Module, plan: Plan, tp: int, ran: bool = False) -> tuple[int, int]:
     """(fp32 bytes of the attention modules' parameters on one rank, in the whole model): the
-    outermost modules of an attention class (``_ATTENTION``), split or kept whole."""
-    tops = _tops(model)
+    outermost modules of an attention class (``_ATTENTION``), split or kept whole; with ``ran``, only those
+    the traced text forward ran (not a tower's, nor a cross-attention kept whole: ``Plan.unrun``)."""
+    tops = [t for t in _tops(model) if not ran or not any(t == u or t.startswith(f"{u}.") for u in plan.unrun)]
     rows = [
         r
         for r in describe_plan(model, plan, tp)
