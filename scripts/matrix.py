@@ -339,8 +339,9 @@ def _whole_cell(r: dict) -> str:
     local, whole = r["attention_bytes"]
     share = f"attention {local / whole:.3f} per rank (1/tp = 0.500)" if whole else "no attention"
     ran_local, ran_whole = r.get("attention_bytes_ran", (local, whole))
-    if ran_whole and (ran_local, ran_whole) != (local, whole):  # a tower or a cross-attention never run
-        share = share.replace(")", f"; {ran_local / ran_whole:.3f} of the attention run on text rows)")
+    ran_share = f"{ran_local / ran_whole:.3f}" if ran_whole else ""
+    if ran_share and ran_share != f"{local / whole:.3f}":  # a tower or a cross-attention never run, kept whole
+        share = share.replace(")", f"; {ran_share} of the attention run on text rows)")
     return "; ".join([share, *r["kept_whole"]]).replace("|", "\\|")
 
 
