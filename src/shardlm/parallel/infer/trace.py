@@ -167,6 +167,8 @@ def trace_model(
         hooks.remove()
         for module, cls in watched:
             module.__class__ = cls
+    for name in (probes or {}).keys() & hooks.ran:  # run whole on CPU tensors: everything under it ran too
+        hooks.ran |= {n for n, _ in meta.get_submodule(name).named_modules(prefix=name)}
     return collect(meta, tracker, hooks, reads, wholes)
 
 
