@@ -5,6 +5,8 @@ split with it, a tensor computed from such parameters, or a per-head tensor not 
 (ALiBi slopes) would compute with each rank's share as if it were the whole, unless it follows the
 channels (``follow.py``). A reduction over the split width of a flat column-parallel output (a
 parameter-free norm, a softmax gate) would reduce each rank's columns only (``check_reduction``).
+A split tensor sliced to nothing at the trace's length (DeepSeek-V4's heavily compressed attention keeps only
+whole windows of 128 tokens: none of the trace's 13) is a path the trace never follows (``check_emptied``).
 Each violation names the column-parallel linears the tensor came from: ``trace_model``'s caller keeps
 that whole sub-block replicated (``autotp``).
 """
@@ -98,3 +100,18 @@ def check_reduction(tracker, name: str, args: tuple, kwargs: dict, sources: froz
         dims = None if dim is None else {d % t.dim() for d in (dim if isinstance(dim, (tuple, list)) else [dim])}
     if dims is None or t.dim() - 1 in dims if full else layout[0] % t.dim() in dims:
         tracker.violations.append((sources, f"{name} over the split width {t.shape[-1]}"))
+
+
+def check_emptied(tracker, name: str, args: tuple, out, sources: frozenset[str]) -> None:
+    """A split tensor whose positions are sliced to none at the trace's sequence length: what the forward
+    computes from them at a longer one (DeepSeek-V4's compressors keep ``seq // rate * rate`` positions,
+    windows of 128 for heavily compressed attention: none of the trace's) is never traced, so its sources are
+    kept whole rather than split unseen (at 128 tokens a split ``gate_proj`` would meet the whole
+    ``position_bias [128, head_dim]``). An empty slice of another dim (CodeGen's ``x[..., rotary_dim:]``, its
+    rotary dims all of head_dim) hides nothing."""
+    if name != "__getitem__" or not isinstance(out, torch.Tensor) or out.numel() or not args[0].numel():
+        return
+    if tracker.seq in args[0].shape and tracker.seq not in out.shape:
+        tracker.violations.append(
+            (sources, "its positions are sliced to none at the trace's length (a window longer than it), not followed")
+        )

@@ -134,6 +134,7 @@ def trace_model(
     tracker = ShardTracker(param_owner, legit, head_counts(meta.config), wholes)
     tracker.tied = {i for i, n in registrations.items() if n > 1}
     tracker.narrowed = narrowed
+    tracker.seq = shape[1]
     for m_name, m in meta.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             if id(p) in tracker.tied:

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
-from shardlm.parallel.infer.checks import check, check_reduction
+from shardlm.parallel.infer.checks import check, check_emptied, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records
 from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product, whole_use
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
@@ -82,6 +82,7 @@ class ShardTracker(TorchFunctionMode):
         self.legit = legit if legit is not None else {}  # fqns whose parameters may meet sharded tensors
         self.heads = {h for h in heads if h > 1}
         self.violations: list[tuple[frozenset[str], str]] = []
+        self.seq: int | None = None  # the trace's sequence length (``checks.check_emptied``)
         self.first_view: dict[int, tuple[int, ...]] = {}  # id(tensor) -> shape of its first view/reshape
         self.widths: dict[str, int] = {}  # column-parallel linear -> its output width
         self.running: list[str] = []  # modules whose forward is running, innermost last
@@ -257,6 +258,7 @@ class ShardTracker(TorchFunctionMode):
             if not self.inside:
                 check(self, name, inputs, sources, args, kwargs, out)
                 check_reduction(self, name, args, kwargs, sources)
+                check_emptied(self, name, args, out, sources)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.mark(t, sources)
