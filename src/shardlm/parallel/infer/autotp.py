@@ -368,7 +368,19 @@ def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> 
     row-parallel, its o_proj column-parallel), which meet violations of their own. Where there are
     echoes, only the other violations are acted on, their sub-blocks closed within their own blocks;
     one that an echo follows is acted on in every block alike (the echo hides what the later blocks
-    would say); the echoes wait for the next trace, on a whole residual stream."""
+    would say); the echoes wait for the next trace, on a whole residual stream.
+
+    A column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
+    Zamba2's hybrid ``linear``, added to the residual stream) is kept whole alone, the first one found, in
+    every block alike, before anything else: the linears after it were paired the wrong way round by its
+    split (the mixer's in_proj row-parallel, its out_proj column-parallel: a misfit too), and their
+    violations wait for the next trace."""
+    first = next((f for f in traced.misfits if f not in forced), None)
+    if first is not None:
+        misfits = _every_block({first}, set(traced.styles)) - forced
+        for fqn in misfits:
+            reasons.setdefault(fqn, any_block(traced.misfits[first]))
+        return misfits
     found = [(frozenset(s), why) for s, why in traced.violations if s]
     echoes = [s for k, (s, _) in enumerate(found) if any(e < s for e, _ in found[:k])]
     region: set[str] = set()
