@@ -223,6 +223,9 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):  # held whole / narrowed, again
             wholes, narrowed = wholes | traced.new_wholes, narrowed | narrowable(traced.narrow, narrowed, meta, tp)
             continue
+        if misfit := _misfit(traced, forced, reasons):  # a linear split wrongly (Zamba2's hybrid ``linear``)
+            forced = forced | misfit
+            continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -231,11 +234,8 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
             forced = forced | narrow
             continue
-        # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
-        # heads split after it; one whose partial gradients would leak is kept replicated the usual way,
-        # with its up-projection where that is its sibling (which would otherwise split what it makes of
-        # the whole latent), and so are the same linears of every other block (they leak alike: Gemma 3n's
-        # AltUp router and prediction_coefs)
+        # MLA (``latent.py``): a latent kept whole, the heads split after it; one whose partial gradients leak
+        # kept replicated, with its sibling up-projection, in every block alike (Gemma 3n's AltUp router)
         leaked = latents & set(traced.latent_leaks)
         if leaked:
             pairs = {lat: {lat, up[lat]} if _sibling(lat, up[lat]) else {lat} for lat in leaked}
@@ -359,6 +359,19 @@ def _block(fqn: str) -> str:
     return found.group(1) if found else ""
 
 
+def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
+    """The first column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
+    Zamba2's hybrid ``linear``, added to the residual stream), in every block alike: kept whole alone, before
+    anything else (latents, violations), which waits for the next trace: the linears after it were paired the
+    wrong way round by its split (the mixer's in_proj row-parallel, its out_proj column-parallel, a misfit too,
+    or read by the next attention's q_proj as if it were a latent)."""
+    first = next((f for f in traced.misfits if f not in forced), None)
+    misfits = _every_block({first}, set(traced.styles)) - forced if first else set()
+    for fqn in misfits:
+        reasons.setdefault(fqn, any_block(traced.misfits[first]))
+    return misfits
+
+
 def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
     """The linears to keep whole after this trace's violations (``reasons``: why, for each new one).
 
@@ -368,19 +381,7 @@ def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> 
     row-parallel, its o_proj column-parallel), which meet violations of their own. Where there are
     echoes, only the other violations are acted on, their sub-blocks closed within their own blocks;
     one that an echo follows is acted on in every block alike (the echo hides what the later blocks
-    would say); the echoes wait for the next trace, on a whole residual stream.
-
-    A column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
-    Zamba2's hybrid ``linear``, added to the residual stream) is kept whole alone, the first one found, in
-    every block alike, before anything else: the linears after it were paired the wrong way round by its
-    split (the mixer's in_proj row-parallel, its out_proj column-parallel: a misfit too), and their
-    violations wait for the next trace."""
-    first = next((f for f in traced.misfits if f not in forced), None)
-    if first is not None:
-        misfits = _every_block({first}, set(traced.styles)) - forced
-        for fqn in misfits:
-            reasons.setdefault(fqn, any_block(traced.misfits[first]))
-        return misfits
+    would say); the echoes wait for the next trace, on a whole residual stream."""
     found = [(frozenset(s), why) for s, why in traced.violations if s]
     echoes = [s for k, (s, _) in enumerate(found) if any(e < s for e, _ in found[:k])]
     region: set[str] = set()
@@ -437,6 +438,7 @@ def _assemble(
             styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
     place_latents(model, plan, traced.latent_readers, latents, tp)  # MLA
+    _follow_aliases(model, plan, set(traced.styles))  # Zamba2's adapters of other invocations
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
         plan.agrees_with_hf[fqn] = ours == direction
@@ -458,6 +460,27 @@ def _assemble(
     reads = {f: r - whole.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
     local_sizes(model, plan, reads, traced.split_sizes, tp, split)
     return plan
+
+
+def _follow_aliases(model: nn.Module, plan: Plan, ran: set[str]) -> None:
+    """A linear reached by several paths with the same parameters (Zamba2's shared block, registered in every
+    hybrid layer, holds one adapter per invocation: each runs under one layer's path only): where it never ran
+    under a path (not in ``ran``), it takes the placement of the path it ran under, so that its parameters,
+    one tensor, are placed once."""
+    paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if is_linear(module):
+            paths.setdefault(id(module.weight), []).append(name)
+    for names in paths.values():
+        done = [n for n in names if n in ran and plan.styles.get(n) not in (None, "replicate")]
+        for fqn in [n for n in names if n not in ran] if done else ():
+            src = done[0]
+            plan.styles[fqn] = plan.styles[src]
+            for table in (plan.parts, plan.whole_parts, plan.sliced):
+                if src in table:
+                    table[fqn] = copy.deepcopy(table[src])
+            if src in plan.latent_readers:
+                plan.latent_readers[fqn] = plan.latent_readers[src].replace(_block(src), _block(fqn), 1)
 
 
 def _run_local(model: nn.Module, plan: Plan) -> None:
