@@ -223,9 +223,6 @@ def _infer(model: nn.Module, tp: int) -> Plan:
         if traced.new_wholes or narrowable(traced.narrow, narrowed, meta, tp):  # held whole / narrowed, again
             wholes, narrowed = wholes | traced.new_wholes, narrowed | narrowable(traced.narrow, narrowed, meta, tp)
             continue
-        if misfit := _misfit(traced, forced, reasons):  # a linear split wrongly (Zamba2's hybrid ``linear``)
-            forced = forced | misfit
-            continue
         # MoE: a column-parallel linear of fewer outputs than tp (Qwen2-MoE's shared_expert_gate,
         # hidden -> 1) cannot be split: it stays whole, traced again
         narrow = {f for f, st in traced.styles.items() if st == "colwise" and out_features(meta.get_submodule(f)) < tp}
@@ -245,9 +242,13 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             latents, forced = latents - leaked, forced | set(cause)
             continue
         up.update(traced.latents)
-        latent = set(traced.latents) - forced
+        # a latent and its reader share a block (not Zamba2's mixer out_proj, split, read by the next layer's q_proj)
+        latent = {f for f in set(traced.latents) - forced if _block(f) == _block(traced.latents[f])}
         if latent:
             forced, latents = forced | latent, latents | latent
+            continue
+        if misfit := _misfit(traced, forced, reasons):  # a linear split wrongly (Zamba2's hybrid ``linear``)
+            forced = forced | misfit
             continue
         region = _region(traced, forced, reasons)
         if not region and not traced.violations:
@@ -362,9 +363,9 @@ def _block(fqn: str) -> str:
 def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
     """The first column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
     Zamba2's hybrid ``linear``, added to the residual stream), in every block alike: kept whole alone, before
-    anything else (latents, violations), which waits for the next trace: the linears after it were paired the
-    wrong way round by its split (the mixer's in_proj row-parallel, its out_proj column-parallel, a misfit too,
-    or read by the next attention's q_proj as if it were a latent)."""
+    the violations (latents are acted on first: MLA's o_proj is a misfit only while q_b_proj is row-parallel), which
+    wait for the next trace: the linears after it were paired the wrong way round by its split (the mixer's in_proj
+    row-parallel, its out_proj column-parallel, a misfit too)."""
     first = next((f for f in traced.misfits if f not in forced), None)
     misfits = _every_block({first}, set(traced.styles)) - forced if first else set()
     for fqn in misfits:

@@ -104,9 +104,10 @@ def latent_candidates(
         y = outputs.get(name)
         if style != "rowwise" or y is None or not y.dim():
             continue
-        if name in tracker.rows_beside:
+        if name in tracker.rows_beside:  # the adapter's two linears are siblings (not an o_proj paired with one)
             for source in closer_inputs.get(name, ()):
-                out.setdefault(source, name)
+                if source.rpartition(".")[0] == name.rpartition(".")[0]:
+                    out.setdefault(source, name)
             continue
         view = _first_view(tracker, id(y))
         # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])

@@ -73,7 +73,9 @@ def track(tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str
         return
     if sources:  # it meets split activations: its gradient from this rank is a partial one
         tracker.rows_met |= frozenset().union(*(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad))
-        if name in ELEMENTWISE:  # added to a split output of its shape: a low-rank adapter beside it (``latent.py``)
+        # added to a split output of its shape: an adapter beside it (``latent.py``); not to a misfit's (``checks.py``:
+        # a residual stream split by the wrong linear, DeepSeek's o_proj before its latents are found)
+        if name in ELEMENTWISE and not sources & tracker.misfits.keys():
             shapes = {tuple(t.shape) for t in inputs if id(t) in tracker.sharded}
             tracker.rows_beside |= frozenset().union(
                 *(tracker.rows.get(id(t), frozenset()) for t in whole if tuple(t.shape) in shapes)
