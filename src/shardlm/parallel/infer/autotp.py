@@ -242,8 +242,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             latents, forced = latents - leaked, forced | set(cause)
             continue
         up.update(traced.latents)
-        # a latent and its reader share a block (not Zamba2's mixer out_proj, split, read by the next layer's q_proj)
-        latent = {f for f in set(traced.latents) - forced if _block(f) == _block(traced.latents[f])}
+        latent = {f for f in set(traced.latents) - forced if _block(f) == _block(traced.latents[f])}  # ``_misfit``
         if latent:
             forced, latents = forced | latent, latents | latent
             continue
@@ -363,7 +362,8 @@ def _block(fqn: str) -> str:
 def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
     """The first column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
     Zamba2's hybrid ``linear``, added to the residual stream), in every block alike: kept whole alone, before
-    the violations (latents are acted on first: MLA's o_proj is a misfit only while q_b_proj is row-parallel), which
+    the violations (latents are acted on first, those read in their own block: MLA's o_proj is a misfit only while
+    q_b_proj is row-parallel; Zamba2's mixer out_proj, split, read by the next layer's q_proj is none), which
     wait for the next trace: the linears after it were paired the wrong way round by its split (the mixer's in_proj
     row-parallel, its out_proj column-parallel, a misfit too)."""
     first = next((f for f in traced.misfits if f not in forced), None)
