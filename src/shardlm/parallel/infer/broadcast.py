@@ -84,12 +84,18 @@ def record_whole_use(tracker, inputs: list[torch.Tensor]) -> None:
 def broadcast_violations(tracker, names: dict[int, str]) -> list[str]:
     """The parameter FQNs (``names``: id -> fqn) whose gradients are summed over TP; a parameter met by
     whole activations too is a violation instead (appended to ``tracker.violations``)."""
+    why = "a parameter of {} meets both its split and whole activations (broadcast)"
+    return summed_or_violations(tracker, tracker.broadcast, tracker.whole_uses, names, why)
+
+
+def summed_or_violations(tracker, met: dict, whole: set, names: dict[int, str], why: str) -> list[str]:
+    """Of the parameters ``met`` by split activations (id -> (sources, owner)), the FQNs whose gradients are
+    summed over TP; those in ``whole`` (met by whole activations too) are violations instead, ``why``
+    formatted with the owner (``broadcast_violations``, ``head_inputs.partial_grads``)."""
     partial = []
-    for pid, (sources, owner) in tracker.broadcast.items():
-        if pid in tracker.whole_uses:
-            tracker.violations.append(
-                (sources, f"a parameter of {owner} meets both its split and whole activations (broadcast)")
-            )
+    for pid, (sources, owner) in met.items():
+        if pid in whole:
+            tracker.violations.append((sources, why.format(owner)))
         else:
             partial.append(names[pid])
     return sorted(partial)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.parallel.infer.broadcast import summed_or_violations
+
 BUFFER = "self."  # the key of a module's own buffer among its per-head inputs (no argument is named so)
 
 
@@ -114,15 +116,8 @@ def params_behind(tracker, t: torch.Tensor) -> frozenset[int] | None:
 def partial_grads(tracker, names: dict[int, str]) -> list[str]:
     """The parameter FQNs (``names``: id -> fqn) behind candidates with gradients that met split activations
     only: summed over TP; one whose candidate met whole activations too is a violation instead."""
-    partial = []
-    for pid, (sources, owner) in tracker.head_grads.items():
-        if pid in tracker.head_whole:
-            tracker.violations.append(
-                (sources, f"a per-head tensor computed from {owner} meets both split and whole activations")
-            )
-        else:
-            partial.append(names[pid])
-    return sorted(partial)
+    why = "a per-head tensor computed from {} meets both split and whole activations"
+    return summed_or_violations(tracker, tracker.head_grads, tracker.head_whole, names, why)
 
 
 def declare_head_input_records(tracker) -> None:
