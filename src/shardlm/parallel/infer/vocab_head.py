@@ -17,13 +17,9 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.refusals import cannot_split
+from shardlm.parallel.model.hf import extra_params
 
 _ROWS = 4  # vocabulary rows of the probe: two ranks' halves of two rows each
-
-
-def extra_params(module: nn.Module) -> list[str]:
-    """The names of ``module``'s own parameters other than ``weight`` and ``bias``."""
-    return [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
 
 
 def acts_per_column(module: nn.Module, vocab: int) -> bool:

@@ -186,6 +186,12 @@ def lookup_norm(module: nn.Module) -> str | None:
     return next(iter(owners)) if len(owners) == 1 and "." not in next(iter(owners)) else None
 
 
+def extra_params(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters other than ``weight`` and ``bias`` (an LM head's per-token
+    ``logit_scale``: Dory's; ``infer/vocab_head.py`` checks them, ``runtime/linear.Colwise`` places them)."""
+    return [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+
+
 def out_dim(module: nn.Module) -> int:
     """The weight dimension that holds the output features (1 for Conv1D, 0 for nn.Linear)."""
     return 1 if is_conv1d(module) else 0

@@ -56,9 +56,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.distributed.shards import LocalParams, local_view, packed_placement, parameter
-from shardlm.parallel.model.hf import (
-    is_conv1d,
-)
+from shardlm.parallel.model.hf import extra_params, is_conv1d
 from shardlm.parallel.runtime.regions import (
     copy_to_region,
     gather_to_column_region,
@@ -129,7 +127,7 @@ class Colwise(ParallelStyle):
         dim = 1 if is_conv1d(module) else 0
         # an LM head's own per-token parameters (Dory's ``logit_scale``), by vocabulary rows too
         # (``infer/vocab_head.py`` checked that each acts on its own columns)
-        own = {n: Shard(0) for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")}
+        own = {n: Shard(0) for n in extra_params(module)}
         own = own if self.sharded_output else {}  # a colwise layer with more than weight/bias: not placed
         shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0), **own}, self.src_data_rank)
         if own:
