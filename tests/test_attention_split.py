@@ -357,6 +357,7 @@ def test_kept_whole_says_the_models_property(tmp_path):
         assert len(lines) == 1 and lines[0].split(": replicated (")[1].startswith(why), (model_type, kept)
 
 
+@pytest.mark.sweep  # 4 s of planning: out of the fast tier
 def test_gemma3n_attention_split_in_every_layer(tmp_path):
     """Gemma 3n's AltUp projections of the embedding, split, split the residual stream every layer reads:
     the trace's first pairings are its echoes (q/k/v row-parallel, o_proj column-parallel), which wait
