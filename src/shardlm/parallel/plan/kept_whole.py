@@ -104,8 +104,11 @@ def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
 def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
     """The attention modules (``_tops``) that hold no linear layer, computing on per-head parameters of
     their own (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and
-    per-head biases): the trace splits linear layers only, so every rank stores them whole; one entry per
-    kind. A parameter of [heads, head_dim] says per-head (not Inkling's attention residuals' queries)."""
+    per-head biases): one entry per kind. A parameter of [heads, head_dim] says per-head (not Inkling's
+    attention residuals' queries). Its property: XLNet's ``post_attention`` projects the heads' output
+    (``einsum("ibnd,hnd->ibh", attn_vec, o)``), applies dropout and adds the residual in one method, so a
+    rank's partial sum over its heads has no boundary (a module's output) where it could be all-reduced
+    before the dropout; the query side alone split would leave ``o`` reading every head."""
     found: dict[str, None] = {}
     heads, width = plan.geometry.heads, plan.geometry.head_dim
     for fqn in _tops(model):
@@ -114,7 +117,7 @@ def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
         per_head = any(heads in p.shape and width in p.shape for p in module.parameters(recurse=False))
         if own and per_head and not any(is_linear(m) for m in module.modules()):
             names = ", ".join(own)
-            why = "an attention on parameters of its own (einsum), no linear layer: the trace splits linear layers"
+            why = "its output projection (einsum), dropout and residual add in one method: no point to sum the heads"
             found[f"{_any_block(fqn)}.{{{names}}}: stored whole ({why})"] = None
     return list(found)
 
