@@ -108,7 +108,8 @@ def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
     attention residuals' queries). Its property: XLNet's ``post_attention`` projects the heads' output
     (``einsum("ibnd,hnd->ibh", attn_vec, o)``), applies dropout and adds the residual in one method, so a
     rank's partial sum over its heads has no boundary (a module's output) where it could be all-reduced
-    before the dropout; the query side alone split would leave ``o`` reading every head."""
+    before the dropout (the dropout module is the one the attention probabilities pass through too, so a
+    hook on it cannot tell the two apart); the query side alone split would leave ``o`` reading every head."""
     found: dict[str, None] = {}
     heads, width = plan.geometry.heads, plan.geometry.head_dim
     for fqn in _tops(model):
