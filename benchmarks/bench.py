@@ -399,7 +399,7 @@ def rank_main(path: str, layout: dict, steps: int, profile: bool) -> dict:
 
 def param_counts(path: str, tp: int) -> dict[str, int]:
     """Full parameter count, and per TP rank: everything, and the decoder blocks alone (for FSDP's schedule)."""
-    from shardlm.estimate.memory import tp_local_elements
+    from shardlm.estimate.params import tp_local_elements
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 

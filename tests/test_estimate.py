@@ -12,7 +12,9 @@ import torch
 from helpers import run_ranks, tiny_config, token_dataset, train_config, write_model_dir
 
 from shardlm.config import LoraConfig
-from shardlm.estimate.memory import LORA_TARGETS, activation_elements, estimate
+from shardlm.estimate.activations import activation_elements
+from shardlm.estimate.memory import estimate
+from shardlm.estimate.params import LORA_TARGETS
 
 # vocab 256 makes the embedding a large share of the model: a TP embedding gradient held whole on
 # every rank (torch's DTensor style did that) would move the total by more than the tolerance
@@ -105,8 +107,8 @@ def test_state_bytes_match_two_real_ranks(tmp_path):
     ``TP2_MIXERS``, 2 x 50 tokens (one padded delta-rule chunk, four Mamba-2 chunks of 16)."""
     from families import write_tiny_dir
 
-    from shardlm.estimate.memory import local_channels, row_copies
     from shardlm.estimate.mixers import mixer_elements, mixer_sizes
+    from shardlm.estimate.params import local_channels, row_copies
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
     from shardlm.parallel.plan.styles import Style

@@ -108,7 +108,8 @@ def test_offload_refusals_are_one_line(model_path, tmp_path, overrides, message)
 
 
 def test_estimate_moves_the_model_state_to_the_host(model_path):
-    from shardlm.estimate.memory import STEP_ROWS, estimate
+    from shardlm.estimate.memory import estimate
+    from shardlm.estimate.rows import STEP_ROWS
 
     on_device = estimate(model_path, fsdp=2)
     offloaded = estimate(model_path, fsdp=2, fsdp_offload=True)

@@ -264,7 +264,8 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from shardlm.estimate.memory import estimate, format_table
+    from shardlm.estimate.memory import estimate
+    from shardlm.estimate.table import format_table
 
     est = estimate(
         args.model,

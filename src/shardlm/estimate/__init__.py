@@ -2,6 +2,8 @@
 activations of linear-attention mixers (``mixers``), state-space scans (``scans``) and
 mixture-of-experts layers (``moe``) counted from their parameters."""
 
-from shardlm.estimate.memory import Estimate, estimate, format_table
+from shardlm.estimate.memory import estimate
+from shardlm.estimate.rows import Estimate
+from shardlm.estimate.table import format_table
 
 __all__ = ["Estimate", "estimate", "format_table"]
