@@ -243,8 +243,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             latents, forced = latents - leaked, forced | set(cause)
             continue
         up.update(traced.latents)
-        latent = {f for f in set(traced.latents) - forced if _block(f) == _block(traced.latents[f])}  # ``_misfit``
-        if latent:
+        if latent := _new_latents(traced, forced):
             forced, latents = forced | latent, latents | latent
             continue
         if misfit := _misfit(traced, forced, reasons):  # a linear split wrongly (Zamba2's hybrid ``linear``)
@@ -358,6 +357,18 @@ def _block(fqn: str) -> str:
     "" around the blocks (``model.altup_projections.0``: a numbered linear, no block)."""
     found = re.match(r"(.*?\.\d+)\.", fqn)
     return found.group(1) if found else ""
+
+
+def _new_latents(traced: Traced, forced: frozenset[str]) -> set[str]:
+    """The latents this trace found (``latent.py``), to keep whole before acting on misfits (``_misfit``).
+    While a misfit waits, a latent read in another block is left for the next trace: it may be the misfit's
+    doing (Zamba2's mixer out_proj, paired the wrong way round after its hybrid ``linear``, read by the next
+    layer's q_proj); with none waiting it is one (Qwen4-exp's hyper-connection ``block_inject_weight``, read
+    by the next layer's projections: kept whole from the first trace, as before misfits were found)."""
+    latent = set(traced.latents) - forced
+    if set(traced.misfits) - forced:
+        latent = {f for f in latent if _block(f) == _block(traced.latents[f])}
+    return latent
 
 
 def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:

@@ -96,15 +96,18 @@ def latent_candidates(
     stream, are not one). ``tracker``: the trace's ``ShardTracker`` (its first views and head counts).
 
     The same pair whose whole output is added to a split output of its shape (``tracker.rows_beside``) is
-    an adapter beside a split projection (Zamba2's shared MLP adds ``gate_up_proj_adapter_list[i]``, a
-    per-invocation down- and up-projection, to the shared ``gate_up_proj``): its first linear kept whole,
+    an adapter beside a split projection, unless that projection is a misfit (``tracker.misfits``: RWKV's value is
+    no adapter, multiplied by its receptance split wrongly) (Zamba2's shared MLP adds
+    ``gate_up_proj_adapter_list[i]``, a per-invocation down- and up-projection, to the shared ``gate_up_proj``):
+    its first linear kept whole,
     the second splits with the projection it is added to, at any rank (its adapter_rank is a fixed 128)."""
     out: dict[str, str] = {}
     for name, style in styles.items():
         y = outputs.get(name)
         if style != "rowwise" or y is None or not y.dim():
             continue
-        if name in tracker.rows_beside:  # the adapter's two linears are siblings (not an o_proj paired with one)
+        if any(not s & tracker.misfits.keys() for s in tracker.rows_beside.get(name, ())):  # beside no misfit's output
+            # the adapter's two linears are siblings (not an o_proj paired with one)
             for source in closer_inputs.get(name, ()):
                 if source.rpartition(".")[0] == name.rpartition(".")[0]:
                     out.setdefault(source, name)

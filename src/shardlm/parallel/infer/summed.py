@@ -73,13 +73,13 @@ def track(tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str
         return
     if sources:  # it meets split activations: its gradient from this rank is a partial one
         tracker.rows_met |= frozenset().union(*(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad))
-        # added to a split output of its shape: an adapter beside it (``latent.py``); not to a misfit's (``checks.py``:
-        # a residual stream split by the wrong linear, DeepSeek's o_proj before its latents are found)
-        if name in ELEMENTWISE and not sources & tracker.misfits.keys():
+        # added to a split output of its shape: an adapter beside it (``latent.py``), unless that split output came
+        # from a misfit (``checks.py``, known once the trace ends: RWKV's receptance, multiplied into its value)
+        if name in ELEMENTWISE:
             shapes = {tuple(t.shape) for t in inputs if id(t) in tracker.sharded}
-            tracker.rows_beside |= frozenset().union(
-                *(tracker.rows.get(id(t), frozenset()) for t in whole if tuple(t.shape) in shapes)
-            )
+            for t in (t for t in whole if tuple(t.shape) in shapes):
+                for fqn in tracker.rows.get(id(t), ()):
+                    tracker.rows_beside.setdefault(fqn, set()).add(sources)
         return
     readers = tuple(f"{r} (" for r in tracker.rows_readers)
     for t in whole:
@@ -148,6 +148,7 @@ def declare_summed_records(tracker) -> None:
     tracker.rows_met: set[str] = set()
     tracker.rows_readers: dict[str, frozenset[str]] = {}
     tracker.rows_leaks: dict[str, str] = {}
-    tracker.rows_beside: set[str] = set()  # row-parallel outputs added to split outputs of their shape
+    # row-parallel outputs added to split outputs of their shape -> the linears each came from
+    tracker.rows_beside: dict[str, set[frozenset[str]]] = {}
     # column-parallel linears whose output is added to a whole activation of its shape -> why (``checks.py``)
     tracker.misfits: dict[str, str] = {}
