@@ -374,8 +374,8 @@ def _new_latents(traced: Traced, forced: frozenset[str]) -> set[str]:
 def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
     """The first column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
     Zamba2's hybrid ``linear``, added to the residual stream), in every block alike: kept whole alone, before
-    the violations (latents are acted on first, those read in their own block: MLA's o_proj is a misfit only while
-    q_b_proj is row-parallel; Zamba2's mixer out_proj, split, read by the next layer's q_proj is none), which
+    the violations (latents are acted on first, ``_new_latents``: MLA's o_proj is a misfit only while q_b_proj is
+    row-parallel; Zamba2's mixer out_proj, split, read by the next layer's q_proj is no latent), which
     wait for the next trace: the linears after it were paired the wrong way round by its split (the mixer's in_proj
     row-parallel, its out_proj column-parallel, a misfit too)."""
     first = next((f for f in traced.misfits if f not in forced), None)
