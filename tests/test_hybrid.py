@@ -425,6 +425,23 @@ def test_zamba2_shared_block_and_its_adapters_split_in_every_hybrid_layer(tmp_pa
         assert plan.styles[f"model.layers.{layer}.mamba_decoder.mamba.in_proj"] == "packed_colwise"
 
 
+def test_a_misfit_keeps_only_itself_whole(tmp_path):
+    """RWKV's feed-forward multiplies its receptance (column-parallel at first, a misfit: added to the whole
+    residual stream) into its value's row-parallel output: that value is no adapter beside a split output
+    (``latent.py``), so its key stays no latent and both stay split; only the receptance is kept whole (issue
+    #27: the first misfit rule had kept all three whole in every block)."""
+    from families import write_tiny_config
+
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    plan = infer_plan(build_meta_model(write_tiny_config(str(tmp_path / "rwkv"), "rwkv")), 2)
+    assert sorted(plan.replicated) == [f"rwkv.blocks.{b}.feed_forward.receptance" for b in (0, 1)]
+    for b in (0, 1):
+        ff = f"rwkv.blocks.{b}.feed_forward"
+        assert (plan.styles[f"{ff}.key"], plan.styles[f"{ff}.value"]) == ("colwise", "rowwise")
+
+
 def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     """Falcon-H1's ``mup_vector`` ([1, 1, width], multiplied into in_proj's output) follows in_proj's
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""
