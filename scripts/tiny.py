@@ -242,9 +242,9 @@ AFTER["gemma4"] = {"text_config": AFTER["gemma4_text"]}
 # Sub-configs every published checkpoint has that the config class leaves None by default: built from
 # their own defaults, then shrunk with the rest (Gemma 4 is published with a vision tower)
 SUB_DEFAULTS = {"gemma4": {"vision_config": "gemma4_vision"}}
-# Kinds of layer kept twice: Zamba ties one shared transformer block across its hybrid layers (a tie
-# needs two of them)
-KEEP_TWICE = {"zamba": "hybrid"}
+# Kinds of layer kept twice: Zamba and Zamba2 tie one shared transformer block across their hybrid layers (a
+# tie needs two of them; Zamba2's block holds one adapter per hybrid layer, each run under its own layer only)
+KEEP_TWICE = {"zamba": "hybrid", "zamba2": "hybrid"}
 
 # Types no tiny config can make trainable on text rows in one process, and the transformers-side
 # or package reason (the matrix records it as the row's build result).

@@ -60,7 +60,7 @@ EXPECT = {
     ),
     "hrm_text": (0, "replicate_own", None),
     # every block's WKV mixer split by channels and its feed-forward key/value column/row; the feed-forward's
-    # receptance, whose output the next block's ln1 would normalize across the split width, stays whole (the later
+    # receptance, whose output is added to the whole residual stream (a misfit, infer/checks.py), stays whole (the later
     # blocks were kept whole too until the trace told a wrong split's echoes from their cause, Gemma 3n's round)
     "rwkv": (0, "time_decay split with the output channels of key", "rwkv.blocks.*.feed_forward.receptance"),
     # split by channels (parallel/infer/summed.py): x_proj row-parallel in the middle, dt_proj used directly

@@ -398,6 +398,50 @@ def test_mamba2_groups_fewer_than_tp_are_held_whole(one_group):
     assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 8}  # 16 = head_dim
 
 
+def test_zamba2_shared_block_and_its_adapters_split_in_every_hybrid_layer(tmp_path):
+    """Zamba2 (published sizes shrunk, two hybrid layers sharing one block): the shared attention and MLP
+    split in both layers; each per-invocation adapter's down-projection is kept whole (a latent: its
+    up-projection is added to the packed gate_up_proj, split part by part like it), and the adapter a layer
+    never runs takes the placement of the layer that does (one tensor); only the hybrid ``linear``, added
+    to the residual stream whole, is kept whole, and the mixer after it splits by heads."""
+    from families import write_tiny_config
+
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    plan = infer_plan(build_meta_model(write_tiny_config(str(tmp_path / "zamba2"), "zamba2")), 2)
+    assert sorted(plan.replicated) == ["model.layers.2.linear", "model.layers.3.linear"]
+    assert "adds its output to a whole activation of its width" in plan.replicated["model.layers.2.linear"]
+    for layer in (2, 3):
+        block, ff = f"model.layers.{layer}.shared_transformer", f"model.layers.{layer}.shared_transformer.feed_forward"
+        assert {plan.styles[f"{block}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")} == {"colwise"}
+        assert plan.styles[f"{block}.self_attn.o_proj"] == plan.styles[f"{ff}.down_proj"] == "rowwise"
+        assert plan.parts[f"{ff}.gate_up_proj"] == [128, 128]
+        for adapter in (0, 1):
+            down, up = f"{ff}.gate_up_proj_adapter_list.{adapter}.0", f"{ff}.gate_up_proj_adapter_list.{adapter}.1"
+            assert plan.styles[down] == "colwise" and plan.sliced[down] == [[(0, 128)], [(0, 128)]]
+            assert plan.styles[up] == "packed_colwise" and plan.parts[up] == [128, 128]
+            assert plan.latent_readers[up] == down
+        assert plan.styles[f"model.layers.{layer}.mamba_decoder.mamba.in_proj"] == "packed_colwise"
+
+
+def test_a_misfit_keeps_only_itself_whole(tmp_path):
+    """RWKV's feed-forward multiplies its receptance (column-parallel at first, a misfit: added to the whole
+    residual stream) into its value's row-parallel output: that value is no adapter beside a split output
+    (``latent.py``), so its key stays no latent and both stay split; only the receptance is kept whole (issue
+    #27: the first misfit rule had kept all three whole in every block)."""
+    from families import write_tiny_config
+
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+
+    plan = infer_plan(build_meta_model(write_tiny_config(str(tmp_path / "rwkv"), "rwkv")), 2)
+    assert sorted(plan.replicated) == [f"rwkv.blocks.{b}.feed_forward.receptance" for b in (0, 1)]
+    for b in (0, 1):
+        ff = f"rwkv.blocks.{b}.feed_forward"
+        assert (plan.styles[f"{ff}.key"], plan.styles[f"{ff}.value"]) == ("colwise", "rowwise")
+
+
 def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     """Falcon-H1's ``mup_vector`` ([1, 1, width], multiplied into in_proj's output) follows in_proj's
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""

@@ -232,11 +232,8 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 reasons[f] = f"{any_block(f)} has {out_features(meta.get_submodule(f))} output(s), fewer than tp={tp}"
             forced = forced | narrow
             continue
-        # MLA (``latent.py``): a low-rank latent read by a per-head up-projection is kept whole, so the
-        # heads split after it; one whose partial gradients would leak is kept replicated the usual way,
-        # with its up-projection where that is its sibling (which would otherwise split what it makes of
-        # the whole latent), and so are the same linears of every other block (they leak alike: Gemma 3n's
-        # AltUp router and prediction_coefs)
+        # MLA (``latent.py``): a latent kept whole, the heads split after it; one whose partial gradients leak
+        # kept replicated, with its sibling up-projection, in every block alike (Gemma 3n's AltUp router)
         leaked = latents & set(traced.latent_leaks)
         if leaked:
             pairs = {lat: {lat, up[lat]} if _sibling(lat, up[lat]) else {lat} for lat in leaked}
@@ -246,9 +243,11 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             latents, forced = latents - leaked, forced | set(cause)
             continue
         up.update(traced.latents)
-        latent = set(traced.latents) - forced
-        if latent:
+        if latent := _new_latents(traced, forced):
             forced, latents = forced | latent, latents | latent
+            continue
+        if misfit := _misfit(traced, forced, reasons):  # a linear split wrongly (Zamba2's hybrid ``linear``)
+            forced = forced | misfit
             continue
         region = _region(traced, forced, reasons)
         if not region and not traced.violations:
@@ -360,6 +359,32 @@ def _block(fqn: str) -> str:
     return found.group(1) if found else ""
 
 
+def _new_latents(traced: Traced, forced: frozenset[str]) -> set[str]:
+    """The latents this trace found (``latent.py``), to keep whole before acting on misfits (``_misfit``).
+    While a misfit waits, a latent read in another block is left for the next trace: it may be the misfit's
+    doing (Zamba2's mixer out_proj, paired the wrong way round after its hybrid ``linear``, read by the next
+    layer's q_proj); with none waiting it is one (Qwen4-exp's hyper-connection ``block_inject_weight``, read
+    by the next layer's projections: kept whole from the first trace, as before misfits were found)."""
+    latent = set(traced.latents) - forced
+    if set(traced.misfits) - forced:
+        latent = {f for f in latent if _block(f) == _block(traced.latents[f])}
+    return latent
+
+
+def _misfit(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
+    """The first column-parallel linear whose output meets a whole activation of its shape (``traced.misfits``:
+    Zamba2's hybrid ``linear``, added to the residual stream), in every block alike: kept whole alone, before
+    the violations (latents are acted on first, ``_new_latents``: MLA's o_proj is a misfit only while q_b_proj is
+    row-parallel; Zamba2's mixer out_proj, split, read by the next layer's q_proj is no latent), which
+    wait for the next trace: the linears after it were paired the wrong way round by its split (the mixer's in_proj
+    row-parallel, its out_proj column-parallel, a misfit too)."""
+    first = next((f for f in traced.misfits if f not in forced), None)
+    misfits = _every_block({first}, set(traced.styles)) - forced if first else set()
+    for fqn in misfits:
+        reasons.setdefault(fqn, any_block(traced.misfits[first]))
+    return misfits
+
+
 def _region(traced: Traced, forced: frozenset[str], reasons: dict[str, str]) -> set[str]:
     """The linears to keep whole after this trace's violations (``reasons``: why, for each new one).
 
@@ -426,6 +451,7 @@ def _assemble(
             styles[name] = "replicate_local" if isinstance(module, nn.Embedding) else "replicate"
     plan.styles = {name: styles[name] for name, _ in model.named_modules() if name in styles}
     place_latents(model, plan, traced.latent_readers, latents, tp)  # MLA
+    _follow_aliases(model, plan, set(traced.styles))  # Zamba2's adapters of other invocations
     for fqn, direction in _hf_directions(model).items():
         ours = "colwise" if plan.styles.get(fqn, "").endswith("colwise") else plan.styles.get(fqn)
         plan.agrees_with_hf[fqn] = ours == direction
@@ -449,6 +475,27 @@ def _assemble(
     plan.unrun = unrun(model, traced)  # cross-attention without encoder states, multimodal towers
     split_like(model, plan)  # a cross-attention like a split self-attention: split as it is
     return plan
+
+
+def _follow_aliases(model: nn.Module, plan: Plan, ran: set[str]) -> None:
+    """A linear reached by several paths with the same parameters (Zamba2's shared block, registered in every
+    hybrid layer, holds one adapter per invocation: each runs under one layer's path only): where it never ran
+    under a path (not in ``ran``), it takes the placement of the path it ran under, so that its parameters,
+    one tensor, are placed once."""
+    paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if is_linear(module):
+            paths.setdefault(id(module.weight), []).append(name)
+    for names in paths.values():
+        done = [n for n in names if n in ran and plan.styles.get(n) not in (None, "replicate")]
+        for fqn in [n for n in names if n not in ran] if done else ():
+            src = done[0]
+            plan.styles[fqn] = plan.styles[src]
+            for table in (plan.parts, plan.whole_parts, plan.sliced):
+                if src in table:
+                    table[fqn] = copy.deepcopy(table[src])
+            if src in plan.latent_readers:
+                plan.latent_readers[fqn] = plan.latent_readers[src].replace(_block(src), _block(fqn), 1)
 
 
 def _run_local(model: nn.Module, plan: Plan) -> None:

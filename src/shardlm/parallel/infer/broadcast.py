@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 # elementwise ops with a broadcast operand: each split position uses the one whole value
-_ELEMENTWISE = {
+ELEMENTWISE = {
     "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__", "__radd__", "add_", "__iadd__",
     "sub", "__sub__", "__rsub__", "sub_", "__isub__", "div", "__truediv__", "__rtruediv__", "div_",
 }  # fmt: skip
@@ -42,7 +42,7 @@ def broadcast_over_split(
         return False  # a split module's own parameters are placed by its style
     if name in _MATMULS:
         return len(args) == 2 and args[1] is t and _within_heads(tracker, t, sharded, sources)
-    if name not in _ELEMENTWISE:
+    if name not in ELEMENTWISE:
         return False
     for s in sharded:
         layout = tracker.layouts.get(id(s))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardlm.parallel.infer.broadcast import broadcast_over_split
+from shardlm.parallel.infer.broadcast import ELEMENTWISE, broadcast_over_split
 from shardlm.parallel.infer.follow import buffer_follows, follows
 from shardlm.parallel.infer.head_inputs import meets_split
 from shardlm.parallel.infer.narrowed import candidate
@@ -53,6 +53,12 @@ def check(
             tracker.violations.append(
                 (sources, f"a tensor computed from parameters of {owner} acts on its split activations ({name})")
             )
+        elif whole_beside(tracker, name, t, sharded, sources):
+            where = tracker.running[-1] if tracker.running else "the model"
+            why = f"{where} adds its output to a whole activation of its width ({name}), no row-parallel linear between"
+            tracker.violations.append((sources, why))
+            for fqn in sources:
+                tracker.misfits.setdefault(fqn, why)
         elif t.dim() and t.numel() > 1 and tracker.heads and id(t) not in tracker.from_split_shape | tracker.whole_ids:
             if meets_split(tracker, t, sources):
                 continue  # handed to this module per head (BLOOM's ALiBi): each rank its heads' rows
@@ -69,6 +75,20 @@ def check(
                             )
                         )
                         return
+
+
+def whole_beside(tracker, name: str, t: torch.Tensor, sharded: list, sources: frozenset[str]) -> bool:
+    """Whether activation ``t``, whole on every rank (no parameter, no row-parallel output's region, no
+    latent, nothing held whole), meets a flat column-parallel output of its own shape elementwise: at one
+    rank's shapes they differ, whatever comes after. Zamba2's hybrid layer adds its ``linear`` (hidden ->
+    hidden, reading the shared block's whole output) to the residual stream: that linear, split, makes the
+    trace pair the mixer after it the wrong way round (``autotp._region`` keeps it whole alone first)."""
+    if name not in ELEMENTWISE or not t.requires_grad or not t.dim():
+        return False
+    if id(t) in tracker.rows or id(t) in tracker.latent or id(t) in tracker.whole_ids:
+        return False
+    widths = {tracker.widths.get(src) for src in sources}
+    return t.shape[-1] in widths and t.shape[-1] > 1 and any(s.shape == t.shape for s in sharded)
 
 
 def check_reduction(tracker, name: str, args: tuple, kwargs: dict, sources: frozenset[str]) -> None:

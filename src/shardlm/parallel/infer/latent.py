@@ -51,7 +51,7 @@ def place_latents(model: nn.Module, plan: Plan, readers: dict[str, set[str]], la
         if not sources:
             continue
         style = plan.styles.get(fqn)
-        if style == "colwise" and fqn not in plan.sliced:
+        if style in ("colwise", "packed_colwise") and fqn not in plan.sliced:
             plan.latent_readers[fqn] = min(sources)
         elif style == "replicate":
             plan.styles[fqn] = "replicate_grad_allreduce"
@@ -93,11 +93,24 @@ def latent_candidates(
     split by heads, and the output projection closes the pair as in any attention. A factorization
     is low-rank: the latent is narrower than both what it reads and what the up-projection makes of
     it (Gemma 3n's AltUp, whose 4 x 4 prediction coefficients read a projection of the whole residual
-    stream, are not one). ``tracker``: the trace's ``ShardTracker`` (its first views and head counts)."""
+    stream, are not one). ``tracker``: the trace's ``ShardTracker`` (its first views and head counts).
+
+    The same pair whose whole output is added to a split output of its shape (``tracker.rows_beside``) is
+    an adapter beside a split projection, unless that projection is a misfit (``tracker.misfits``: RWKV's value is
+    no adapter, multiplied by its receptance split wrongly) (Zamba2's shared MLP adds
+    ``gate_up_proj_adapter_list[i]``, a per-invocation down- and up-projection, to the shared ``gate_up_proj``):
+    its first linear kept whole,
+    the second splits with the projection it is added to, at any rank (its adapter_rank is a fixed 128)."""
     out: dict[str, str] = {}
     for name, style in styles.items():
         y = outputs.get(name)
         if style != "rowwise" or y is None or not y.dim():
+            continue
+        if any(not s & tracker.misfits.keys() for s in tracker.rows_beside.get(name, ())):  # beside no misfit's output
+            # the adapter's two linears are siblings (not an o_proj paired with one)
+            for source in closer_inputs.get(name, ()):
+                if source.rpartition(".")[0] == name.rpartition(".")[0]:
+                    out.setdefault(source, name)
             continue
         view = _first_view(tracker, id(y))
         # [..., width] -> [..., heads, head_dim] (a single-head latent [b, 1, s, r] gives [b, s, heads, d])

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from shardlm.parallel.infer.broadcast import ELEMENTWISE
 from shardlm.parallel.infer.refusals import not_splittable
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import Style
@@ -72,6 +73,13 @@ def track(tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str
         return
     if sources:  # it meets split activations: its gradient from this rank is a partial one
         tracker.rows_met |= frozenset().union(*(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad))
+        # added to a split output of its shape: an adapter beside it (``latent.py``), unless that split output came
+        # from a misfit (``checks.py``, known once the trace ends: RWKV's receptance, multiplied into its value)
+        if name in ELEMENTWISE:
+            shapes = {tuple(t.shape) for t in inputs if id(t) in tracker.sharded}
+            for t in (t for t in whole if tuple(t.shape) in shapes):
+                for fqn in tracker.rows.get(id(t), ()):
+                    tracker.rows_beside.setdefault(fqn, set()).add(sources)
         return
     readers = tuple(f"{r} (" for r in tracker.rows_readers)
     for t in whole:
@@ -140,3 +148,7 @@ def declare_summed_records(tracker) -> None:
     tracker.rows_met: set[str] = set()
     tracker.rows_readers: dict[str, frozenset[str]] = {}
     tracker.rows_leaks: dict[str, str] = {}
+    # row-parallel outputs added to split outputs of their shape -> the linears each came from
+    tracker.rows_beside: dict[str, set[frozenset[str]]] = {}
+    # column-parallel linears whose output is added to a whole activation of its shape -> why (``checks.py``)
+    tracker.misfits: dict[str, str] = {}

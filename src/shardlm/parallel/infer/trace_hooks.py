@@ -167,8 +167,9 @@ class TraceHooks:
             if name in self.latents and isinstance(out, torch.Tensor):
                 self.tracker.latent[id(out)] = frozenset({name})
             for t in tree_flatten(out)[0]:
-                # one with no gradient carries no partial one out (GLM-DSA's attention returns its indexer's top-k)
-                carries = isinstance(t, torch.Tensor) and t.requires_grad
+                # one with no gradient carries no partial one out (GLM-DSA's attention returns its indexer's top-k),
+                # nor does a split reader's output (Zamba2's adapter returns its up-projection's: whole gradients)
+                carries = isinstance(t, torch.Tensor) and t.requires_grad and not self.tracker.is_sharded(t)
                 for fqn in self.tracker.latent.get(id(t), ()) if carries else ():
                     if not name.startswith(f"{fqn.rpartition('.')[0]}."):  # it leaves the module holding it
                         self.tracker.latent_leaks.setdefault(fqn, f"{name} returns it")

@@ -57,6 +57,8 @@ class Traced:
     # this trace narrowed (``narrowed.py``)
     narrow: set[str]
     narrowed: frozenset[str]
+    # column-parallel linears whose split output meets a whole activation of its shape -> why (``checks.py``)
+    misfits: dict[str, str]
     ran: frozenset[str] = frozenset()  # modules whose forward ran (``unrun``)
 
 
@@ -131,5 +133,6 @@ def collect(
         tracker.row_reads,
         tracker.narrow,
         tracker.narrowed,
+        dict(tracker.misfits),
         frozenset(hooks.ran),
     )

@@ -228,17 +228,22 @@ def _local_linear_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) 
 
 
 class PackedColwiseParallel(ParallelStyle):
-    """Fused projection of ``parts`` (their sizes), each sharded on its own (see module docstring)."""
+    """Fused projection of ``parts`` (their sizes), each sharded on its own (see module docstring);
+    ``latent_input``: it reads a low-rank latent kept whole and computes on its input as it is, as
+    ``LatentColwise`` (Zamba2's adapter up-projection, added to the packed ``gate_up_proj``)."""
 
-    def __init__(self, parts: list[int]):
+    def __init__(self, parts: list[int], latent_input: bool = False):
         super().__init__()
-        self.parts = parts
+        self.parts, self.latent_input = parts, latent_input
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         out_dim = 1 if is_conv1d(module) else 0
         placements = {"weight": packed_placement(out_dim, self.parts), "bias": packed_placement(0, self.parts)}
         shard_params(module, device_mesh, placements, self.src_data_rank)
-        module.forward = functools.partial(_local_linear_forward, module, device_mesh)
+        if self.latent_input:
+            module.forward = types.MethodType(local_linear, module)
+        else:
+            module.forward = functools.partial(_local_linear_forward, module, device_mesh)
         return module
 
 

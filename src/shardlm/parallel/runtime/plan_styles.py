@@ -54,7 +54,7 @@ def make_style(
                 return Rowwise("narrowed")
             return Rowwise("summed") if summed else Rowwise()
         case Style.PACKED_COLWISE:
-            return PackedColwiseParallel(parts)
+            return PackedColwiseParallel(parts, latent_input)
         case Style.EMBEDDING:
             # vocab rows sharded; each rank looks up its rows on local tensors, the partial sums all-reduced
             # (reduce-scattered where the stream enters its sequence slices there: ``plan.sequence.stream_ends``)
