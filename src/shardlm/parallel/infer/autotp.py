@@ -99,7 +99,7 @@ import re
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.infer.channels import channel_placements, keep_whole_widths, local_sizes, place_channels
 from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
@@ -446,6 +446,7 @@ def _assemble(
     whole, split = used_only(traced.int_uses, "whole"), used_only(traced.int_uses, "split")
     reads = {f: r - whole.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
     local_sizes(model, plan, reads, traced.split_sizes, tp, split)
+    keep_whole_widths(model, plan, whole)  # Zaya's CCA ``hidden_size``: the size of a whole input
     plan.unrun = unrun(model, traced)  # cross-attention without encoder states, multimodal towers
     split_like(model, plan)  # a cross-attention like a split self-attention: split as it is
     return plan
