@@ -104,6 +104,7 @@ from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
 from shardlm.parallel.infer.indexer import split_indexers
+from shardlm.parallel.infer.joined_heads import slice_joined_heads
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
@@ -433,6 +434,7 @@ def _assemble(
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_shared_rows(model, plan, tp)
+    slice_joined_heads(model, plan, traced.head_views, tp)  # Zaya's value of cat(v_proj_current, v_proj_delayed)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
     plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
     for user, owner in traced.row_reads.items():  # Gemma 4's pad row (``runtime/row_reads.py``)

@@ -58,6 +58,8 @@ class Traced:
     narrow: set[str]
     narrowed: frozenset[str]
     ran: frozenset[str] = frozenset()  # modules whose forward ran (``unrun``)
+    # linears' whole outputs concatenated, then viewed into heads of so many channels (``layouts.Cuts``)
+    head_views: frozenset[tuple[tuple[tuple[str, int], ...], int]] = frozenset()
 
 
 def collect(
@@ -132,4 +134,5 @@ def collect(
         tracker.narrow,
         tracker.narrowed,
         frozenset(hooks.ran),
+        frozenset(tracker.cuts.head_views),
     )
