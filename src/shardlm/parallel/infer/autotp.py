@@ -493,6 +493,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
         fqn = owner.split(" (")[0]
         if plan.styles.get(fqn) is None or plan.styles.get(user) == "per_channel":
             continue  # a ``per_channel`` user gives the parameters it uses local views (``channels.py``)
+        if plan.styles.get(user) == "experts" and fqn.startswith(f"{user}."):
+            continue  # so does an ``experts`` one, to everything under it (JetMoE's attention calling its MoA)
         if user and not any(f == user or f.startswith(f"{user}.") for f in split_all):
             # nothing split under the user (a mixer kept replicated): it runs on local copies
             plan.styles[user] = "replicate_local"
@@ -543,6 +545,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
 
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
+    # a linear the trace saw whole that its experts module splits (JetMoE's kv_proj beside its routed queries)
+    forced = frozenset(f for f in forced if plan.styles.get(f) != "per_channel")
     plan.replicated = {f: model_property(model, f) or reasons.get(f, "") for f in sorted(forced)}
     check_vocab_head(model, plan)  # Dory's per-token ``logit_scale`` in its LM head
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too

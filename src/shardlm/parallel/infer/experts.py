@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
-from shardlm.parallel.infer.expert_layers import find_routed, routed_count
+from shardlm.parallel.infer.expert_layers import calls_routed, find_routed
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import (
@@ -166,6 +166,8 @@ def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, Exp
         plan.styles[sub] = Style.PER_CHANNEL.value
         plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
     module = model.get_submodule(fqn)
+    for path, sizes in getattr(layout, "local_sizes", {}).items():  # JetMoE's MoA: its queries' width
+        plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {}).update(sizes)
     if stacked_count(module) is None:
         return  # its router's gradient is summed over TP (``runtime.grads.tp_partial_grad_params``)
     width = next(module.parameters()).shape[0] // stacked_count(module)
@@ -185,7 +187,7 @@ def whole_moe_layers(model: nn.Module, handled: dict | set) -> dict[str, str]:
     blocks = block_prefixes(model)
     # the MoE blocks: the fused experts' parents, a layer calling per-expert linears itself
     owners = tuple(
-        f"{name if routed_count(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
+        f"{name if calls_routed(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
     )
     family = re.sub(r"For\w+$", "", type(model).__name__)  # Qwen3Moe: every class of the family starts so
     whole: dict[str, str] = {}

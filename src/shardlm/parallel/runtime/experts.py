@@ -65,6 +65,10 @@ class ExpertsParallel(ParallelStyle):
 
         def restore(mod, args, out):
             params.restore()
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                # an attention layer calling a routed layer (JetMoE's): its output first, its router's logits
+                # (whole on every rank) and attention weights (its heads) after it
+                return (reduce_from_region(out[0], device_mesh), *out[1:])
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
             return reduce_from_region(out, device_mesh)  # a tensor of its own: models add into it in place
