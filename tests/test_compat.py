@@ -71,8 +71,8 @@ EXPECT = {
     "mamba2": (0, "packed backbone.layers.0.mixer.in_proj: parts [128, 128, 8, 8, 8], rows shared by ranks", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
     # experts as per-expert linear modules (JetMoE): its MLP split per expert (infer/expert_layers.py), its mixture
-    # of attention heads (called through map/reduce) kept whole, the reason naming them
-    "jetmoe": (0, "probed: weight dim 1 in 2 parts", "model.layers.*.self_attention.experts"),
+    # of attention heads (called through map/reduce) split by its attention layer; the routers kept whole
+    "jetmoe": (0, "probed: weight dim 1 in 2 parts", "model.layers.*.self_attention.experts.router.layer"),
 }
 
 

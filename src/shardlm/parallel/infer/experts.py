@@ -165,6 +165,8 @@ def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, Exp
         sub = f"{fqn}.{owner}"
         plan.styles[sub] = Style.PER_CHANNEL.value
         plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
+        if param.once:
+            plan.experts[fqn][name] = param  # added by one rank: the experts module mutes it on the others
     module = model.get_submodule(fqn)
     for path, sizes in getattr(layout, "local_sizes", {}).items():  # JetMoE's MoA: its queries' width
         plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {}).update(sizes)

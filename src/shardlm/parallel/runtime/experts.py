@@ -54,7 +54,8 @@ class ExpertsParallel(ParallelStyle):
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
                         local = local_view(param)
-                        params.swap(sub, name, local * 0 if muted and not path and name in once else local)
+                        muting = muted and f"{path}.{name}".lstrip(".") in once  # JetMoE's MoA bias: "experts.bias"
+                        params.swap(sub, name, local * 0 if muting else local)
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
