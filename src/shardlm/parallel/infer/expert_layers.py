@@ -13,9 +13,18 @@ from its share of the experts' outputs only, is summed over TP (``Plan.partial_g
 Derived by a probe, not by names: a CPU copy of the layer cut to a few experts (every parameter of E leading
 rows and every expert-count attribute), random fp64 values, run whole on random hidden states, then once per
 TP rank on each candidate placement's pieces (``expert_split.options`` for the 3-D weights; once or whole for
-the layer's own parameters); the first whose rank outputs sum to the whole output is the plan. A layer whose
-forward does not run so (JetMoE's mixture of attention heads, called through ``map``/``reduce``) is not one:
-it is kept whole (``experts.whole_moe_layers``).
+the layer's own parameters); the first whose rank outputs sum to the whole output is the plan.
+
+A routed layer whose forward does not run (JetMoE's mixture of attention heads, ``JetMoeMoA``, called through
+``map``/``reduce`` by its attention layer) is probed through its parent, that attention layer, called with
+its rotary ``position_embeddings`` too: each expert's query heads (``input_linear`` rows) split over TP with
+the kv heads they read (``kv_proj``, a linear beside the routed layer, split by its output rows: k and v, 2
+parts) and the matching ``output_linear`` columns, the bias added once, the router (one output per expert)
+whole. Which int attributes size the split outputs (the MoA's ``hidden_size``, its queries' width in
+``zeros(tokens * top_k, self.hidden_size)``; equal to the hidden width at tiny sizes, so not told by value) is
+probed too: the fewest attributes of a split width that, made local, give the whole output
+(``RoutedLayout.local_sizes``, ``Plan.local_sizes``). Its top-k router keeps the routing whole: every rank
+routes every token alike.
 """
 
 from __future__ import annotations

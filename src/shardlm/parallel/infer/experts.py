@@ -33,8 +33,9 @@ kernel (the probe runs eager; every kernel computes the same function).
 
 What is not found so is kept whole on every rank, with its model's property as the reason
 (``whole_moe_layers``): a layer whose class names it a mixture of experts / router
-(``...SparseMoeBlock``, ``...Experts``, JetMoE's ``MoA``) outside a handled MoE block (JetMoE's per-expert
-linear modules, Doge's experts as embedding rows, LongCat-Flash's zero-computation experts); an expert
+(``...SparseMoeBlock``, ``...Experts``, ``...MoA``) outside a handled MoE block (JetMoE's mixture of
+attention heads is one: its attention layer is probed, ``expert_layers.py``; Doge's experts as embedding rows,
+LongCat-Flash's zero-computation experts); an expert
 count in the config of a model in which no experts module was found is refused before spawning.
 """
 
