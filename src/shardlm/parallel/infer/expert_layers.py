@@ -176,6 +176,8 @@ def probe_routed(module: nn.Module, hidden: int, tp: int, count: int | None = No
                 total = _ranks_sum(probe, values, layout, x, kwargs, tp, sizes)
             except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
                 continue
+            if (total - want).abs().max().item() > PROBE_RTOL * scale and not sizes:
+                break  # its shapes fit as they are, its numbers do not: local sizes would not mend them
             if (total - want).abs().max().item() <= PROBE_RTOL * scale:
                 layout.local_sizes = {}
                 for path, attr in sizes:
