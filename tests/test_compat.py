@@ -40,7 +40,8 @@ EXPECT = {
     "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.*.per_layer_input_gate"),
     "codegen": (
         0,
-        "widths kept whole (each rank views its columns into whole groups): transformer.h.*.attn.embed_dim=64",
+        "widths kept whole (each rank views its columns into whole groups, or sizes a whole input by them): "
+        "transformer.h.*.attn.embed_dim=64",
         None,
     ),
     # split by heads (tests/test_attention_split.py): ALiBi sliced per rank; multi-query: q split, k/v computed by all
