@@ -78,6 +78,12 @@ PLANNED = {
     # sliding layers: an L2 clip scaling each head's channels ([heads, head_dim], follows the heads) and the bank
     # multiplied within each head, its gradient summed over TP (the full-attention layer 2 stays whole)
     "inkling2_text": ("model.layers.1.self_attn", ("q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear")),
+    # CCA: cat(q, k) convolved depthwise then per head (the convs follow the heads, their groups local), a key
+    # temperature per kv head; its value, cat(v_proj_current, v_proj_delayed) viewed into kv heads, sliced per rank
+    "zaya": (
+        "model.layers.1.self_attn",
+        ("qkv_proj.q_proj", "qkv_proj.k_proj", "qkv_proj.v_proj_current", "qkv_proj.v_proj_delayed", "o_proj"),
+    ),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -242,6 +248,10 @@ def test_attention_split_in_the_planned_types(dirs):
     assert plans["inkling_text"].styles["model.layers.1.self_attn.rel_logits_proj"] == "replicate_grad_allreduce"
     assert "model.layers.1.self_attn.relative_position_bias.proj" in plans["inkling2_text"].partial_grads
     assert plans["inkling2_text"].styles["model.layers.1.self_attn.q_proj.norm"] == "per_channel"
+    zaya = plans["zaya"]
+    assert zaya.local_sizes["model.layers.1.self_attn.qkv_proj.conv_qk_grouped"] == {"groups": 3}  # of 6 heads
+    assert zaya.sliced["model.layers.1.self_attn.qkv_proj.v_proj_current"] == [[(0, 16)], [(0, 0)]]
+    assert zaya.styles["model.layers.1.self_attn.qk_norm"] == "per_channel"
 
 
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):

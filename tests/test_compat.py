@@ -40,7 +40,8 @@ EXPECT = {
     "gemma4_text": (0, "model.layers.0.self_attn.q_proj", "model.layers.*.per_layer_input_gate"),
     "codegen": (
         0,
-        "widths kept whole (each rank views its columns into whole groups): transformer.h.*.attn.embed_dim=64",
+        "widths kept whole (each rank views its columns into whole groups, or sizes a whole input by them): "
+        "transformer.h.*.attn.embed_dim=64",
         None,
     ),
     # split by heads (tests/test_attention_split.py): ALiBi sliced per rank; multi-query: q split, k/v computed by all
@@ -71,8 +72,8 @@ EXPECT = {
     "mamba2": (0, "packed backbone.layers.0.mixer.in_proj: parts [128, 128, 8, 8, 8], rows shared by ranks", None),
     "mixtral": (0, "model.layers.0.mlp.experts", None),  # fused experts: the `experts` style (test_moe.py)
     # experts as per-expert linear modules (JetMoE): its MLP split per expert (infer/expert_layers.py), its mixture
-    # of attention heads (called through map/reduce) kept whole, the reason naming them
-    "jetmoe": (0, "probed: weight dim 1 in 2 parts", "model.layers.*.self_attention.experts"),
+    # of attention heads (called through map/reduce) split by its attention layer; the routers kept whole
+    "jetmoe": (0, "probed: weight dim 1 in 2 parts", "model.layers.*.self_attention.experts.router.layer"),
 }
 
 

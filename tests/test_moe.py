@@ -190,17 +190,25 @@ def test_experts_no_placement_reproduces_are_refused(tmp_path):
         find_experts(meta, 2)
     # experts as per-expert linear modules the layer calls itself (JetMoE, ``expert_layers.py``): its MLP split per
     # expert (gate|up rows in 2 parts, the down columns, the bias added once, the router whole); its mixture of
-    # attention heads, called through map/reduce, kept whole with the reason (test_compat.py)
+    # attention heads, called through map/reduce, split by the attention layer calling it: each expert's query
+    # heads (input_linear rows) with their kv heads (kv_proj's k and v rows), output_linear's columns, the MoA's
+    # query width local, its bias added once, the router whole; no MoE layer left whole
     meta = _meta(_write(tmp_path, "jetmoe"))
     found = find_experts(meta, 2)
-    assert set(found) == {"model.layers.0.mlp", "model.layers.1.mlp"}, found
+    assert set(found) == {f"model.layers.{i}.{m}" for i in range(2) for m in ("mlp", "self_attention")}, found
     assert {n: (p.dim, p.parts, p.once) for n, p in found["model.layers.0.mlp"].items()} == {
         "bias": (None, 1, True),
         "input_linear.weight": (1, 2, False),
         "output_linear.weight": (2, 1, False),
     }
-    why = whole_moe_layers(meta, found)["model.layers.0.self_attention.experts"]
-    assert "per-expert linear modules (JetMoeParallelExperts) it routes itself" in why, why
+    assert {n: (p.dim, p.parts, p.once) for n, p in found["model.layers.0.self_attention"].items()} == {
+        "experts.bias": (None, 1, True),
+        "experts.input_linear.weight": (1, 1, False),
+        "experts.output_linear.weight": (2, 1, False),
+        "kv_proj.weight": (0, 2, False),
+    }
+    assert found["model.layers.0.self_attention"].local_sizes == {"experts": {"hidden_size": 32}}
+    assert not whole_moe_layers(meta, found)
 
 
 def _report(label: str, got: list, ref: list) -> None:

@@ -212,8 +212,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for a, v in sizes.items()
         if getattr(model.get_submodule(m), a, None) == v
     }
-    if whole:  # CodeGen's embed_dim: its qkv viewed into the checkpoint's groups
-        print(f"widths kept whole (each rank views its columns into whole groups): {', '.join(whole)}")
+    if whole:  # CodeGen's embed_dim: its qkv viewed into the checkpoint's groups; Zaya's CCA hidden_size
+        why = "each rank views its columns into whole groups, or sizes a whole input by them"
+        print(f"widths kept whole ({why}): {', '.join(whole)}")
     kv, _ = plan.kv_heads
     if kv and kv < args.tp and plan.attention:
         print(

@@ -99,11 +99,12 @@ import re
 import torch.nn as nn
 
 from shardlm.errors import ConfigError
-from shardlm.parallel.infer.channels import channel_placements, local_sizes, place_channels
+from shardlm.parallel.infer.channels import channel_placements, keep_whole_widths, local_sizes, place_channels
 from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
 from shardlm.parallel.infer.indexer import split_indexers
+from shardlm.parallel.infer.joined_heads import slice_joined_heads
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
@@ -459,6 +460,7 @@ def _assemble(
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
     _slice_shared_rows(model, plan, tp)
+    slice_joined_heads(model, plan, traced.head_views, tp)  # Zaya's value of cat(v_proj_current, v_proj_delayed)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}
     plan.partial_grads = list(traced.partial_grads)  # DiffLlama's lambdas (``broadcast.py``)
     for user, owner in traced.row_reads.items():  # Gemma 4's pad row (``runtime/row_reads.py``)
@@ -472,6 +474,7 @@ def _assemble(
     whole, split = used_only(traced.int_uses, "whole"), used_only(traced.int_uses, "split")
     reads = {f: r - whole.get(f, set()) for f, r in traced.reads.items() if f in plan.attention}
     local_sizes(model, plan, reads, traced.split_sizes, tp, split)
+    keep_whole_widths(model, plan, whole)  # Zaya's CCA ``hidden_size``: the size of a whole input
     plan.unrun = unrun(model, traced)  # cross-attention without encoder states, multimodal towers
     split_like(model, plan)  # a cross-attention like a split self-attention: split as it is
     return plan
@@ -537,6 +540,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
         fqn = owner.split(" (")[0]
         if plan.styles.get(fqn) is None or plan.styles.get(user) == "per_channel":
             continue  # a ``per_channel`` user gives the parameters it uses local views (``channels.py``)
+        if plan.styles.get(user) == "experts" and fqn.startswith(f"{user}."):
+            continue  # so does an ``experts`` one, to everything under it (JetMoE's attention calling its MoA)
         if user and not any(f == user or f.startswith(f"{user}.") for f in split_all):
             # nothing split under the user (a mixer kept replicated): it runs on local copies
             plan.styles[user] = "replicate_local"
@@ -587,6 +592,8 @@ def _refuse_unplaceable(model: nn.Module, plan: Plan, traced: Traced) -> None:
 
 
 def _finish(model: nn.Module, plan: Plan, forced: frozenset[str], reasons: dict[str, str]) -> Plan:
+    # a linear the trace saw whole that its experts module splits (JetMoE's kv_proj beside its routed queries)
+    forced = frozenset(f for f in forced if plan.styles.get(f) != "per_channel")
     plan.replicated = {f: model_property(model, f) or reasons.get(f, "") for f in sorted(forced)}
     check_vocab_head(model, plan)  # Dory's per-token ``logit_scale`` in its LM head
     split = [f for f, s in plan.styles.items() if s in SPLIT_LINEAR or s == "experts"]  # MoE: experts split too

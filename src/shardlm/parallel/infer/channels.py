@@ -37,6 +37,7 @@ import torch.nn as nn
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.hf import all_head_widths, out_features, weight_kernel, weight_kernels_available
 from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim, local_width, rank_rows
 from shardlm.parallel.plan.styles import ExpertParam, Style
@@ -72,6 +73,7 @@ def place_channels(
                 f"{', '.join(sorted(sources))}, which {pfqn} acts on; choose a tp that divides them"
             )
         plan.styles[owner] = Style.PER_CHANNEL.value
+        _local_groups(model.get_submodule(owner), owner, plan, parts, tp)
         plan.channels.setdefault(owner, {})[pname] = " + ".join(sorted(sources))
         if layout is not None:
             plan.channel_parts[pfqn] = list(layout)
@@ -86,6 +88,22 @@ def place_channels(
         ):
             plan.styles[user] = Style.PER_CHANNEL.value
             plan.channels.setdefault(user, {})
+
+
+def _local_groups(module: nn.Module, fqn: str, plan: Plan, parts: list[int], tp: int) -> None:
+    """A grouped convolution split with its channels (Zaya's ``conv_qk_grouped``, one group per head of
+    cat(q, k); a depthwise one, one group per channel) runs ``groups // tp`` groups on each rank: its
+    ``groups`` is a local size. Each rank's chunk of every part of its channels must be whole groups."""
+    groups = getattr(module, "groups", 1)
+    if not isinstance(module, nn.modules.conv._ConvNd) or groups == 1:
+        return
+    per = module.out_channels // groups
+    if any((p // tp) % per for p in parts):
+        raise ConfigError(
+            f"parallel.tp={tp} splits the channels {parts} of {fqn} inside its groups of {per}; "
+            "choose a tp that divides its heads"
+        )
+    plan.local_sizes.setdefault(fqn, {})["groups"] = groups // tp
 
 
 def check_fused_kernels(model: nn.Module, plan: Plan, tp: int) -> None:
@@ -172,6 +190,17 @@ def local_sizes(
         found = {n: v for n, v in found.items() if v != getattr(module, n)}  # a whole part's size stays
         if found:
             plan.local_sizes[fqn] = found
+
+
+def keep_whole_widths(model: nn.Module, plan: Plan, whole: dict[str, set[str]]) -> None:
+    """In attention modules, a head-concatenation width attribute (``local_geometry.WIDTH_ATTRS``) the
+    forward uses only as a whole size (``sizes.py``: Zaya's CCA projection makes its delayed value's
+    first input ``new_zeros(batch, 1, self.hidden_size)``, equal to heads x head_dim) keeps its value
+    (``Plan.local_sizes``), where ``localize_geometry`` would divide it by tp."""
+    for fqn in plan.attention:
+        module = model.get_submodule(fqn)
+        for attr in sorted(whole.get(fqn, set()) & set(WIDTH_ATTRS)):
+            plan.local_sizes.setdefault(fqn, {}).setdefault(attr, getattr(module, attr))
 
 
 def _local(width: int, packed: list[tuple[list[int], list[bool]]], tp: int) -> int:

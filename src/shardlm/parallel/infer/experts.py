@@ -33,8 +33,9 @@ kernel (the probe runs eager; every kernel computes the same function).
 
 What is not found so is kept whole on every rank, with its model's property as the reason
 (``whole_moe_layers``): a layer whose class names it a mixture of experts / router
-(``...SparseMoeBlock``, ``...Experts``, JetMoE's ``MoA``) outside a handled MoE block (JetMoE's per-expert
-linear modules, Doge's experts as embedding rows, LongCat-Flash's zero-computation experts); an expert
+(``...SparseMoeBlock``, ``...Experts``, ``...MoA``) outside a handled MoE block (JetMoE's mixture of
+attention heads is one: its attention layer is probed, ``expert_layers.py``; Doge's experts as embedding rows,
+LongCat-Flash's zero-computation experts); an expert
 count in the config of a model in which no experts module was found is refused before spawning.
 """
 
@@ -48,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
-from shardlm.parallel.infer.expert_layers import find_routed, routed_count
+from shardlm.parallel.infer.expert_layers import calls_routed, find_routed
 from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import (
@@ -165,7 +166,11 @@ def _place_stacked(plan: Plan, model: nn.Module, fqn: str, layout: dict[str, Exp
         sub = f"{fqn}.{owner}"
         plan.styles[sub] = Style.PER_CHANNEL.value
         plan.experts.setdefault(sub, {})[leaf] = param  # its pieces read as local tensors by the experts module
+        if param.once:
+            plan.experts[fqn][name] = param  # added by one rank: the experts module mutes it on the others
     module = model.get_submodule(fqn)
+    for path, sizes in getattr(layout, "local_sizes", {}).items():  # JetMoE's MoA: its queries' width
+        plan.local_sizes.setdefault(f"{fqn}.{path}".rstrip("."), {}).update(sizes)
     if stacked_count(module) is None:
         return  # its router's gradient is summed over TP (``runtime.grads.tp_partial_grad_params``)
     width = next(module.parameters()).shape[0] // stacked_count(module)
@@ -185,7 +190,7 @@ def whole_moe_layers(model: nn.Module, handled: dict | set) -> dict[str, str]:
     blocks = block_prefixes(model)
     # the MoE blocks: the fused experts' parents, a layer calling per-expert linears itself
     owners = tuple(
-        f"{name if routed_count(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
+        f"{name if calls_routed(model.get_submodule(name)) else name.rpartition('.')[0]}." for name in handled
     )
     family = re.sub(r"For\w+$", "", type(model).__name__)  # Qwen3Moe: every class of the family starts so
     whole: dict[str, str] = {}

@@ -43,7 +43,7 @@ def follows(
     if name in ("conv1d", "conv2d", "convolution"):
         groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
         x = args[0] if args else kwargs.get("input")
-        if x is t or x.dim() < 2 or groups != x.shape[1] or t.shape[0] != x.shape[1]:
+        if x is t or x.dim() < 2 or not _per_group(t, x, groups, tracker.layouts.get(id(x))):
             return False
         met, dim, tdim, spread = [x], 1 - x.dim(), 0, False
     elif name in _CATS:
@@ -113,6 +113,25 @@ def buffer_follows(tracker, t: torch.Tensor, sharded: list[torch.Tensor], out) -
         return False
     tracker.buffer_follows[fqn] = (sources, None)
     return True
+
+
+def _per_group(t: torch.Tensor, x: torch.Tensor, groups: int, layout) -> bool:
+    """Whether a convolution (its weight or bias ``t``) over ``x`` with ``groups`` acts on each channel alone
+    (depthwise: ``groups`` equal to the channels), or on each group of channels alone where every part
+    of ``x``'s channel layout is whole groups (Zaya's ``conv_qk_grouped``: one group per head over
+    cat(q, k)); ``channels.place_channels`` checks each rank's chunk of every part is whole groups."""
+    channels = x.shape[1]
+    if not isinstance(groups, int) or groups < 1 or t.shape[0] != channels or channels % groups:
+        return False
+    if groups == channels:
+        return True
+    per = channels // groups
+    return (
+        (t.dim() == 1 or t.shape[1] == per)
+        and layout is not None
+        and layout[0] == 1 - x.dim()
+        and all(p % per == 0 for p in layout[1])
+    )
 
 
 def _beside(t: torch.Tensor, sharded: list[torch.Tensor], args: tuple, kwargs: dict, layouts: dict) -> int | None:

@@ -77,6 +77,10 @@ class Cuts:
     def __init__(self) -> None:
         self.origins: dict[int, Origin] = {}
         self.bounds: dict[str, set[int]] = {}
+        # id(tensor) -> the linears' whole outputs it concatenates along the split dim, in order (``_cat``);
+        # and those viewed into heads of so many channels that a head spans parts (``joined_heads``)
+        self.joined: dict[int, tuple[tuple[str, int], ...]] = {}
+        self.head_views: set[tuple[tuple[tuple[str, int], ...], int]] = set()
 
     def parts(self, linear: str, start: int, width: int) -> tuple[int, ...]:
         """The parts of ``linear``'s columns ``start`` to ``start + width`` that its cuts make."""
@@ -101,7 +105,7 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
     ``cuts``: their origins, and the columns a cut of one cuts its linear's output at)."""
     cuts = cuts if cuts is not None else Cuts()
     if name in _CATS:
-        _cat(args, kwargs, out, layouts)
+        _cat(args, kwargs, out, layouts, cuts)
         return
     if name == "einsum":
         _einsum(args, out, layouts, cuts)
@@ -141,6 +145,8 @@ def propagate(name: str, args: tuple, kwargs: dict, out, layouts: dict[int, Layo
             if found is not None:
                 layouts[id(out)] = found
                 _keep_origin(cuts, origin if found[1] == parts else None, out)  # regrouped: no columns
+                if id(first) in cuts.joined and found[1] != parts and found[1][0]:
+                    cuts.head_views.add((cuts.joined[id(first)], parts[0] // found[1][0]))
             return
     for t in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(t, torch.Tensor):
@@ -275,10 +281,11 @@ def _reshaped(old: tuple[int, ...], new: tuple[int, ...], dim: int, parts: tuple
     return None
 
 
-def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
-    """Along the split dim: the parts of each; beside it: the one layout of the split tensors, and a
-    tensor without one concatenated at their size there (gpt-oss's per-head ``sinks`` appended to the
-    scores) takes it too (``follow.follows`` judges that tensor)."""
+def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout], cuts: Cuts) -> None:
+    """Along the split dim: the parts of each (and, where each is one linear's whole output, which:
+    ``Cuts.joined``); beside it: the one layout of the split tensors, and a tensor without one
+    concatenated at their size there (gpt-oss's per-head ``sinks`` appended to the scores) takes it
+    too (``follow.follows`` judges that tensor)."""
     tensors = _arg(args, kwargs, 0, "tensors", ())
     if not isinstance(out, torch.Tensor) or not tensors:
         return
@@ -290,10 +297,16 @@ def _cat(args: tuple, kwargs: dict, out, layouts: dict[int, Layout]) -> None:
     if _neg(_arg(args, kwargs, 1, "dim", 0), out.dim()) == dim:
         if len(split) == len(tensors):
             layouts[id(out)] = (dim, tuple(p for t in tensors for p in layouts[id(t)][1]))
+            origins = [cuts.origins.get(id(t)) for t in tensors]
+            if len(tensors) > 1 and all(o is not None and o[1] == 0 for o in origins):
+                cuts.joined[id(out)] = tuple((o[0], t.shape[dim]) for o, t in zip(origins, tensors))
     elif len({layouts[id(t)] for t in split}) == 1 and all(
         t.dim() == out.dim() and t.shape[dim] == out.shape[dim] for t in tensors
     ):
         layouts[id(out)] = layouts[id(split[0])]
+        origins = {cuts.origins.get(id(t)) for t in tensors}
+        if len(origins) == 1 and None not in origins:  # the same columns, more rows (Zaya's delayed value)
+            _keep_origin(cuts, origins.pop(), out)
 
 
 def declare_layout_records(tracker) -> None:

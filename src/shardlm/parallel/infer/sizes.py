@@ -64,6 +64,33 @@ def record_uses(
             uses.setdefault(value.owner, {}).setdefault(value.name, set()).add(use)
 
 
+_FACTORIES = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def record_made(op: str, args: tuple, kwargs: dict, out, made: dict[int, tuple]) -> bool:
+    """A new tensor sized by ``NamedInt`` attributes (Zaya's ``new_zeros(batch, 1, self.hidden_size)``):
+    ``made`` keeps its sizes, so that a column-parallel linear reading it (``record_linear_input``)
+    tells its last size is the whole hidden width, not a head-concatenation width to make local."""
+    if op not in _FACTORIES or not isinstance(out, torch.Tensor) or not out.dim():
+        return False
+    sizes = args[1:] if op.startswith("new_") else args
+    sizes = sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
+    sizes = kwargs.get("size", sizes)
+    if op.endswith("full") and len(sizes) == out.dim() + 1:
+        sizes = sizes[:-1]  # ``full(size..., fill_value)`` spelt positionally
+    if any(isinstance(v, NamedInt) for v in sizes):
+        made[id(out)] = tuple(sizes)
+        return True
+    return False
+
+
+def record_linear_input(x, made: dict[int, tuple], uses: dict[str, dict[str, set[str]]]) -> None:
+    """A column-parallel linear reads ``x``: an attribute that sized ``x``'s last dim sized a whole one."""
+    value = made.get(id(x), (None,))[-1] if isinstance(x, torch.Tensor) else None
+    if isinstance(value, NamedInt):
+        uses.setdefault(value.owner, {}).setdefault(value.name, set()).add("whole")
+
+
 def used_only(uses: dict[str, dict[str, set[str]]], use: str) -> dict[str, set[str]]:
     """Owner -> the attributes it used only as ``use`` ("whole": the size of a dim the split never
     touches; "split": the size of a split dim, a head count even where it equals a head width)."""
@@ -96,3 +123,4 @@ def declare_sizes_records(tracker) -> None:
     # module -> sizes of the split dims of the tensors its own code made (a mixer's key_dim, num_k_heads)
     tracker.split_sizes: dict[str, set[int]] = {}
     tracker.int_uses: dict[str, dict[str, set[str]]] = {}  # ``sizes.record_uses``
+    tracker.made: dict[int, tuple] = {}  # id(new tensor) -> the sizes it was made with (``sizes.record_made``)

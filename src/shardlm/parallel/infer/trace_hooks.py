@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.head_inputs import record_inputs
 from shardlm.parallel.infer.narrowed import mark, record
+from shardlm.parallel.infer.sizes import record_linear_input
 from shardlm.parallel.infer.summed import track_output
 from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import gates_before_norm, is_linear, out_features, rms_norm_eps, weightless_norm
@@ -83,6 +84,8 @@ class TraceHooks:
                     self.tracker.violations.append((sources, f"{owner} reads its split activations"))
             elif is_linear(module) and name.startswith(self.block_prefixes):
                 self.styles[name] = "rowwise" if sources else "colwise"
+                if not sources:
+                    record_linear_input(args[0], self.tracker.made, self.tracker.int_uses)
                 self.tracker.widths[name] = out_features(module)
                 self.legit[owner] = True
                 if sources:
@@ -114,10 +117,15 @@ class TraceHooks:
                 else:
                     across = all(p.numel() == width for p in params)
                     why = (sources, f"{owner} {'normalizes across' if across else 'acts on'} the split width {width}")
-                    if (across and len(params) == 1) or heads_shaped(self.tracker, args[0], params):
+                    if (
+                        (across and len(params) == 1)
+                        or heads_shaped(self.tracker, args[0], params)
+                        or per_channel_module(module, params, self.tracker.heads)
+                    ):
                         # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
-                        # n_groups divisible by tp), or parameters per head and channel (Inkling 2's L2 clip's
-                        # scale): its ops decide (``ShardTracker.deferred``)
+                        # n_groups divisible by tp), parameters per head and channel (Inkling 2's L2 clip's
+                        # scale), a convolution per channel or per head, a scale per head (Zaya's CCA conv
+                        # and key temperature): its ops decide (``ShardTracker.deferred``)
                         self.tracker.deferred.append((name, why, len(self.tracker.violations)))
                     else:
                         self.tracker.violations.append(why)
@@ -196,3 +204,12 @@ def heads_shaped(tracker: ShardTracker, t: torch.Tensor, params: list[nn.Paramet
         return False
     split = layout[0] % t.dim()
     return bool(params) and all(p.dim() >= 2 and tuple(p.shape) == tuple(t.shape[split:]) for p in params)
+
+
+def per_channel_module(module: nn.Module, params: list[nn.Parameter], heads: set[int]) -> bool:
+    """Whether ``module`` may act per channel or per head on split activations, so its ops (``follow.py``)
+    decide: a convolution (depthwise, or grouped per head: Zaya's ``conv_qk_depthwise``, ``conv_qk_grouped``
+    called as modules), or 1-D parameters of a head count (Zaya's per-kv-head key temperature)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return True
+    return bool(params) and all(p.dim() == 1 and p.numel() in heads for p in params)

@@ -60,6 +60,8 @@ class Traced:
     # column-parallel linears whose split output meets a whole activation of its shape -> why (``checks.py``)
     misfits: dict[str, str]
     ran: frozenset[str] = frozenset()  # modules whose forward ran (``unrun``)
+    # linears' whole outputs concatenated, then viewed into heads of so many channels (``layouts.Cuts``)
+    head_views: frozenset[tuple[tuple[tuple[str, int], ...], int]] = frozenset()
 
 
 def collect(
@@ -135,4 +137,5 @@ def collect(
         tracker.narrowed,
         dict(tracker.misfits),
         frozenset(hooks.ran),
+        frozenset(tracker.cuts.head_views),
     )

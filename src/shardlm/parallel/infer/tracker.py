@@ -41,7 +41,7 @@ from shardlm.parallel.infer.parts import (
     record_later_split,
     record_slice,
 )
-from shardlm.parallel.infer.sizes import NamedInt, declare_sizes_records, record_uses
+from shardlm.parallel.infer.sizes import NamedInt, declare_sizes_records, record_made, record_uses
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
 from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
@@ -211,6 +211,8 @@ class ShardTracker(TorchFunctionMode):
         flat = tree_flatten((args, kwargs))[0]
         inputs = [t for t in flat if isinstance(t, torch.Tensor)]
         self._record_reads(func, name, args, flat, inputs, out)
+        if record_made(name, args, kwargs, out, self.made):
+            self.keep.append(out)
         if direct_product(self, name, args, out):
             return out  # a linear's column-parallel output (``summed.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):

@@ -47,10 +47,11 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source += f"; {pname} split with the output channels of {linears}{whole}"
         if fqn in plan.sliced:
             local = {n: tuple(p.shape) for n, p in params}  # stored whole on every TP rank
-            used = sum(b - a for a, b in plan.sliced[fqn][0])
+            used = sorted({sum(b - a for a, b in rows) for rows in plan.sliced[fqn]})  # Zaya's value: its heads'
             if fqn in latents:
                 source += "; a low-rank latent (MLA): stored replicated, computed whole, grads summed over TP"
             else:
+                used = used[0] if len(used) == 1 else " or ".join(map(str, used))
                 source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
         if fqn in plan.latent_readers:
             source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"

@@ -54,7 +54,8 @@ class ExpertsParallel(ParallelStyle):
                 for name, param in list(sub._parameters.items()):
                     if isinstance(param, DTensor):
                         local = local_view(param)
-                        params.swap(sub, name, local * 0 if muted and not path and name in once else local)
+                        muting = muted and f"{path}.{name}".lstrip(".") in once  # JetMoE's MoA bias: "experts.bias"
+                        params.swap(sub, name, local * 0 if muting else local)
             flat, spec = tree_flatten((args, kwargs))
             floats = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if floats:
@@ -65,6 +66,10 @@ class ExpertsParallel(ParallelStyle):
 
         def restore(mod, args, out):
             params.restore()
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                # an attention layer calling a routed layer (JetMoE's): its output first, its router's logits
+                # (whole on every rank) and attention weights (its heads) after it
+                return (reduce_from_region(out[0], device_mesh), *out[1:])
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}, not one tensor")
             return reduce_from_region(out, device_mesh)  # a tensor of its own: models add into it in place

@@ -43,7 +43,11 @@ def tp_partial_grad_params(
             for pname, _ in model.get_submodule(fqn).named_parameters(recurse=False)
             if style == Style.REPLICATE_GRAD_ALLREDUCE
             or fqn in plan.sliced
-            or (style == Style.EXPERTS and getattr(plan.experts.get(fqn, {}).get(pname), "once", False))
+            # an experts module's, or one under it (JetMoE's MoA bias, under the attention layer calling it)
+            or (
+                style in (Style.EXPERTS, Style.PER_CHANNEL)
+                and getattr(plan.experts.get(fqn, {}).get(pname), "once", False)
+            )
         ]
         + routers_inside_experts(model, plan)
         + plan.partial_grads
