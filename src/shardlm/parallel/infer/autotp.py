@@ -109,6 +109,7 @@ from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
+from shardlm.parallel.infer.shared_kv import split_shared_kv
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
@@ -261,6 +262,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced, probes)
                 forced = split_indexers(model, plan, tp, traced, forced)  # DSA's indexer heads (``indexer.py``)
+                forced = split_shared_kv(model, plan, tp, traced, forced)  # one K=V head (``shared_kv.py``)
                 return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}
