@@ -14,7 +14,8 @@ a multiple of the hidden size stay so (``_widths``); head sizes that are width /
 of MLA's nope and rope dims, stay so (``_head_dims``); layer counts that sum to the depth still do
 (``_depth``); a partial rotary factor leaves an even number of rotary dims (``_rotary``); lists of
 layer indices follow the layers kept, and the cache-sharing layers keep a producer of each kind
-(``_cut_layers``); widths one sub-config reads off another stay equal (``_cross_widths``).
+(``_cut_layers``); head counts stay apart from a hyper-connection stream count (``_streams``); widths one
+sub-config reads off another stay equal (``_cross_widths``).
 What no rule can mend (a default that misses a value its own model reads) is in ``OVERRIDES`` /
 ``AFTER``, each with why; types that cannot run on text rows at all are in ``NOT_BUILDABLE``
 with the transformers-side or package reason (``tiny_config`` raises ``NotBuildable``).
@@ -384,6 +385,7 @@ def shrink(d: dict) -> dict:
             # loss 24; its fp32 one-process run is 3e-4 off the fp64 one at step 1, 1.5% at step 3),
             # so a 1e-4 parity check could not be decided on it. 0.02, as most types default to.
             d[k] = 0.02
+    _streams(d, original)
     _widths(d, original)
     _head_dims(d, original)
     _depth(d, original, keep)
@@ -396,6 +398,18 @@ def shrink(d: dict) -> dict:
     _reformer_axial(d, original)
     _token_ids(d)
     return d
+
+
+def _streams(d: dict, original: dict) -> None:
+    """Head counts the published config keeps different from its hyper-connection stream count stay different
+    (DeepSeek-V4's and HY-v4's 64 heads, ``hc_mult`` 4 streams): shrunk to 4, the streams [B, S, hc_mult, hidden]
+    would share the head count, and plan inference would take them for per-head tensors. Doubled instead."""
+    streams = d.get("hc_mult")
+    if not _int(streams):
+        return
+    for k in HEADS:
+        if _int(d.get(k)) and d[k] == streams and original.get(k) != streams:
+            d[k] *= 2
 
 
 def _widths(d: dict, original: dict) -> None:

@@ -69,6 +69,9 @@ PLANNED = {
     # GLM-DSA's attention with a gate and sinks: it returns its indexer's top-k (no gradient), no leak of the q
     # latent (as GLM-DSA's), heads split; its MLA widths not taken for split ones (q_a_proj, a latent, is whole)
     "hy_v4": ("model.layers.1.self_attn", ("q_b_proj", "kv_b_proj", "gate_proj", "o_proj")),
+    # one shared key=value head read by every query head, whole with its compressor on every rank; the grouped
+    # o_a_proj by whole groups of heads (``infer/shared_kv.py``)
+    "deepseek_v4": ("model.layers.1.self_attn", ("q_b_proj", "o_b_proj")),
     # sliding layers with twice the config's kv heads: each rank repeats its kv heads by its own groups
     "mimo_v2_flash": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     # a forget gate adding dt_bias viewed [1, 1, heads, head_dim]: dt_bias follows the heads

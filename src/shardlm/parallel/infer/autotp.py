@@ -70,6 +70,9 @@ What cannot be split is kept replicated, sub-block by sub-block, or refused; nev
   (``latent.latent_candidates``): kept whole and traced again, so the heads split after it; its
   region carries partial gradients summed over TP at its input (``parallel/infer/latent.py``), or, where
   they would leak, it is kept replicated with its sub-block.
+* attentions split by their structure after the trace, the split checked by the dry run: DeepSeek
+  Sparse Attention's indexer (``indexer.py``), DeepSeek-V4's heads around one shared key=value head
+  (``shared_kv.py``).
 * data-dependent questions modeling files ask (``pad_token_id in input_ids``, ``.item()``) are
   answered on meta without data (``parallel/infer/meta_answers.py``).
 
@@ -110,6 +113,7 @@ from shardlm.parallel.infer.narrowed import narrowable
 from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
+from shardlm.parallel.infer.shared_kv import split_shared_kv
 from shardlm.parallel.infer.sizes import used_only
 from shardlm.parallel.infer.summed import place_direct, place_summed
 from shardlm.parallel.infer.trace import RUNNING_NOTE, Traced, dropout_dims, trace_model
@@ -260,7 +264,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced, probes)
-                forced = split_indexers(model, plan, tp, traced, forced)  # DSA's indexer heads (``indexer.py``)
+                forced = split_shared_kv(model, plan, tp, traced, split_indexers(model, plan, tp, traced, forced))
                 return _finish(model, plan, forced - latents, reasons)
             owner, why = failure
             split = {f for f, st in traced.styles.items() if st in SPLIT_LINEAR}

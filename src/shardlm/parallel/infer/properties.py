@@ -21,6 +21,8 @@ _PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")  # Gemma 3n'
 _INDEXER_KEY = "the indexer's one key head, read by all its query heads"
 
 PROPERTIES = {
+    # DeepSeek-V4's CSA compressor's indexer (``infer/shared_kv.py``): computed whole beside the shared key=value head
+    "DeepseekV4Indexer": "the compressor's indexer: its heads' scores summed before a top-k, no gradient reaching it",
     "BigBirdAttention": (
         "below its block-sparse length the model swaps in an attention built from the config's head count"
     ),

@@ -31,6 +31,14 @@ _ATTENTION = re.compile(r"(Attention|Attn)\d*$")
 _CROSS = re.compile(r"encoder_attn|cross", re.IGNORECASE)  # cross-attention modules: BART's, Whisper's ``encoder_attn``
 
 
+# DeepSeek-V4's attention (``infer/shared_kv.py``): the key=value head and the compressor appending to it
+_SHARED_KV = "the one shared key=value head and its compressed windows, read by every query head"
+
+
+def _in_shared_kv(plan: Plan, fqn: str) -> bool:
+    return any(fqn.startswith(f"{a}.") for a in plan.shared_kv)
+
+
 def _any_block(fqn: str) -> str:
     return re.sub(r"(?<=[A-Za-z_])\.\d+(?=\.|$)", ".*", fqn)
 
@@ -47,7 +55,9 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
     latents = set(plan.latent_readers.values())
     kv, _ = plan.kv_heads
     for fqn in plan.sliced:
-        if fqn in latents:
+        if _in_shared_kv(plan, fqn) and not fqn.endswith(".q_a_proj"):
+            why = _SHARED_KV
+        elif fqn in latents:
             why = "a low-rank latent (MLA), read whole by every head"
         elif any(plan.whole_parts.get(fqn, [])):
             why = "parts every rank needs whole (groups fewer than tp)"
@@ -68,10 +78,16 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
         found[f"{', '.join(fqns)}: stored whole ({why[:100]})"] = None
     # a split attention's own (DiffLlama's lambdas), or a table a module outside it makes a per-head tensor of
     # (CPM-Ant's position bias, ``infer/head_inputs.py``)
+    shared = [f for f in plan.partial_grads if _in_shared_kv(plan, f)]
+    if shared:
+        found[f"{', '.join(dict.fromkeys(_any_block(f) for f in shared))}: stored whole ({_SHARED_KV})"] = None
     own = [fqn for fqn in plan.partial_grads if fqn.rpartition(".")[0] in plan.attention]
     for fqns, why in (
         (own, "one value broadcast over the split heads"),
-        ([f for f in plan.partial_grads if f not in own], "a per-head table: each rank reads its heads' rows"),
+        (
+            [f for f in plan.partial_grads if f not in {*own, *shared}],
+            "a per-head table: each rank reads its heads' rows",
+        ),
     ):
         names = dict.fromkeys(_any_block(fqn) for fqn in fqns)
         if names:

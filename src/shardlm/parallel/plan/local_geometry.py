@@ -27,8 +27,14 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     a module reading ``self.config`` for head counts gets its own localized copy of the config.
     """
     for name, sizes in plan.local_sizes.items():  # a mixer's widths (``channels.local_sizes``)
+        module = model.get_submodule(name)
         for attr, value in sizes.items():
-            setattr(model.get_submodule(name), attr, value)
+            if attr.startswith("config."):  # a count the module reads off its config: a copy of its own
+                if not getattr(module, "_local_config", False):
+                    module.config, module._local_config = copy.copy(module.config), True
+                setattr(module.config, attr[len("config.") :], value)
+            else:
+                setattr(module, attr, value)
     config, heads = model.config, plan.geometry.heads
     if heads is None or not plan.attention:
         return  # attention-free, or every attention block kept replicated
@@ -53,7 +59,8 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
     heads, kv, head_dim = plan.geometry.heads or 0, plan.geometry.kv, plan.geometry.head_dim or 0
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     groups = getattr(module, "num_key_value_groups", None)
-    if isinstance(groups, int) and not isinstance(groups, bool):
+    own_sizes = plan.local_sizes.get(name, {})  # set already (``localize_geometry``): one shared kv head's groups
+    if isinstance(groups, int) and not isinstance(groups, bool) and "num_key_value_groups" not in own_sizes:
         # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
         # repeats k/v by it; sdpa packs by it). Read off the module's own groups where they differ
         # from the config's kv heads (MiMo-V2-Flash's sliding layers hold twice the kv heads)
@@ -64,7 +71,7 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
         return False
     for attr in MODULE_HEAD_ATTRS + MODULE_KV_ATTRS + WIDTH_ATTRS:
         value = getattr(module, attr, None)
-        if isinstance(value, bool) or not isinstance(value, int) or attr in plan.local_sizes.get(name, {}):
+        if isinstance(value, bool) or not isinstance(value, int) or attr in own_sizes:
             continue  # a mixer's head count (Mamba-2's num_heads) is set by its local sizes, as are kept widths
         if (attr in MODULE_HEAD_ATTRS and value == heads) or (attr in WIDTH_ATTRS and value == heads * head_dim):
             setattr(module, attr, value // tp)

@@ -66,6 +66,9 @@ class Plan:
     # DeepSeek Sparse Attention's indexer (``parallel/infer/indexer.py``) -> its global head count: its query
     # heads split, each rank's sum of its heads' scores all-reduced over TP before its top-k (``runtime/indexer.py``)
     indexers: dict[str, int] = field(default_factory=dict)
+    # attentions of one shared key=value head (DeepSeek-V4's, ``parallel/infer/shared_kv.py``): their query heads
+    # split, the key=value head and its compressor whole on every rank, their gradients summed over TP
+    shared_kv: list[str] = field(default_factory=list)
     # row-parallel linears whose all-reduced output, one value per head (Doge's ``dt_proj``), each rank narrows
     # to its heads' columns, the gradients of the columns summed over TP (``parallel/infer/narrowed.py``)
     narrowed: list[str] = field(default_factory=list)
