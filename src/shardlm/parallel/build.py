@@ -32,6 +32,7 @@ from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
+from shardlm.parallel.plan.local_reshape import reshape_locally
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import scattered_rows, stream_ends
 from shardlm.parallel.plan.stages import rank_stages
@@ -73,6 +74,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     localize_geometry(model, plan, mesh.parallel.tp)
     slice_head_inputs(model, plan, mesh.parallel.tp, mesh.tp.get_local_rank())  # BLOOM's ALiBi: its heads'
+    reshape_locally(model, plan, mesh.parallel.tp)  # TrOCR: its heads' output to a rank's share of the width
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
     # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)
     for places in shared:

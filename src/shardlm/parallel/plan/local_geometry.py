@@ -13,6 +13,7 @@ import torch.nn as nn
 from shardlm.parallel.model.hf import (
     MODULE_HEAD_ATTRS,
     MODULE_KV_ATTRS,
+    out_features,
 )
 from shardlm.parallel.plan.plan import Plan
 
@@ -29,10 +30,10 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
     for name, sizes in plan.local_sizes.items():  # a mixer's widths (``channels.local_sizes``)
         for attr, value in sizes.items():
             setattr(model.get_submodule(name), attr, value)
-    config, heads = model.config, plan.geometry.heads
-    if heads is None or not plan.attention:
+    config = model.config
+    if not plan.attention:
         return  # attention-free, or every attention block kept replicated
-    kv = plan.geometry.kv
+    kv = plan.geometry.kv or 0
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
@@ -50,8 +51,11 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
 def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> bool:
     """Set the head counts and widths of attention module ``name`` (``module``) to their local values;
     False where it owns no head-count attribute (its config, if it reads one, is left to the caller)."""
-    heads, kv, head_dim = plan.geometry.heads or 0, plan.geometry.kv, plan.geometry.head_dim or 0
-    local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    heads, kv, head_dim = own_geometry(module, name, plan)
+    if (heads, kv, head_dim) == (plan.geometry.heads or 0, plan.geometry.kv or 0, plan.geometry.head_dim or 0):
+        local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    else:
+        local_kv = kv // tp  # a sub-config's kv heads: split (fewer than tp fail the dry run: kept whole)
     groups = getattr(module, "num_key_value_groups", None)
     if isinstance(groups, int) and not isinstance(groups, bool):
         # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
@@ -71,3 +75,25 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
         elif attr in MODULE_KV_ATTRS and value == kv:
             setattr(module, attr, local_kv)
     return True
+
+
+def own_geometry(module: nn.Module, name: str, plan: Plan) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of attention module ``name`` (``module``): its own where its head count and
+    ``head_dim`` attributes tile a column-parallel child's width but differ from the model's config (BLT's
+    local encoder, global transformer and decoder each read a sub-config, the top-level config naming no head
+    count; ProphetNet's n-gram self-attention reads the decoder's head count), else the model's."""
+    geo = plan.geometry
+    heads = next((v for a in MODULE_HEAD_ATTRS if _count(v := getattr(module, a, None))), 0)
+    head_dim = getattr(module, "head_dim", None)
+    if heads and _count(head_dim) and (heads, head_dim) != (geo.heads, geo.head_dim):
+        split = {
+            out_features(m) for child, m in module.named_children() if plan.styles.get(f"{name}.{child}") == "colwise"
+        }
+        if heads * head_dim in split:
+            kv = next((v for a in MODULE_KV_ATTRS if _count(v := getattr(module, a, None))), heads)
+            return heads, kv, head_dim
+    return geo.heads or 0, geo.kv or 0, geo.head_dim or 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
