@@ -72,8 +72,9 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         styles = {fqn: style for fqn, style in styles.items() if fqn not in ep_placed}
     tp_mesh = mesh.tp  # one object: the sequence hooks and the styles key their shared views by it
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
-    localize_geometry(model, plan, mesh.parallel.tp)
+    # before the local head counts: each module's whole count sizes the per-head inputs it is handed
     slice_head_inputs(model, plan, mesh.parallel.tp, mesh.tp.get_local_rank())  # BLOOM's ALiBi: its heads'
+    localize_geometry(model, plan, mesh.parallel.tp)
     reshape_locally(model, plan, mesh.parallel.tp)  # TrOCR: its heads' output to a rank's share of the width
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
     # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)

@@ -103,8 +103,8 @@ def _run(
     """The dry run's failure (``dry_run``) and, for a fused projection regrouped by its local view,
     (its module, the number of its groups whole, their size)."""
     meta = build_meta(model, eager=False)
+    slice_head_inputs(meta, plan, tp, 0)  # before the local head counts (``build.apply_tp``)
     localize_geometry(meta, plan, tp)
-    slice_head_inputs(meta, plan, tp, 0)
     reshape_locally(meta, plan, tp)
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)

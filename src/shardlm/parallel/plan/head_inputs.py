@@ -26,7 +26,9 @@ def slice_head_inputs(model: nn.Module, plan: Plan, tp: int, rank: int) -> None:
     stored whole (a checkpoint holds what one process holds)."""
     for fqn, found in plan.head_inputs.items():
         saved: list[tuple[str, torch.Tensor]] = []
-        heads = own_geometry(model.get_submodule(fqn), fqn, plan)[0]  # ProphetNet's decoder: its own count
+        # the module's own whole head count (ProphetNet's decoder: not its config's num_attention_heads), read
+        # before ``localize_geometry`` makes it local
+        heads = own_geometry(model.get_submodule(fqn), fqn, plan)[0]
 
         def hook(module, args, kwargs, found=found, saved=saved, heads=heads):
             args = list(args)

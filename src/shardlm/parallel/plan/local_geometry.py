@@ -55,7 +55,7 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
     if (heads, kv, head_dim) == (plan.geometry.heads or 0, plan.geometry.kv or 0, plan.geometry.head_dim or 0):
         local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     else:
-        local_kv = kv // tp  # a sub-config's kv heads: split (fewer than tp fail the dry run: kept whole)
+        local_kv = kv // tp  # its own kv heads (BLT's sub-configs): split; fewer than tp fail the dry run
     groups = getattr(module, "num_key_value_groups", None)
     if isinstance(groups, int) and not isinstance(groups, bool):
         # query heads per kv head on this rank: 1 where kv heads are replicated (eager attention
