@@ -78,14 +78,15 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
 
 
 def own_geometry(module: nn.Module, name: str, plan: Plan) -> tuple[int, int, int]:
-    """(heads, kv heads, head dim) of attention module ``name`` (``module``): its own where its head count and
-    ``head_dim`` attributes tile a column-parallel child's width but differ from the model's config (BLT's
-    local encoder, global transformer and decoder each read a sub-config, the top-level config naming no head
-    count; ProphetNet's n-gram self-attention reads the decoder's head count), else the model's."""
+    """(heads, kv heads, head dim) of attention module ``name`` (``module``): its own where its head count is not
+    the model's config's and, times its ``head_dim``, tiles a column-parallel child's width (BLT's local encoder,
+    global transformer and decoder each read a sub-config, the top-level config naming no head count; ProphetNet's
+    decoder reads ``num_decoder_attention_heads``), else the model's. A head count equal to the config's keeps
+    the config's geometry, whatever its ``head_dim`` (a DSA indexer's, a linear attention's: widths as before)."""
     geo = plan.geometry
     heads = next((v for a in MODULE_HEAD_ATTRS if _count(v := getattr(module, a, None))), 0)
     head_dim = getattr(module, "head_dim", None)
-    if heads and _count(head_dim) and (heads, head_dim) != (geo.heads, geo.head_dim):
+    if heads and _count(head_dim) and heads != geo.heads:
         split = {
             out_features(m) for child, m in module.named_children() if plan.styles.get(f"{name}.{child}") == "colwise"
         }
