@@ -87,6 +87,15 @@ PLANNED = {
         "model.layers.1.self_attn",
         ("qkv_proj.q_proj", "qkv_proj.k_proj", "qkv_proj.v_proj_current", "qkv_proj.v_proj_delayed", "o_proj"),
     ),
+    # BLT: each stack's attention reads its own sub-config's head count (the top-level config names none)
+    "blt": ("model.global_transformer.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    # Reformer's LSH layer: buckets and offsets made at the local head count, its rotations drawn per rank's heads
+    "reformer": (
+        "reformer.encoder.layers.1.attention",
+        ("self_attention.query_key", "self_attention.value", "output.dense"),
+    ),
+    # the output reshaped to the embed_dim of its input's size(): each rank to its share
+    "trocr": ("model.decoder.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "out_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -255,6 +264,9 @@ def test_attention_split_in_the_planned_types(dirs):
     assert zaya.local_sizes["model.layers.1.self_attn.qkv_proj.conv_qk_grouped"] == {"groups": 3}  # of 6 heads
     assert zaya.sliced["model.layers.1.self_attn.qkv_proj.v_proj_current"] == [[(0, 16)], [(0, 0)]]
     assert zaya.styles["model.layers.1.self_attn.qk_norm"] == "per_channel"
+    assert plans["blt"].styles["model.local_decoder.cross_attn_layers.1.q_proj"] == "colwise"
+    assert 0 in plans["reformer"].dropout_sites  # the rotations randn(heads, ...): sharded along the heads
+    assert plans["trocr"].local_reshapes["model.decoder.layers.1.self_attn"] == 64
 
 
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
@@ -349,7 +361,7 @@ def test_cross_attention_never_run_is_split_like_self_attention(tmp_path):
 # model type -> (what its plan keeps whole at tp=2, the property of the model's code said for it)
 KEPT_FOR_A_PROPERTY = {
     "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
-    "trocr": ("model.decoder.layers.*.self_attn.k_proj", "its attention reshapes the output to the embed_dim"),
+    "prophetnet": ("prophetnet.decoder.layers.*.self_attn.key_proj", "the predicting streams' bias pairs each head"),
     "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
     "big_bird": ("bert.encoder.layer.*.attention.self.query", "below its block-sparse length the model swaps in"),
 }

@@ -32,6 +32,7 @@ from shardlm.parallel.model.hf import tower_parameters
 from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
+from shardlm.parallel.plan.local_reshape import reshape_locally
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import scattered_rows, stream_ends
 from shardlm.parallel.plan.stages import rank_stages
@@ -71,8 +72,10 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         styles = {fqn: style for fqn, style in styles.items() if fqn not in ep_placed}
     tp_mesh = mesh.tp  # one object: the sequence hooks and the styles key their shared views by it
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
-    localize_geometry(model, plan, mesh.parallel.tp)
+    # before the local head counts: each module's whole count sizes the per-head inputs it is handed
     slice_head_inputs(model, plan, mesh.parallel.tp, mesh.tp.get_local_rank())  # BLOOM's ALiBi: its heads'
+    localize_geometry(model, plan, mesh.parallel.tp)
+    reshape_locally(model, plan, mesh.parallel.tp)  # TrOCR: its heads' output to a rank's share of the width
     # a parameter registered in several modules stays one: the registration a style placed (BERT's
     # LM-head bias, placed by ``lm_head`` on ``decoder.bias``, is also ``cls.predictions.bias``)
     for places in shared:

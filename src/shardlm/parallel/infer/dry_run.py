@@ -21,7 +21,8 @@ from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
 from shardlm.parallel.plan.channels import param_rows
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
-from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS, localize_geometry, localize_geometry_of
+from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS, localize_geometry, localize_geometry_of, own_geometry
+from shardlm.parallel.plan.local_reshape import asks_whole_width, reshape_locally
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.styles import SPLIT_LINEAR
@@ -40,6 +41,8 @@ def dry_run(
     ``[q, v, k]``: the local reshape still runs, but its groups change size, so it is compared
     with the global trace's; run again with the module's widths whole, see the module docstring)."""
     failure, regrouped = _run(model, plan, tp, traced, probes)
+    while failure is not None and regrouped is None and _reshapes_whole(model, plan, tp, failure):
+        failure, regrouped = _run(model, plan, tp, traced, probes)  # TrOCR's output reshaped to its input's width
     if regrouped is None:
         return failure
     first, kept = (failure, regrouped), {}
@@ -66,6 +69,24 @@ def dry_run(
     )
 
 
+def _reshapes_whole(model: nn.Module, plan: Plan, tp: int, failure: tuple[str, str]) -> bool:
+    """Where split attention ``owner`` failed reshaping its heads' output to the whole width read off its input
+    (TrOCR's ``reshape(bsz, tgt_len, embed_dim)``, ``embed_dim`` from ``hidden_states.size()``), plan every
+    attention module of its class to reshape to a rank's share (``Plan.local_reshapes``) and say so; False
+    where that is not why it failed, or it already does."""
+    owner, why = failure
+    if owner not in plan.attention or owner in plan.local_reshapes:
+        return False
+    module = model.get_submodule(owner)
+    heads, _, head_dim = own_geometry(module, owner, plan)
+    if not heads * head_dim or not asks_whole_width(why, heads * head_dim, tp):
+        return False
+    for name in plan.attention:
+        if type(model.get_submodule(name)) is type(module):
+            plan.local_reshapes[name] = heads * head_dim
+    return True
+
+
 def _localized_widths(model: nn.Module, plan: Plan, tp: int, owner: str) -> dict[str, int]:
     """The head-concatenation widths of ``owner`` that ``localize_geometry`` divides: their whole values."""
     if owner not in plan.attention or not plan.geometry.heads:
@@ -82,8 +103,9 @@ def _run(
     """The dry run's failure (``dry_run``) and, for a fused projection regrouped by its local view,
     (its module, the number of its groups whole, their size)."""
     meta = build_meta(model, eager=False)
+    slice_head_inputs(meta, plan, tp, 0)  # before the local head counts (``build.apply_tp``)
     localize_geometry(meta, plan, tp)
-    slice_head_inputs(meta, plan, tp, 0)
+    reshape_locally(meta, plan, tp)
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)
         conv1d = is_conv1d(module)

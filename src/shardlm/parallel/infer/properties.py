@@ -26,10 +26,12 @@ PROPERTIES = {
     "BigBirdAttention": (
         "below its block-sparse length the model swaps in an attention built from the config's head count"
     ),
-    # ``bsz, tgt_len, embed_dim = hidden_states.size()``, then ``attn_output.reshape(bsz, tgt_len, embed_dim)``: a
-    # local variable, so the heads' output of one rank (embed_dim / tp wide) cannot be reshaped to it
-    "TrOCRAttention": (
-        "its attention reshapes the output to the embed_dim of its whole input's size(), not a rank's share"
+    # the predicting streams' bias (``get_predict_relative_pos_embeddings``): the projection's rows laid out
+    # (batch, seq, ngram, heads) are gathered with bucket indices repeated in (ngram, batch, heads, seq) order and
+    # read back as (batch, ngram, heads, seq): one process's head h at query t takes head (h * seq + t) % heads'
+    # row (a rank holding heads / tp would pair its rows differently); the main stream's pairs each head its own
+    "ProphetNetNgramSelfAttention": (
+        "the predicting streams' bias pairs each head with another head's row, by the whole head count"
     ),
     **dict.fromkeys(
         [f"{c}.{m}" for c in ("Gemma4TextDecoderLayer", "Gemma3nTextDecoderLayer") for m in _PER_LAYER_INPUT],

@@ -91,6 +91,15 @@ def record_linear_input(x, made: dict[int, tuple], uses: dict[str, dict[str, set
         uses.setdefault(value.owner, {}).setdefault(value.name, set()).add("whole")
 
 
+def split_attributes(uses: dict[str, dict[str, set[str]]], values) -> list[int | None]:
+    """Per value of ``values``, its value where it is an int attribute the running forward used as the size of
+    a split dim (``uses``: ``record_uses``), else None: what a tensor sized by it is made at on each rank, once
+    that attribute is made local (MiniMax's ``zeros(batch, self.num_attention_heads, ...)``)."""
+    return [
+        int(v) if isinstance(v, NamedInt) and "split" in uses.get(v.owner, {}).get(v.name, ()) else None for v in values
+    ]
+
+
 def used_only(uses: dict[str, dict[str, set[str]]], use: str) -> dict[str, set[str]]:
     """Owner -> the attributes it used only as ``use`` ("whole": the size of a dim the split never
     touches; "split": the size of a split dim, a head count even where it equals a head width)."""

@@ -193,13 +193,13 @@ def dropout_dims(
     sites get -1, which ``dropout.traced_dim`` refuses should one ever draw a mask.
     """
     sites = traced.dropout_sites
-    if not any(sharded and p > 0 for sharded, _, p in sites):
-        return [-1 if sharded else None for sharded, _, _ in sites]
+    if not any(sharded and p > 0 and known is None for sharded, _, p, known in sites):
+        return [known if known is not None else -1 if sharded else None for sharded, _, _, known in sites]
     other = trace_model(model, forced, shape=(2, 5), probes=probes).dropout_sites
     if len(other) != len(sites):
         raise RuntimeError(f"dropout call sites differ between two traces ({len(sites)} vs {len(other)})")
     dims: list[int | None] = []
-    for (sharded, a, _), (_, b, _) in zip(sites, other):
+    for (sharded, a, _, known), (_, b, _, _) in zip(sites, other):
         fixed = [d for d in range(len(a)) if len(a) == len(b) and a[d] == b[d]]
-        dims.append((fixed[0] if fixed else -1) if sharded else None)
+        dims.append(known if known is not None else (fixed[0] if fixed else -1) if sharded else None)
     return dims

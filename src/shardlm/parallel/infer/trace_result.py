@@ -25,7 +25,7 @@ class Traced:
     closer_inputs: dict[str, frozenset[str]]  # rowwise linear -> sources of what it reads
     views: dict[str, tuple[int, ...]]  # colwise linear -> shape of the first view of its output
     foreign: dict[str, str]  # owner of a parameter -> another module whose forward used it directly
-    dropout_sites: list[tuple[bool, tuple[int, ...], float]]  # see ``ShardTracker.dropout_sites``
+    dropout_sites: list[tuple[bool, tuple[int, ...], float, int | None]]  # see ``ShardTracker.dropout_sites``
     # parameter fqn -> (the column-parallel linears whose channels it acts on, their layout's parts or None)
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]]
     reads: dict[str, set[str]]  # module holding linears -> int attributes of its own its forward read

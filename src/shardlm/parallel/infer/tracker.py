@@ -41,10 +41,10 @@ from shardlm.parallel.infer.parts import (
     record_later_split,
     record_slice,
 )
-from shardlm.parallel.infer.sizes import NamedInt, declare_sizes_records, record_made, record_uses
+from shardlm.parallel.infer.sizes import declare_sizes_records, record_made, record_uses, split_attributes
 from shardlm.parallel.infer.summed import declare_summed_records, direct_product, track
 from shardlm.parallel.infer.wholes import declare_whole_records, hold_whole, record_contraction
-from shardlm.parallel.plan.call_sites import dropout_input_shape, dropout_p, is_call_site
+from shardlm.parallel.plan.call_sites import drawn_sizes, dropout_input_shape, dropout_p, is_call_site
 
 _VIEW_OPS = {"view", "reshape", "unflatten"}
 _BROADCAST_OPS = {"expand", "broadcast_to", "repeat", "tile"}  # a tensor made at a size passed in
@@ -107,8 +107,10 @@ class ShardTracker(TorchFunctionMode):
         # recorded if one of them cannot act on the split, where in ``violations``): a norm over groups
         # the split keeps whole (each rank reducing its own groups) has its weight follow the channels
         self.deferred: list[tuple[str, tuple[frozenset[str], str], int]] = []
-        # per call site (dropout, a random draw): (input sharded, its shape, its probability)
-        self.dropout_sites: list[tuple[bool, tuple[int, ...], float]] = []
+        # per call site (dropout, a random draw): (input sharded, its shape, its probability, its sharded dim
+        # where the site tells it: a draw sized by a split attribute, Reformer's ``randn(self.num_attention_heads,
+        # ...)`` rotations, each rank drawing its heads' part of the one-process draw)
+        self.dropout_sites: list[tuple[bool, tuple[int, ...], float, int | None]] = []
         declare_whole_records(self, wholes)
         declare_follow_records(self)
         declare_latent_records(self)
@@ -126,9 +128,10 @@ class ShardTracker(TorchFunctionMode):
         if is_call_site(func):
             x = args[0] if args else kwargs.get("input", kwargs.get("query"))
             sharded = any(self.is_sharded(t) for t in tree_flatten((args, kwargs))[0])
-            self.dropout_sites.append(
-                (sharded, dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs))
-            )
+            sized = split_attributes(self.int_uses, drawn_sizes(args, kwargs) if func is torch.randn else ())
+            dim = next((d for d, v in enumerate(sized) if v is not None), None)
+            shape, p = dropout_input_shape(func, args, kwargs, x), dropout_p(func, args, kwargs)
+            self.dropout_sites.append((sharded or dim is not None, shape, p, dim))
 
     def mark(self, t: torch.Tensor, sources: frozenset[str] | None) -> None:
         self.keep.append(t)
@@ -167,10 +170,12 @@ class ShardTracker(TorchFunctionMode):
             self.shape_heads |= {n for n in args[0].shape if n in self.heads}
         elif not inputs and isinstance(out, torch.Tensor) and self.shape_heads & set(_ints(flat)):
             self.from_split_shape.add(id(out))
-        elif not inputs and isinstance(out, torch.Tensor) and self._sized_by_split_attribute(flat):
+        elif not inputs and isinstance(out, torch.Tensor) and any(split_attributes(self.int_uses, flat)):
             self.from_split_shape.add(id(out))  # MiniMax's ``zeros(batch, self.num_attention_heads, ...)``
         elif name in _BROADCAST_OPS and isinstance(out, torch.Tensor) and _over_heads(args[0], out, flat, self):
-            self.from_split_shape.add(id(out))  # one tensor shared by all heads (MLA's rope key), per rank
+            # one tensor shared by all heads, per rank: MLA's rope key expanded to a head count read off a split
+            # shape; Reformer's ``arange(seq).repeat(batch, self.num_attention_heads, 1)``, to a split attribute
+            self.from_split_shape.add(id(out))
         # every tensor seen stays alive until the trace ends: records are keyed by id(), and a
         # freed tensor's id can be reused (that made packed detection nondeterministic)
         self.keep.extend(inputs)
@@ -194,12 +199,6 @@ class ShardTracker(TorchFunctionMode):
                     self.row_reads.setdefault(self.running[-1], owner)
                 else:
                     self.foreign.setdefault(owner, self.running[-1])
-
-    def _sized_by_split_attribute(self, flat: list) -> bool:
-        """Whether a new tensor is sized by an int attribute the running forward used as the size of a
-        split dim (``sizes.py``): made at each rank's own size once that attribute is made local."""
-        uses = self.int_uses
-        return any(isinstance(v, NamedInt) and "split" in uses.get(v.owner, {}).get(v.name, ()) for v in flat)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -276,13 +275,14 @@ class ShardTracker(TorchFunctionMode):
 
 def _over_heads(t, out: torch.Tensor, flat: list, tracker: ShardTracker) -> bool:
     """Whether ``out`` broadcasts ``t`` (unsplit) along a dim of size 1 to a head count read off a
-    split tensor's shape: MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
-    shared by every head, made at each rank's own head count (like an MQA key repeated)."""
+    split tensor's shape (MLA's ``k_rot.expand(-1, k_nope.shape[1], -1, -1)``, its single rope key
+    shared by every head) or given by an attribute sizing split dims (Reformer's ``offsets.expand((batch,
+    self.num_attention_heads, ...))``): made at each rank's own head count (like an MQA key repeated)."""
     if not isinstance(t, torch.Tensor) or tracker.is_sharded(t):
         return False
     if t.requires_grad and id(t) not in tracker.latent:
         return False  # its gradient, from this rank's heads only, would not be summed over TP
-    counts = tracker.shape_heads & set(_ints(flat[1:]))
+    counts = tracker.shape_heads & set(_ints(flat[1:])) | set(split_attributes(tracker.int_uses, flat[1:])) - {None}
     lead = out.dim() - t.dim()
     return any(n in counts and (i < lead or t.shape[i - lead] == 1) for i, n in enumerate(out.shape))
 

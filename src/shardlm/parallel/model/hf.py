@@ -33,7 +33,7 @@ CONFIG_NAMES = {
 # torch's chunks, the last rank's shorter where tp does not divide it (``autotp.holds_vocab_rows``)
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 # attribute names attention modules keep their head counts under (localized per rank by ``plan/local_geometry.py``)
-MODULE_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+MODULE_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attn_heads")
 MODULE_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
 MODULE_KV_COUNT_ATTRS = MODULE_KV_ATTRS + ("num_key_value_groups",)
 # fused kernels that read the weights of a mixer's projections themselves (the GPU fast path of
@@ -144,9 +144,15 @@ def all_head_widths(config) -> set[int]:
 
 
 def head_counts(config) -> set[int]:
-    """Head counts (query and kv), per-layer ones included: dims of per-head tensors."""
+    """Head counts (query and kv), per-layer ones included, and those a config names for one stack of
+    several (ProphetNet's ``num_decoder_attention_heads``, its ``num_attention_heads`` the encoder's):
+    dims of per-head tensors."""
     geo = geometry(config)
     counts = {geo[k] for k in ("num_attention_heads", "num_key_value_heads") if k in geo}
+    for name in dir(config):
+        if name.endswith("_attention_heads") and not name.startswith("_"):
+            value = config_value(config, name)
+            counts |= {value} if isinstance(value, int) and not isinstance(value, bool) and value > 0 else set()
     return counts | per_layer_values(config, "num_attention_heads") | per_layer_values(config, "num_key_value_heads")
 
 

@@ -20,8 +20,12 @@ RANDOM_DRAWS = (torch.rand_like, torch.Tensor.uniform_, torch.Tensor.exponential
 
 def drawn_size(args, kwargs) -> tuple[int, ...]:
     """The size ``torch.randn`` was asked for: ``randn(2, 3)``, ``randn((2, 3))`` or ``randn(size=...)``."""
-    size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
-    return tuple(int(n) for n in size)
+    return tuple(int(n) for n in drawn_sizes(args, kwargs))
+
+
+def drawn_sizes(args, kwargs) -> tuple:
+    """``drawn_size`` as the call passed them (the trace's ``NamedInt`` attributes among them)."""
+    return tuple(kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args))
 
 
 def is_random_draw(func) -> bool:

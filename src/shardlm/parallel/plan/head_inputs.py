@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.plan.local_geometry import own_geometry
 from shardlm.parallel.plan.plan import Plan
 
 BUFFER = "self."  # a module's own buffer among its per-head inputs (``infer/head_inputs.py`` keys it so)
@@ -23,11 +24,13 @@ def slice_head_inputs(model: nn.Module, plan: Plan, tp: int, rank: int) -> None:
     """Hook every module of ``plan.head_inputs`` to see its rank's heads of those inputs; its own per-head
     buffers (keys ``self.<buffer>``: MiniMax's slopes and decays) are its heads' rows while it runs,
     stored whole (a checkpoint holds what one process holds)."""
-    heads = plan.geometry.heads or 0
     for fqn, found in plan.head_inputs.items():
         saved: list[tuple[str, torch.Tensor]] = []
+        # the module's own whole head count (ProphetNet's decoder: not its config's num_attention_heads), read
+        # before ``localize_geometry`` makes it local
+        heads = own_geometry(model.get_submodule(fqn), fqn, plan)[0]
 
-        def hook(module, args, kwargs, found=found, saved=saved):
+        def hook(module, args, kwargs, found=found, saved=saved, heads=heads):
             args = list(args)
             for key, dim in found.items():
                 if isinstance(key, int) and key < len(args) and isinstance(args[key], torch.Tensor):

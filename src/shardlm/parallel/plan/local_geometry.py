@@ -13,6 +13,7 @@ import torch.nn as nn
 from shardlm.parallel.model.hf import (
     MODULE_HEAD_ATTRS,
     MODULE_KV_ATTRS,
+    out_features,
 )
 from shardlm.parallel.plan.plan import Plan
 
@@ -35,10 +36,10 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
                 setattr(module.config, attr[len("config.") :], value)
             else:
                 setattr(module, attr, value)
-    config, heads = model.config, plan.geometry.heads
-    if heads is None or not plan.attention:
+    config = model.config
+    if not plan.attention:
         return  # attention-free, or every attention block kept replicated
-    kv = plan.geometry.kv
+    kv = plan.geometry.kv or 0
     local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
     for name in plan.attention:
         module = model.get_submodule(name)
@@ -56,8 +57,11 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
 def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> bool:
     """Set the head counts and widths of attention module ``name`` (``module``) to their local values;
     False where it owns no head-count attribute (its config, if it reads one, is left to the caller)."""
-    heads, kv, head_dim = plan.geometry.heads or 0, plan.geometry.kv, plan.geometry.head_dim or 0
-    local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    heads, kv, head_dim = own_geometry(module, name, plan)
+    if (heads, kv, head_dim) == (plan.geometry.heads or 0, plan.geometry.kv or 0, plan.geometry.head_dim or 0):
+        local_kv = plan.kv_heads[1] or kv // tp  # 1 when kv heads are replicated (fewer than tp)
+    else:
+        local_kv = kv // tp  # its own kv heads (BLT's sub-configs): split; fewer than tp fail the dry run
     groups = getattr(module, "num_key_value_groups", None)
     own_sizes = plan.local_sizes.get(name, {})  # set already (``localize_geometry``): one shared kv head's groups
     if isinstance(groups, int) and not isinstance(groups, bool) and "num_key_value_groups" not in own_sizes:
@@ -78,3 +82,26 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
         elif attr in MODULE_KV_ATTRS and value == kv:
             setattr(module, attr, local_kv)
     return True
+
+
+def own_geometry(module: nn.Module, name: str, plan: Plan) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of attention module ``name`` (``module``): its own where its head count is not
+    the model's config's and, times its ``head_dim``, tiles a column-parallel child's width (BLT's local encoder,
+    global transformer and decoder each read a sub-config, the top-level config naming no head count; ProphetNet's
+    decoder reads ``num_decoder_attention_heads``), else the model's. A head count equal to the config's keeps
+    the config's geometry, whatever its ``head_dim`` (a DSA indexer's, a linear attention's: widths as before)."""
+    geo = plan.geometry
+    heads = next((v for a in MODULE_HEAD_ATTRS if _count(v := getattr(module, a, None))), 0)
+    head_dim = getattr(module, "head_dim", None)
+    if heads and _count(head_dim) and heads != geo.heads:
+        split = {
+            out_features(m) for child, m in module.named_children() if plan.styles.get(f"{name}.{child}") == "colwise"
+        }
+        if heads * head_dim in split:
+            kv = next((v for a in MODULE_KV_ATTRS if _count(v := getattr(module, a, None))), heads)
+            return heads, kv, head_dim
+    return geo.heads or 0, geo.kv or 0, geo.head_dim or 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -72,6 +72,9 @@ class Plan:
     # row-parallel linears whose all-reduced output, one value per head (Doge's ``dt_proj``), each rank narrows
     # to its heads' columns, the gradients of the columns summed over TP (``parallel/infer/narrowed.py``)
     narrowed: list[str] = field(default_factory=list)
+    # split attention module -> the whole width its forward reshapes its heads' output to, read off its whole
+    # input's size() (TrOCR's ``embed_dim``): each rank reshapes to its share (``plan/local_reshape.py``)
+    local_reshapes: dict[str, int] = field(default_factory=dict)
     # the outermost modules whose forwards never ran in the trace (``infer/unrun.py``): stored whole on every rank,
     # or split like a traced attention of their class (``split_like``)
     unrun: list[str] = field(default_factory=list)

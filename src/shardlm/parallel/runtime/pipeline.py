@@ -76,7 +76,7 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
 _FQN_FIELDS = (
     "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "replicated", "experts", "channels",
     "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs", "partial_grads",
-    "indexers", "direct_reads", "narrowed", "unrun", "shared_kv",
+    "indexers", "direct_reads", "narrowed", "unrun", "shared_kv", "local_reshapes",
 )  # fmt: skip
 
 
