@@ -134,7 +134,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -144,6 +143,7 @@ from shardlm.config.paths import check_model_dir
 from shardlm.config.ranges import check_value, check_world
 from shardlm.config.schema import PP_SPLIT_BACKWARD
 from shardlm.data.fit import check_seq_len, max_positions, model_config
+from shardlm.distributed.mesh import resident_bytes
 from shardlm.errors import ConfigError
 from shardlm.estimate.mixers import mixer_elements, mixer_sizes
 from shardlm.estimate.moe import MoeSizes, moe_elements, moe_sizes
@@ -468,16 +468,6 @@ def _compute_weight_bytes(
     return 2 * tp_local_elements(model, styles, tp, experts=experts) if bf16 else 0
 
 
-def runtime_bytes() -> int:
-    """Resident memory of this process (torch and transformers imported): what every rank holds
-    before its first tensor. Linux's /proc; 0 where there is none."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 def _ep_casts(model: nn.Module, styles: dict[str, str], plan: Plan, skip: set[str], tp: int, ep: int) -> int:
     """EP under bf16: each layer's local experts cast to bf16 in its forward, kept for its backward."""
     return (
@@ -615,7 +605,7 @@ def estimate(
         per_rank = stages_per_rank(schedule, pp_virtual_stages)
         layout |= {"pp": pp, "pp_schedule": schedule, "pp_microbatches": pp_microbatches or pp}
         layout |= {"pp_virtual_stages": per_rank}
-    baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
+    baseline = resident_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
     model = build_meta_model(model_path)
