@@ -171,13 +171,49 @@ def tune_cpu_allocator() -> None:
         libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)  # glibc's own ratio, fixed with it
 
 
-def trim_freed_memory() -> None:
-    """On CPU, hand the heap's free pages back to the OS (``malloc_trim``), once a step after the
-    optimizer, when the step's activations and gradients are gone: what the heap kept of them does
-    not add to the next step's peak (see ``tune_cpu_allocator``). No-op on CUDA and off glibc."""
-    libc = _glibc()
-    if libc is not None:
+class FreedMemory:
+    """On CPU, hands the heap's free pages back to the OS (``malloc_trim``) after a training step
+    when the resident memory has grown: after the first two steps, which set a ceiling (the higher
+    of their two levels: the first makes the optimizer's state, from the second on every step makes
+    the same tensors), and after any later step that ends more than glibc's trim threshold
+    (``M_TRIM_THRESHOLD``, 16 MiB) above that ceiling.
+
+    Why not after every step: the heap's freed pages are what the next step allocates again, so
+    trimming them only makes the kernel fault in and zero them once more: measured 25-40 ms of a
+    190 ms tp=2 bench step (CPU, ``benchmarks/README.md``), 3.5 ms of it the trim itself. What the
+    trim guards against is creep, the heap growing step after step above what is alive (fragments,
+    a changed allocation pattern: eval, a checkpoint save); the ceiling catches that, so a step
+    never ends more than 16 MiB above the level of the second. When the memory alive itself grows
+    past the ceiling (a trim leaves more than it), that step's level becomes the ceiling. No-op on
+    CUDA and off glibc."""
+
+    def __init__(self) -> None:
+        self.ceiling = 0
+        self.steps = 0
+
+    def after_step(self) -> bool:
+        """Trim if this is one of the first two steps or the resident memory is above the ceiling
+        (class docstring); whether it did."""
+        libc = _glibc()
+        if libc is None:
+            return False
+        self.steps += 1
+        rss = resident_bytes()
+        if self.steps > 2 and rss <= self.ceiling + 2 * MMAP_THRESHOLD_BYTES:
+            return False
         libc.malloc_trim(0)
+        if self.steps <= 2 or resident_bytes() > self.ceiling:
+            self.ceiling = max(self.ceiling, rss)
+        return True
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process (Linux's /proc); 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 @functools.cache

@@ -27,9 +27,10 @@ from __future__ import annotations
 from shardlm.config.paths import check_model_dir
 from shardlm.config.ranges import check_value
 from shardlm.data.fit import check_seq_len, max_positions, model_config
+from shardlm.distributed.mesh import resident_bytes
 from shardlm.estimate.checks import check_cp_attention, check_layout, check_offload, check_sequence_parallel
 from shardlm.estimate.pipeline import pipeline_estimate
-from shardlm.estimate.rows import Estimate, model_estimate, runtime_bytes
+from shardlm.estimate.rows import Estimate, model_estimate
 from shardlm.estimate.stages import check_microbatches, schedule_name, stages_per_rank
 from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.model.geometry import read_geometry
@@ -85,7 +86,7 @@ def estimate(
         per_rank = stages_per_rank(schedule, pp_virtual_stages)
         layout |= {"pp": pp, "pp_schedule": schedule, "pp_microbatches": pp_microbatches or pp}
         layout |= {"pp_virtual_stages": per_rank}
-    baseline = runtime_bytes()  # before the meta model and the plan's trace add their own
+    baseline = resident_bytes()  # before the meta model and the plan's trace add their own
     check_geometry(model_path, tp)
     check_seq_len(model_config(model_path), seq, "--seq")
     model = build_meta_model(model_path)

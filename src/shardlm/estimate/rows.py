@@ -17,7 +17,6 @@ step) the heap keeps about 9% more at the 349M step peak.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -88,16 +87,6 @@ class Estimate:
         phases = {"step_bytes": self.step_bytes, "optimizer_step_bytes": self.optimizer_step_bytes}
         phases["host_bytes"] = self.host_bytes
         return {**asdict(self), "state_bytes": self.state_bytes, **phases, "fits": self.fits}
-
-
-def runtime_bytes() -> int:
-    """Resident memory of this process (torch and transformers imported): what every rank holds
-    before its first tensor. Linux's /proc; 0 where there is none."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def _ep_casts(model: nn.Module, styles: dict[str, str], plan: Plan, skip: set[str], tp: int, ep: int) -> int:

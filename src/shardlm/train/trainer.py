@@ -62,7 +62,7 @@ from shardlm.data.dataset import Batch, GlobalBatchOrder, TokenDataset, build_da
 from shardlm.data.fit import check_ids, load_tokenizer, vocab_size
 from shardlm.data.rows import IGNORE_INDEX
 from shardlm.distributed.clip import clip_grad_norm_
-from shardlm.distributed.mesh import Mesh, build_mesh, init_distributed, trim_freed_memory
+from shardlm.distributed.mesh import FreedMemory, Mesh, build_mesh, init_distributed
 from shardlm.distributed.shards import as_local
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import ParallelModel, parallelize
@@ -202,6 +202,7 @@ class Trainer:
         self._tp_checked = False
         self._has_dropout: bool | None = None  # known after the first forward (DeterministicDropout.used)
         self._tp_replicas = tp_replicated_params(self.module) if self.mesh.parallel.tp > 1 else []
+        self._freed_memory = FreedMemory()  # the heap trimmed when a step ends above its level (distributed/mesh.py)
         lora_dropout_sites(self.module, self.model.plan, self.mesh.parallel.tp)
         self.state = checkpoint.TrainState(
             self.module, self.optimizer, self.scheduler, len(self.dataset), lora=self.model.lora
@@ -319,7 +320,7 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        trim_freed_memory()  # the step's activations and gradients are gone (distributed/mesh.py)
+        self._freed_memory.after_step()  # the step's activations and gradients are gone (distributed/mesh.py)
         self.step += 1
         if p.tp > 1 and (self.step <= 2 or self.step % t.logging_steps == 0):
             check_tp_replicas(self._tp_replicas, self.mesh.tp.get_group(), self.step)
