@@ -95,12 +95,13 @@ def latent_candidates(
     it (Gemma 3n's AltUp, whose 4 x 4 prediction coefficients read a projection of the whole residual
     stream, are not one). ``tracker``: the trace's ``ShardTracker`` (its first views and head counts).
 
-    The same pair whose whole output is added to a split output of its shape (``tracker.rows_beside``) is
-    an adapter beside a split projection, unless that projection is a misfit (``tracker.misfits``: RWKV's value is
-    no adapter, multiplied by its receptance split wrongly) (Zamba2's shared MLP adds
-    ``gate_up_proj_adapter_list[i]``, a per-invocation down- and up-projection, to the shared ``gate_up_proj``):
-    its first linear kept whole,
-    the second splits with the projection it is added to, at any rank (its adapter_rank is a fixed 128)."""
+    The same pair whose whole output is added to a column-parallel linear's own output of its shape
+    (``tracker.rows_beside``; not any split tensor: Doge-MoE's experts' sum, made of its split router's top-k)
+    is an adapter beside a split projection (Zamba2's shared MLP adds ``gate_up_proj_adapter_list[i]``, a
+    per-invocation down- and up-projection, to the shared ``gate_up_proj``), unless that projection is a misfit
+    (``tracker.misfits``: RWKV's value is no adapter, multiplied by its receptance split wrongly): its first
+    linear kept whole, the second splits with the projection it is added to, at any rank (its adapter_rank is
+    a fixed 128)."""
     out: dict[str, str] = {}
     for name, style in styles.items():
         y = outputs.get(name)

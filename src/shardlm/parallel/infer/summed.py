@@ -73,10 +73,11 @@ def track(tracker, name: str, inputs: list[torch.Tensor], sources: frozenset[str
         return
     if sources:  # it meets split activations: its gradient from this rank is a partial one
         tracker.rows_met |= frozenset().union(*(tracker.rows.get(id(t), frozenset()) for t in whole if t.requires_grad))
-        # added to a split output of its shape: an adapter beside it (``latent.py``), unless that split output came
-        # from a misfit (``checks.py``, known once the trace ends: RWKV's receptance, multiplied into its value)
+        # added to a column-parallel linear's own output of its shape: an adapter beside it (``latent.py``), unless
+        # that linear is a misfit (``checks.py``, known once the trace ends: RWKV's receptance, multiplied into its
+        # value); not any split tensor (Doge's experts' sum, made of the split router's top-k, is none)
         if name in ELEMENTWISE:
-            shapes = {tuple(t.shape) for t in inputs if id(t) in tracker.sharded}
+            shapes = {tuple(t.shape) for t in inputs if id(t) in tracker.projections}
             for t in (t for t in whole if tuple(t.shape) in shapes):
                 for fqn in tracker.rows.get(id(t), ()):
                     tracker.rows_beside.setdefault(fqn, set()).add(sources)
@@ -150,5 +151,6 @@ def declare_summed_records(tracker) -> None:
     tracker.rows_leaks: dict[str, str] = {}
     # row-parallel outputs added to split outputs of their shape -> the linears each came from
     tracker.rows_beside: dict[str, set[frozenset[str]]] = {}
+    tracker.projections: set[int] = set()  # ids of column-parallel linears' own outputs (``trace_hooks.py``)
     # column-parallel linears whose output is added to a whole activation of its shape -> why (``checks.py``)
     tracker.misfits: dict[str, str] = {}

@@ -165,6 +165,7 @@ class TraceHooks:
                 if self.styles[name] == "colwise":
                     self.tracker.layouts[id(out)] = (-1, (out.shape[-1],))
                     self.tracker.cuts.origins[id(out)] = (name, 0)
+                    self.tracker.projections.add(id(out))  # what an adapter is added to (``summed.track``)
                 self.outputs[name] = out
             narrowed = name in self.tracker.narrowed and self.styles.get(name) == "rowwise"
             if narrowed and isinstance(out, torch.Tensor):
