@@ -407,6 +407,7 @@ def test_gemma3n_attention_split_in_every_layer(tmp_path):
     assert plan.replicated["model.altup_projections.0"] == PROPERTIES["Gemma3nTextModel.altup_projections.0"]
 
 
+@pytest.mark.sweep  # 2.5 s of planning idle: out of the fast tier, in make test
 def test_parameters_read_directly_around_split_layers_are_kept_whole(tmp_path):
     """ProphetNet's decoder, whose feed-forwards are split, reads its position and n-gram tables itself
     (``position_embeddings._forward``, ``ngram_embeddings.weight[i]``): the tables are kept whole, served

@@ -398,6 +398,7 @@ def test_mamba2_groups_fewer_than_tp_are_held_whole(one_group):
     assert plan.local_sizes[mixer] == {"conv_dim": 80, "intermediate_size": 64, "num_heads": 8}  # 16 = head_dim
 
 
+@pytest.mark.sweep  # 1.9 s of planning idle: out of the fast tier, in make test
 def test_zamba2_shared_block_and_its_adapters_split_in_every_hybrid_layer(tmp_path):
     """Zamba2 (published sizes shrunk, two hybrid layers sharing one block): the shared attention and MLP
     split in both layers; each per-invocation adapter's down-projection is kept whole (a latent: its
