@@ -114,7 +114,7 @@ def test_the_plan_derives_each_experts_layout(dirs):
 
 def _split_sum(experts, layout: dict, tp: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """(the whole module's output, the sum of the outputs of ``tp`` ranks' pieces of ``layout``)."""
-    from shardlm.parallel.infer.experts import local_positions
+    from shardlm.parallel.infer.expert_split import local_positions
 
     whole = {n: p.detach().clone() for n, p in experts.named_parameters(recurse=False)}
     for p in whole.values():

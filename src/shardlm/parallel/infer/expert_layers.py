@@ -36,7 +36,7 @@ import itertools
 import torch
 import torch.nn as nn
 
-from shardlm.parallel.infer.expert_split import PROBE_RTOL, PROBE_TOKENS, local_positions, options
+from shardlm.parallel.infer.expert_split import PROBE_RTOL, PROBE_TOKENS, options, rank_piece
 from shardlm.parallel.model.experts import is_experts_like
 from shardlm.parallel.model.hf import is_linear
 from shardlm.parallel.plan.styles import ExpertParam
@@ -136,15 +136,7 @@ def _ranks_sum(probe, values, layout, x, kwargs, tp, sizes) -> torch.Tensor:
             setattr(probe.get_submodule(path), attr, value // tp)
         total = 0
         for rank in range(tp):
-            pieces = {}
-            for name, param in layout.items():
-                value = values[name]
-                if param.dim is not None:
-                    positions = local_positions(value.shape[param.dim], param.parts, tp, rank)
-                    value = value.index_select(param.dim, positions)
-                elif param.once and rank:
-                    value = torch.zeros_like(value)
-                pieces[name] = value
+            pieces = {name: rank_piece(values[name], param, tp, rank) for name, param in layout.items()}
             total = total + _run(probe, pieces, x, kwargs)
         return total
     finally:

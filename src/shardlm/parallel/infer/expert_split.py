@@ -22,6 +22,14 @@ def local_positions(size: int, parts: int, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([part.chunk(tp)[rank] for part in torch.arange(size).chunk(parts)])
 
 
+def rank_piece(value: torch.Tensor, param: ExpertParam, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of parameter ``value`` placed as ``param``: its positions of the split dim, or the
+    whole tensor on rank 0 and zeros elsewhere for a parameter added once after the ranks' sum."""
+    if param.dim is not None:
+        return value.index_select(param.dim, local_positions(value.shape[param.dim], param.parts, tp, rank))
+    return torch.zeros_like(value) if param.once and rank else value
+
+
 def options(shape: tuple[int, ...], hidden: int, tp: int, once: bool = True) -> list[ExpertParam]:
     """Candidate placements of one parameter of experts, preferred first: the dims that are not the
     hidden width, 1 part before 2; a 2-D one (a bias ``[E, X]``) also whole and added once (``once``),

@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from shardlm.parallel.infer.expert_blocks import probe_stacked, stacked_count, width_attrs
 from shardlm.parallel.infer.expert_layers import calls_routed, find_routed
-from shardlm.parallel.infer.expert_split import PROBE_RTOL, local_positions, options, probe_inputs
+from shardlm.parallel.infer.expert_split import PROBE_RTOL, options, probe_inputs, rank_piece
 from shardlm.parallel.infer.refusals import any_block, cannot_split
 from shardlm.parallel.model.experts import (
     EVERY_TOKEN,
@@ -288,13 +288,8 @@ def probe_layout(module: nn.Module, hidden: int, tp: int) -> dict[str, ExpertPar
         try:
             for rank in range(tp):
                 for name, param in layout.items():
-                    value = values[name]
-                    if param.dim is not None:
-                        positions = local_positions(value.shape[param.dim], param.parts, tp, rank)
-                        value = value.index_select(param.dim, positions)
-                    elif param.once and rank:
-                        value = torch.zeros_like(value)
-                    probe._parameters[name] = nn.Parameter(value, requires_grad=False)
+                    piece = rank_piece(values[name], param, tp, rank)
+                    probe._parameters[name] = nn.Parameter(piece, requires_grad=False)
                 total += probe.forward(*inputs)
         except Exception:  # noqa: BLE001 - a candidate whose local shapes the forward rejects
             continue
