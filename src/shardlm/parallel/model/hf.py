@@ -163,8 +163,15 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def is_depthwise_conv(module: nn.Module) -> bool:
     """A short convolution along the sequence, one filter per channel (linear attention's and
-    Mamba's mixers): what carries state from one token to the next outside attention."""
-    return isinstance(module, nn.Conv1d) and module.groups == module.in_channels == module.out_channels > 1
+    Mamba's mixers): what carries state from one token to the next outside attention. Read off one input
+    channel per filter, not ``groups == in_channels``: after TP a rank's conv runs its own channels' groups
+    (``infer/channels._local_groups``) while ``in_channels`` keeps the whole width."""
+    return (
+        isinstance(module, nn.Conv1d)
+        and module.in_channels == module.out_channels
+        and module.groups > 1
+        and module.weight.shape[1] == 1
+    )
 
 
 def is_linear(module: nn.Module) -> bool:
