@@ -4,11 +4,13 @@ For each type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, the tiny c
 ``scripts/tiny.py`` is written to a directory and planned at tp=2 on the meta device, in this
 process (no rank is spawned): the text ``shardlm plan --tp 2`` prints (the plan table, packed
 projections, what is kept replicated and why), or the one line of a refusal, or the exception a
-type raised (``Class: message``; some types do not build at tiny sizes). Written as one JSON
+type raised (``Class: message``; some types do not build at tiny sizes). Then the same for every config
+the tests change from a type's defaults (``tests/families.py: TEST_VARIANTS``, e.g. Doge-MoE), keyed by
+type and overrides: the defaults alone miss a plan that regresses only there. Written as one JSON
 object ``{type: text}`` with sorted keys, so two runs compare with ``cmp``: a refactor of
 ``parallel/`` that moves code without changing behaviour leaves the file byte-identical.
 
-    python scripts/plan_sweep.py OUT.json [--jobs 2] [--types a,b]
+    python scripts/plan_sweep.py OUT.json [--jobs 2] [--types a,b] [--no-variants]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "scripts"), str(REPO / "src")]
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO / "src")]
 PLAN_TIMEOUT_S = 600  # HRM's nested recurrent loops take a while on shared cores
 
 
@@ -45,12 +47,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
-def plan_text(model_type: str) -> str:
-    """What ``shardlm plan <tiny model> --tp 2`` prints for ``model_type``, or its error line."""
+def plan_text(name: str) -> str:
+    """What ``shardlm plan <tiny model> --tp 2`` prints for ``name`` (a model type, or a key of
+    ``TEST_VARIANTS``), or its error line."""
     import warnings
 
     import transformers
-    from tiny import tiny_config
+    from families import TEST_VARIANTS, write_tiny_config
 
     from shardlm.cli import cmd_plan
     from shardlm.errors import ConfigError
@@ -59,8 +62,8 @@ def plan_text(model_type: str) -> str:
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as root:
         try:
-            config = tiny_config(model_type)
-            config.save_pretrained(root)
+            model_type, overrides = TEST_VARIANTS.get(name, (name, {}))
+            write_tiny_config(root, model_type, overrides, round_trip=bool(overrides))
         except Exception as exc:  # noqa: BLE001 - recorded: the type has no tiny config
             return f"config: {_one_line(exc)}"
         out = io.StringIO()
@@ -78,9 +81,9 @@ def plan_text(model_type: str) -> str:
         return out.getvalue()
 
 
-def _worker(model_type: str) -> tuple[str, str]:
+def _worker(name: str) -> tuple[str, str]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return model_type, plan_text(model_type)
+    return name, plan_text(name)
 
 
 def main() -> None:
@@ -88,15 +91,19 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--no-variants", action="store_true", help="the types' defaults alone, not TEST_VARIANTS")
     args = parser.parse_args()
+    from families import TEST_VARIANTS
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = args.types.split(",") if args.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if not args.no_variants:
+        types += [name for name, (model_type, _) in sorted(TEST_VARIANTS.items()) if model_type in types]
     results: dict[str, str] = {}
     with get_context("spawn").Pool(args.jobs, maxtasksperchild=20) as pool:
-        for model_type, text in pool.imap_unordered(_worker, types):
-            results[model_type] = text
-            print(f"{len(results)}/{len(types)} {model_type}: {text.splitlines()[-1][:100] if text else ''}")
+        for name, text in pool.imap_unordered(_worker, types):
+            results[name] = text
+            print(f"{len(results)}/{len(types)} {name}: {text.splitlines()[-1][:100] if text else ''}")
     Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 

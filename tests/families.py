@@ -139,6 +139,40 @@ PUBLISHED_TINY = {
     "gpt_oss": ("gpt_oss", {}),  # per-head attention sinks (s_aux)
 }
 
+# tests/test_moe_families.py's models: model type -> sizes set after tiny.py's shrinking (helpers.SEQ is 16
+# tokens)
+MOE_TINY = {
+    "llama4_text": {
+        "attention_chunk_size": 8,
+        "floor_scale": 8,
+        "interleave_moe_layer_step": 2,
+        "moe_layers": [1, 3],
+    },
+    # experts stacked [E * I, H] in a submodule (``DbrxExpertGLU``), viewed by ffn_hidden_size: each split
+    # per expert, the width local; as published otherwise (4 experts, top-1, clip_qkv from tiny.py)
+    "dbrx": {},
+    # fused experts behind one shared MLP; the default config's single expert and top-1 routing as
+    # Hunyuan-A13B's 64 experts, top-8, shrunk (4, top-2)
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+    # a normed embedding (``embed_norm(lookup)``): vocabulary-parallel, the rows summed over TP before its norm
+    # (``runtime/embedding.py``); fused routed experts beside shared experts run on every token
+    "inkling_text": {},
+    # Doge-MoE (``is_moe``; the published default is dense): its experts, rows of two embeddings, kept whole on
+    # every rank with their router, its shared MLP split column/row
+    "doge": {"is_moe": True},
+}
+# tests/test_router_jitter.py's models: model type -> the config changed from the type's tiny defaults (Phi-MoE's
+# jitter is on as published)
+JITTER_TINY = {"phimoe": {}, "mixtral": {"router_jitter_noise": 0.1}}
+# Every config the tests change from a type's tiny defaults, named by type and overrides: scripts/plan_sweep.py
+# plans these beside the types' defaults (a plan search regression can show only under a test's overrides, as
+# Doge-MoE's did while the sweep planned the defaults alone)
+TEST_VARIANTS = {
+    f"{t} ({', '.join(f'{k}={v}' for k, v in o.items())})": (t, o)
+    for t, o in [*TINY.values(), *PUBLISHED_TINY.values(), *MOE_TINY.items(), *JITTER_TINY.items()]
+    if o
+}
+
 
 def write_tiny_config(path: str, model_type: str, overrides: dict | None = None, round_trip: bool = False) -> str:
     """scripts/tiny.py's tiny config of ``model_type`` with ``overrides`` set, written to ``path`` (config.json

@@ -31,48 +31,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from families import MOE_TINY as FAMILIES
+from families import write_tiny_config
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from tiny import tiny_config  # noqa: E402
 
-# model type -> sizes set after tiny.py's shrinking (helpers.SEQ is 16 tokens)
-FAMILIES = {
-    "llama4_text": {
-        "attention_chunk_size": 8,
-        "floor_scale": 8,
-        "interleave_moe_layer_step": 2,
-        "moe_layers": [1, 3],
-    },
-    # experts stacked [E * I, H] in a submodule (``DbrxExpertGLU``), viewed by ffn_hidden_size: each split
-    # per expert, the width local; as published otherwise (4 experts, top-1, clip_qkv from tiny.py)
-    "dbrx": {},
-    # fused experts behind one shared MLP; the default config's single expert and top-1 routing as
-    # Hunyuan-A13B's 64 experts, top-8, shrunk (4, top-2)
-    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
-    # a normed embedding (``embed_norm(lookup)``): vocabulary-parallel, the rows summed over TP before its norm
-    # (``runtime/embedding.py``); fused routed experts beside shared experts run on every token
-    "inkling_text": {},
-    # Doge-MoE (``is_moe``; the published default is dense): its experts, rows of two embeddings, kept whole on
-    # every rank with their router, its shared MLP split column/row
-    "doge": {"is_moe": True},
-}
-
-
-def _write(root: Path, model_type: str) -> str:
-    config = tiny_config(model_type)
-    for key, value in FAMILIES[model_type].items():
-        setattr(config, key, value)
-    path = root / model_type
-    type(config).from_dict(config.to_dict()).save_pretrained(path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("moe_families")
-    return {t: _write(root, t) for t in FAMILIES}
+    return {t: write_tiny_config(str(root / t), t, FAMILIES[t], round_trip=True) for t in FAMILIES}
 
 
 def _meta(path: str):

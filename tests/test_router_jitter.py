@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import JITTER_TINY as JITTER
 from families import write_tiny_config
 from helpers import assert_parity, plain_reference, run_ranks
 
 from shardlm.parallel.runtime.dropout import DeterministicDropout, DropoutKey
-
-# model type -> the config changed from the type's tiny defaults (Phi-MoE's jitter is on as published)
-JITTER = {"phimoe": {}, "mixtral": {"router_jitter_noise": 0.1}}
 
 
 @pytest.fixture(scope="module")
