@@ -42,6 +42,8 @@ FSDP_SUBSET = [
     "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/infer/channels.py)
     "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/infer/summed.py)
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",  # Mamba-2 mixers (n_groups=1 < tp: B, C whole)
+    "zamba2", "deepseek_v4", "jetmoe", "blt", "reformer", "trocr",  # attention split in issue 27's last rounds
+    "zamba",  # a shared transformer called by several hybrid layers: its own FSDP group
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

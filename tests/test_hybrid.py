@@ -426,6 +426,28 @@ def test_zamba2_shared_block_and_its_adapters_split_in_every_hybrid_layer(tmp_pa
         assert plan.styles[f"model.layers.{layer}.mamba_decoder.mamba.in_proj"] == "packed_colwise"
 
 
+def test_fsdp_groups_of_hybrid_layers_tied_blocks_and_reversible_layers(tmp_path):
+    """FSDP's groups (``build.apply_fsdp``): Zamba2's decoder blocks are its layers of two kinds (by its own
+    ``_no_split_modules``; the one-class rule had taken a shared layer's two adapters for the blocks), the
+    shared transformer's copies in layers 2 and 3, whose parameters are tied, one group of their own (FSDP2
+    manages a parameter in one group: tp2 x fsdp2 had raised), and Reformer's reversible layers kept unsharded
+    after their forward (rerun in its backward outside their hooks: tp2 x fsdp2 had met their shards).
+    Parity at tp2 x fsdp2 is the matrix's (scripts/matrix.py: FSDP_SUBSET)."""
+    from families import write_tiny_config
+
+    from shardlm.parallel.model.meta import build_meta_model, decoder_blocks, recomputed_in_backward, shared_modules
+
+    zamba2 = build_meta_model(write_tiny_config(str(tmp_path / "zamba2"), "zamba2"))
+    names = {id(m): n for n, m in zamba2.named_modules(remove_duplicate=False)}
+    assert [names[id(b)] for b in decoder_blocks(zamba2)] == [f"model.layers.{i}" for i in range(4)]
+    groups = [[names[id(m)] for m in group] for group in shared_modules(decoder_blocks(zamba2))]
+    assert groups == [["model.layers.2.shared_transformer", "model.layers.3.shared_transformer"]]
+    assert not any(map(recomputed_in_backward, decoder_blocks(zamba2)))
+    reformer = build_meta_model(write_tiny_config(str(tmp_path / "reformer"), "reformer"))
+    assert decoder_blocks(reformer) and all(map(recomputed_in_backward, decoder_blocks(reformer)))
+    assert shared_modules(decoder_blocks(reformer)) == []
+
+
 def test_a_misfit_keeps_only_itself_whole(tmp_path):
     """RWKV's feed-forward multiplies its receptance (column-parallel at first, a misfit: added to the whole
     residual stream) into its value's row-parallel output: that value is no adapter beside a split output

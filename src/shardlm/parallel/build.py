@@ -29,7 +29,7 @@ from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.experts import experts_modules
 from shardlm.parallel.model.hf import tower_parameters
-from shardlm.parallel.model.meta import build_meta_model, decoder_blocks
+from shardlm.parallel.model.meta import build_meta_model, decoder_blocks, recomputed_in_backward, shared_modules
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import localize_geometry
 from shardlm.parallel.plan.local_reshape import reshape_locally
@@ -109,6 +109,12 @@ def apply_fsdp(
     (measured: ZBVZeroBubble x fsdp=2 left a stage's blocks without gradients, grad_norm 1.4423
     against one process's 1.5209). The schedule reshards a stage once its step is done.
 
+    Modules of several blocks tied to one set of parameters (Zamba's shared transformer) are a group of
+    their own, gathered at each of their calls. A block the model reruns in its backward from a custom
+    autograd function (Reformer's reversible layers, ``recomputed_in_backward``) stays unsharded after
+    its forward: the rerun meets its whole weights, and FSDP's final backward callback reduce-scatters
+    its gradients (its own post-backward hook never fires: its forward ran with gradients off).
+
     Without pipeline parallelism the last block and the root stay unsharded after their forward, as
     torchtitan keeps them: the backward starts with them, so resharding them only to all-gather them
     again at once costs two all-gathers a step (and their copy-in/copy-out) and saves no memory at the
@@ -124,9 +130,12 @@ def apply_fsdp(
         "offload_policy": offload_policy(mesh),
     }
     blocks = decoder_blocks(model)
+    for modules in shared_modules(blocks):  # before the blocks, which then leave their parameters to them
+        fully_shard(modules, **kwargs)
     for i, block in enumerate(blocks):
         last = p.pp == 1 and i == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=not (p.pp_split_backward or last), **kwargs)
+        keep = p.pp_split_backward or last or recomputed_in_backward(block)
+        fully_shard(block, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):

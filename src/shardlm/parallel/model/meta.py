@@ -57,13 +57,48 @@ def build_meta_model(model_path: str) -> nn.Module:
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks: the longest ModuleList whose children share one class."""
+    """The repeated decoder blocks: the longest ModuleList whose children are all decoder layers by the
+    model's own ``_no_split_modules`` (a hybrid's layers of several kinds: Zamba2's Mamba and hybrid
+    layers), else the longest whose children share one class (without the first rule, Zamba2's blocks
+    were one shared layer's per-call adapters)."""
+    layer_kinds = set(getattr(model, "_no_split_modules", None) or ())
     best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            if len({type(m) for m in module}) == 1:
-                best = list(module)
+    for rule in (lambda kinds: kinds <= layer_kinds and len(kinds) > 1, lambda kinds: len(kinds) == 1):
+        for module in model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) > len(best):
+                if rule({type(m).__name__ for m in module}):
+                    best = list(module)
+        if best:
+            return best
     return best
+
+
+def shared_modules(blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """Groups of modules, one in each of several blocks, that hold the same (tied) parameters: Zamba's and
+    Zamba2's shared transformer, a copy in each hybrid layer with its parameters tied to the others'. FSDP2
+    manages a parameter in one group only, so each such set of modules is a group of its own, gathered at
+    each call. Per block, the outermost modules whose parameters all sit in other blocks too."""
+    blocks_of: dict[int, set[int]] = {}
+    for i, block in enumerate(blocks):
+        for param in block.parameters():
+            blocks_of.setdefault(id(param), set()).add(i)
+    groups: dict[frozenset[int], list[nn.Module]] = {}
+    for block in blocks:
+        inner: set[int] = set()
+        for module in block.modules():
+            params = {id(p) for p in module.parameters()}
+            if id(module) in inner or not params or any(len(blocks_of[p]) < 2 for p in params):
+                continue
+            inner |= {id(c) for c in module.modules()}
+            groups.setdefault(frozenset(params), []).append(module)
+    return [modules for modules in groups.values() if len(modules) > 1]
+
+
+def recomputed_in_backward(block: nn.Module) -> bool:
+    """Whether the model reruns the block's layers in its backward from within a custom autograd
+    function (reversible residual layers: Reformer's ``backward_pass``), outside any hook of the block's
+    own forward: a block resharded after its forward would be rerun on its shards."""
+    return callable(getattr(block, "backward_pass", None))
 
 
 def build_meta(model: nn.Module, eager: bool = True) -> nn.Module:
