@@ -96,6 +96,9 @@ PLANNED = {
     ),
     # the output reshaped to the embed_dim of its input's size(): each rank to its share
     "trocr": ("model.decoder.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "out_proj")),
+    # its forward swaps in a BigBirdSelfAttention built from the whole config below its block-sparse length:
+    # localized when its parent runs (``plan/local_geometry.localize_rebuilt``)
+    "big_bird": ("bert.encoder.layer.1.attention", ("self.query", "self.key", "self.value", "output.dense")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -269,6 +272,37 @@ def test_attention_split_in_the_planned_types(dirs):
     assert plans["trocr"].local_reshapes["model.decoder.layers.1.self_attn"] == 64
 
 
+@pytest.mark.sweep  # a plan and a CPU model: 0.6 s idle, out of the fast tier
+def test_big_bird_attention_rebuilt_is_localized_and_block_sparse_training_refused(tmp_path):
+    """BigBird's forward, below its block-sparse length ((5 + 2 * num_random_blocks) * block_size tokens), swaps in
+    a ``BigBirdSelfAttention`` built from the whole config: localized before it runs (a pre-hook on its parent,
+    ``plan/local_geometry.localize_rebuilt``). Above that length its block-sparse attention draws random key
+    blocks for all heads from one stream, heads interleaved, in training: refused at run time at tp > 1, one line."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.errors import ConfigError
+    from shardlm.parallel.infer.autotp import infer_plan
+    from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.local_geometry import localize_geometry
+
+    config = tiny_config("big_bird")
+    config.block_size, config.num_random_blocks = 4, 1  # block-sparse above 28 tokens
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config)  # on the CPU: the hook runs before any split linear would
+    localize_geometry(model, infer_plan(build_meta_model(str(tmp_path)), 2), 2)
+    attention = model.bert.encoder.layer[0].attention
+    assert attention.self.num_attention_heads == 2  # the block-sparse attention built with the model
+    model.bert.set_attention_type("original_full")  # what its forward does below 28 tokens
+    assert attention.self.num_attention_heads == 4
+    for hook in attention._forward_pre_hooks.values():
+        hook(attention, ())
+    assert (attention.self.num_attention_heads, attention.self.all_head_size) == (2, 32)
+    model.bert.set_attention_type("block_sparse")
+    model.train()
+    with pytest.raises(ConfigError, match=r"^parallel.tp: bert.encoder.layer.0.attention.self .* random key blocks"):
+        model(input_ids=torch.zeros((1, 32), dtype=torch.long))
+
+
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):
     """tp=8 on a CodeGen of 8 heads: its 4 qkv groups cannot each be whole on a rank, so its attention
     is kept replicated with the groups named (the MLP still split)."""
@@ -363,7 +397,6 @@ KEPT_FOR_A_PROPERTY = {
     "glm_moe_dsa": ("model.layers.*.self_attn.indexer.wk", "the indexer's one key head, read by all its query"),
     "prophetnet": ("prophetnet.decoder.layers.*.self_attn.key_proj", "the predicting streams' bias pairs each head"),
     "gemma4": ("model.language_model.layers.*.per_layer_input_gate", "per_layer_input (whole, with gradients)"),
-    "big_bird": ("bert.encoder.layer.*.attention.self.query", "below its block-sparse length the model swaps in"),
 }
 
 

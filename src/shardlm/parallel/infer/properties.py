@@ -23,9 +23,6 @@ _INDEXER_KEY = "the indexer's one key head, read by all its query heads"
 PROPERTIES = {
     # DeepSeek-V4's CSA compressor's indexer (``infer/shared_kv.py``): computed whole beside the shared key=value head
     "DeepseekV4Indexer": "the compressor's indexer: its heads' scores summed before a top-k, no gradient reaching it",
-    "BigBirdAttention": (
-        "below its block-sparse length the model swaps in an attention built from the config's head count"
-    ),
     # the predicting streams' bias (``get_predict_relative_pos_embeddings``): the projection's rows laid out
     # (batch, seq, ngram, heads) are gathered with bucket indices repeated in (ngram, batch, heads, seq) order and
     # read back as (batch, ngram, heads, seq): one process's head h at query t takes head (h * seq + t) % heads'

@@ -7,9 +7,11 @@ rank's shapes, so it belongs to the plan, not to the runtime styles.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch.nn as nn
 
+from shardlm.errors import ConfigError
 from shardlm.parallel.model.hf import (
     MODULE_HEAD_ATTRS,
     MODULE_KV_ATTRS,
@@ -45,6 +47,7 @@ def localize_geometry(model: nn.Module, plan: Plan, tp: int) -> None:
         module = model.get_submodule(name)
         if not localize_geometry_of(module, name, plan, tp):
             continue
+        localize_rebuilt(model, name, plan, tp)
         if getattr(module, "config", None) is config:
             local = copy.copy(config)
             for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "num_kv_heads"):
@@ -82,6 +85,39 @@ def localize_geometry_of(module: nn.Module, name: str, plan: Plan, tp: int) -> b
         elif attr in MODULE_KV_ATTRS and value == kv:
             setattr(module, attr, local_kv)
     return True
+
+
+def localize_rebuilt(model: nn.Module, name: str, plan: Plan, tp: int) -> None:
+    """Localize attention ``name`` again whenever its parent, holding the model's config, has built a new one
+    from that whole config before it runs: BigBird's forward, below its block-sparse length ((5 + 2 *
+    num_random_blocks) * block_size tokens), calls ``set_attention_type("original_full")``, which builds a
+    ``BigBirdSelfAttention(config)`` of the config's head count around the same (split) query, key and value.
+    A forward pre-hook on the parent localizes the new module (``localize_geometry_of``) before it runs.
+
+    Refused there, at run time (the length decides it): an attention that draws random blocks per head
+    while training (``num_random_blocks``: BigBird's block-sparse attention, above that length) at tp > 1. It
+    seeds NumPy with the layer's index and draws every head's blocks from that one stream, block row by block
+    row, heads interleaved: a rank holding heads [a, b) would draw the first heads' blocks, not its own."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if getattr(parent, "config", None) is not model.config:
+        return  # builds nothing from the model's config
+    localized = weakref.WeakSet([getattr(parent, leaf)])
+
+    def before_parent(module: nn.Module, args) -> None:
+        child = getattr(module, leaf)
+        if tp > 1 and child.training and (getattr(child, "num_random_blocks", 0) or 0) > 0:
+            raise ConfigError(
+                f"parallel.tp: {name} ({type(child).__name__}) draws its random key blocks for all heads from one "
+                f"stream seeded per layer, heads interleaved, so a rank holding some heads would draw others' blocks; "
+                f"train on sequences up to (5 + 2 * num_random_blocks) * block_size tokens (full attention), or "
+                f"parallel.tp: 1"
+            )
+        if child not in localized:
+            localize_geometry_of(child, name, plan, tp)
+            localized.add(child)
+
+    parent.register_forward_pre_hook(before_parent)
 
 
 def own_geometry(module: nn.Module, name: str, plan: Plan) -> tuple[int, int, int]:
