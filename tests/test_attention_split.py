@@ -277,7 +277,8 @@ def test_big_bird_attention_rebuilt_is_localized_and_block_sparse_training_refus
     """BigBird's forward, below its block-sparse length ((5 + 2 * num_random_blocks) * block_size tokens), swaps in
     a ``BigBirdSelfAttention`` built from the whole config: localized before it runs (a pre-hook on its parent,
     ``plan/local_geometry.localize_rebuilt``). Above that length its block-sparse attention draws random key
-    blocks for all heads from one stream, heads interleaved, in training: refused at run time at tp > 1, one line."""
+    blocks for all heads from one stream, heads interleaved, in training: refused at tp > 1, one line, before spawning
+    where data.seq_len is above that length, and at run time."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.errors import ConfigError
@@ -301,6 +302,15 @@ def test_big_bird_attention_rebuilt_is_localized_and_block_sparse_training_refus
     model.train()
     with pytest.raises(ConfigError, match=r"^parallel.tp: bert.encoder.layer.0.attention.self .* random key blocks"):
         model(input_ids=torch.zeros((1, 32), dtype=torch.long))
+    # and before spawning, where data.seq_len is above that length (the run-time check stays as the net for a
+    # model trained outside shardlm's trainer)
+    from helpers import load_checked
+
+    (tmp_path / "data.txt").write_text("hello world\n")
+    raw = {"model": str(tmp_path), "data": {"path": str(tmp_path / "data.txt"), "seq_len": 32}, "parallel": {"tp": 2}}
+    with pytest.raises(ConfigError, match=r"^data.seq_len=32: parallel.tp: .* up to 28 tokens") as info:
+        load_checked(raw=raw)
+    assert "\n" not in str(info.value)
 
 
 def test_codegen_groups_tp_does_not_divide_are_named(tmp_path):

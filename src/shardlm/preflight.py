@@ -36,6 +36,7 @@ from shardlm.parallel.infer.autotp import check_geometry, infer_plan
 from shardlm.parallel.infer.channels import check_fused_kernels
 from shardlm.parallel.infer.stages import stage_layout
 from shardlm.parallel.model.meta import build_meta_model
+from shardlm.parallel.plan.local_geometry import random_blocks_length, random_blocks_refusal
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.sequence import sequence_refusal
 from shardlm.parallel.runtime.context import check_context_parallel
@@ -90,6 +91,8 @@ def check_run(cfg: Config) -> str | None:
         check_layerdrop(cfg.model)
     if traced:  # what only the traced plan can refuse (Falcon's fused kv groups, fused mixer kernels on GPU)
         plan = infer_plan(model, p.tp)
+        if p.tp > 1:
+            check_random_blocks(model, cfg.data.seq_len)
         if p.tp > 1 and device_type() == "cuda":
             check_fused_kernels(model, plan, p.tp)
         if p.sequence_parallel:
@@ -113,6 +116,15 @@ def check_sequence_parallel(cfg: Config, model: nn.Module, plan: Plan) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel=true cannot run this model: {why}; set parallel.sequence_parallel=false"
         )
+
+
+def check_random_blocks(model: nn.Module, seq_len: int) -> None:
+    """At tp > 1, no attention that would draw random key blocks per head at ``data.seq_len`` (BigBird's
+    block-sparse attention above its full-attention length; ``plan.local_geometry.random_blocks_length``)."""
+    for name, module in model.named_modules():
+        length = random_blocks_length(module)
+        if length is not None and seq_len > length:
+            raise ConfigError(f"data.seq_len={seq_len}: {random_blocks_refusal(name, module)}")
 
 
 def check_modules_to_save(names: list | None, model: nn.Module) -> None:

@@ -106,18 +106,32 @@ def localize_rebuilt(model: nn.Module, name: str, plan: Plan, tp: int) -> None:
 
     def before_parent(module: nn.Module, args) -> None:
         child = getattr(module, leaf)
-        if tp > 1 and child.training and (getattr(child, "num_random_blocks", 0) or 0) > 0:
-            raise ConfigError(
-                f"parallel.tp: {name} ({type(child).__name__}) draws its random key blocks for all heads from one "
-                f"stream seeded per layer, heads interleaved, so a rank holding some heads would draw others' blocks; "
-                f"train on sequences up to (5 + 2 * num_random_blocks) * block_size tokens (full attention), or "
-                f"parallel.tp: 1"
-            )
+        if tp > 1 and child.training and random_blocks_length(child) is not None:
+            raise ConfigError(random_blocks_refusal(name, child))
         if child not in localized:
             localize_geometry_of(child, name, plan, tp)
             localized.add(child)
 
     parent.register_forward_pre_hook(before_parent)
+
+
+def random_blocks_length(attention: nn.Module) -> int | None:
+    """The sequence length above which ``attention`` is a block-sparse one that draws random key blocks per head
+    in training (BigBird's: (5 + 2 * num_random_blocks) * block_size tokens; below it the model runs full
+    attention), or None."""
+    blocks, size = getattr(attention, "num_random_blocks", 0) or 0, getattr(attention, "block_size", None)
+    return (5 + 2 * blocks) * size if blocks > 0 and isinstance(size, int) else None
+
+
+def random_blocks_refusal(name: str, attention: nn.Module) -> str:
+    """The one line refusing ``attention`` (``random_blocks_length``) in training at tp > 1, at run time (the
+    length decides it) and before spawning (``preflight``: ``data.seq_len`` above that length)."""
+    return (
+        f"parallel.tp: {name} ({type(attention).__name__}) draws its random key blocks for all heads from one "
+        f"stream seeded per layer, heads interleaved, so a rank holding some heads would draw others' blocks; "
+        f"train on sequences up to {random_blocks_length(attention)} tokens (data.seq_len: full attention), or "
+        f"parallel.tp: 1"
+    )
 
 
 def own_geometry(module: nn.Module, name: str, plan: Plan) -> tuple[int, int, int]:
