@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from families import write_tiny_dir
+from families import write_tiny_config, write_tiny_dir
 from helpers import assert_parity, load_checked, run_ranks, shardlm_losses, write_model_dir
 from transformers import MixtralConfig
 
@@ -68,7 +68,8 @@ def test_stage_keeps_whole_model_names(tmp_path):
 def test_refusals_before_spawning(tmp_path):
     """One line each, naming the key: a schedule not supported yet, fewer micro-batches than
     1F1B's stages, micro-batches not dividing the batch, combinations not supported yet, more stages
-    than blocks, the router's load-balancing loss, a multimodal checkpoint's language model one level down."""
+    than blocks, the router's load-balancing loss, a multimodal checkpoint's language model one level down, a
+    second stream carried from block to block (Inkling 2's block states)."""
     (tmp_path / "d.txt").write_text("a b c\n")
     llama = write_model_dir(str(tmp_path / "llama"), "llama", **LLAMA)
     router = str(tmp_path / "mixtral")
@@ -79,7 +80,9 @@ def test_refusals_before_spawning(tmp_path):
     config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
     (tmp_path / "gemma3_mm" / "config.json").write_text(json.dumps(config))
     train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    streams = write_tiny_config(str(tmp_path / "inkling2"), "inkling2_text")  # block states, block to block
     cases = [
+        (streams, {"pp": 2}, {}, r"Inkling2ForCausalLM's decoder block 1 is handed argument 1, computed before it"),
         (nested, {"pp": 2}, {}, r"decoder blocks \(model.language_model.layers\) are not a child of its base model"),
         (llama, {"pp": 2, "pp_schedule": "nope"}, {}, "parallel.pp_schedule 'nope'"),
         (llama, {"pp": 4, "pp_microbatches": 2}, {}, "parallel.pp_microbatches=2 is fewer than the 4 stages"),

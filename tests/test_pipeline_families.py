@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_parity, plain_reference, run_ranks
+from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
 from test_pipeline import runs_in_one_world
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -132,3 +132,15 @@ def test_lora_at_pp4_and_with_fsdp(models, tmp_path):
     ref, _, _ = peft_reference(path, adapter)
     for layout, losses in zip(LORA_RUNS, run_ranks(lora_runs, 4, path, adapter, LORA_RUNS), strict=True):
         check(losses, ref, f"lora {layout}")
+
+
+@pytest.mark.ranks
+def test_hybrid_layers_in_stages(tmp_path):
+    """OLMo-hybrid's layers of two kinds (Gated DeltaNet and full attention, ``model.decoder_blocks`` by its own
+    ``_no_split_modules``; it had no blocks, so pp was refused) cut into two stages under 1F1B: one process's loss
+    and grad_norm."""
+    from families import write_tiny_dir
+
+    path = write_tiny_dir(str(tmp_path / "olmo_hybrid"), "olmo_hybrid")
+    losses = run_ranks(shardlm_losses, 2, [path], {"pp": 2}, 2, 2)[path]
+    check(losses, plain_reference(path, GLOBAL_BATCH), "olmo_hybrid pp2")

@@ -9,8 +9,9 @@ part of the forward as the model does and a later stage replaces the first block
 hidden states it received; the modules with parameters that run there are the first stage's (a later
 one gets stand-ins). One meta forward from ``inputs_embeds`` tells which children run before the first
 block and after the last (the final norm: the identity on every stage but the last), whether the
-first block gets ``inputs_embeds`` unchanged, and that no other input of the first block is computed
-from the embeddings or a parameter (which a later stage could not rebuild: refused). It also counts
+first block gets ``inputs_embeds`` unchanged, and that no other input of any block is computed from the
+embeddings, a parameter or an earlier block (which a later stage could not rebuild: refused; Inkling 2
+carries a second stream of block states from block to block). It also counts
 the parameters the stages are balanced by (``plan/stages.py``).
 """
 
@@ -106,11 +107,11 @@ def _read_forward(model: nn.Module) -> _Forward:
         ) from None
     if "block" not in seen.calls:
         raise ConfigError(f"parallel.pp: {name}'s forward from inputs_embeds never reached its last block; {_NOT_YET}")
-    if seen.derived is not None:
+    if seen.derived is not None:  # Zamba's original hidden states; Inkling 2's block states, a second stream
         raise ConfigError(
-            f"parallel.pp: {name}'s first decoder block is handed {seen.derived}, computed before it from the "
-            f"embeddings or a parameter, which a later stage could not rebuild from the hidden states it receives; "
-            f"{_NOT_YET}"
+            f"parallel.pp: {name}'s {seen.derived}, computed before it from the embeddings, a "
+            f"parameter or an earlier block, which a later stage could not rebuild from the hidden states it "
+            f"receives; {_NOT_YET}"
         )
     return seen
 
@@ -158,9 +159,10 @@ def _check_cut(model: nn.Module, container: str, base: str, kept: tuple[nn.Modul
 class _Forward:
     """What one meta forward of the base model from ``inputs_embeds`` showed: ``calls``, the base
     model's children in call order (``"first"`` at the first block's entry, ``"block"`` after the last
-    block); ``unchanged``, whether the first block received ``inputs_embeds`` itself; ``derived``, an
-    input of the first block other than the hidden states that depends on ``inputs_embeds`` or a
-    parameter (None: none does); ``dropouts``, the dropout calls with p > 0 and the random draws."""
+    block); ``unchanged``, whether the first block received ``inputs_embeds`` itself; ``derived``, which
+    block is handed which input, the first other than its hidden states that depends on ``inputs_embeds``,
+    a parameter or an earlier block (None: none does); ``dropouts``, the dropout calls with p > 0 and the
+    random draws."""
 
     calls: list[str] = field(default_factory=list)
     unchanged: bool | None = None
@@ -193,18 +195,22 @@ def _probe(meta: nn.Module) -> _Forward:
     width = meta.get_input_embeddings().weight.shape[1]
     hidden = torch.zeros(1, 4, width, device="meta", requires_grad=True).clone()  # not a leaf: in-place ops work
 
-    def first_block(module, args, kwargs):
+    def block_inputs(module, args, kwargs):
         got = args[0] if args else kwargs.get("hidden_states")
-        seen.calls.append("first")
-        seen.unchanged = got is hidden
+        if module is blocks[0]:
+            seen.calls.append("first")
+            seen.unchanged = got is hidden
         others = {f"argument {i}": a for i, a in enumerate(args[1:], start=1)} if args else {}
         others.update({k: v for k, v in kwargs.items() if args or k != "hidden_states"})
-        seen.derived = next((k for k, v in others.items() if any(t.requires_grad for t in _tensors(v))), None)
+        derived = next((k for k, v in others.items() if any(t.requires_grad for t in _tensors(v))), None)
+        if derived is not None and seen.derived is None:
+            index = blocks.index(module)
+            seen.derived = f"{'first decoder block' if index == 0 else f'decoder block {index}'} is handed {derived}"
 
     def last_block(module, args, output):
         seen.calls.append("block")
 
-    hooks.append(blocks[0].register_forward_pre_hook(first_block, with_kwargs=True))
+    hooks += [block.register_forward_pre_hook(block_inputs, with_kwargs=True) for block in blocks]
     hooks.append(blocks[-1].register_forward_hook(last_block))
     count = _DropoutCount()
     try:
