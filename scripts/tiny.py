@@ -105,6 +105,9 @@ HEAD_DIM = {
 }
 OTHER = {
     "vocab_size": VOCAB,
+    # Inkling 2's LM head: the published vocabulary less its padded rows (200058 of 201024), restored as zeros
+    # on save; left at 200058 it made a head of 200058 rows and save_pretrained pad by 256 - 200058 rows
+    "unpadded_vocab_size": VOCAB,
     "max_position_embeddings": 128,
     "n_positions": 128,
     "n_ctx": 128,

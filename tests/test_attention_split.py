@@ -78,9 +78,24 @@ PLANNED = {
     "bailing_hybrid": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     # a bank of relative-logit profiles [d_rel, extent] applied within each head: gradients summed over TP
     "inkling_text": ("model.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "r_proj", "o_proj")),
-    # sliding layers: an L2 clip scaling each head's channels ([heads, head_dim], follows the heads) and the bank
-    # multiplied within each head, its gradient summed over TP (the full-attention layer 2 stays whole)
-    "inkling2_text": ("model.layers.1.self_attn", ("q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear")),
+    # the full-attention layer 2: an L2 clip scaling each head's channels ([heads, head_dim], follows the heads), the
+    # bank multiplied within each head (its gradient summed over TP), and keys and values convolved per kv head by
+    # taps of static [kernel, channels] (split along dim 1, with the heads) plus per-token ones (weight_proj, colwise);
+    # the sliding layers 0 and 1 alike but for the conv (depthwise, ``conv1d``); nothing kept replicated
+    "inkling2_text": (
+        "model.layers.2.self_attn",
+        (
+            "q_proj.linear",
+            "k_proj.linear",
+            "k_proj.sconv.weight_proj",
+            "v_proj.linear",
+            "v_proj.sconv.weight_proj",
+            "o_proj.gate_proj",
+            "sink_proj",
+            "relative_position_bias.linear",
+            "o_proj.linear",
+        ),
+    ),
     # CCA: cat(q, k) convolved depthwise then per head (the convs follow the heads, their groups local), a key
     # temperature per kv head; its value, cat(v_proj_current, v_proj_delayed) viewed into kv heads, sliced per rank
     "zaya": (
@@ -263,6 +278,11 @@ def test_attention_split_in_the_planned_types(dirs):
     assert plans["inkling_text"].styles["model.layers.1.self_attn.rel_logits_proj"] == "replicate_grad_allreduce"
     assert "model.layers.1.self_attn.relative_position_bias.proj" in plans["inkling2_text"].partial_grads
     assert plans["inkling2_text"].styles["model.layers.1.self_attn.q_proj.norm"] == "per_channel"
+    inkling2, sconv = plans["inkling2_text"], "model.layers.2.self_attn.k_proj.sconv"
+    assert not inkling2.replicated and inkling2.styles[sconv] == "per_channel"
+    assert inkling2.channel_dims[f"{sconv}.static_weight"] == 1 and inkling2.experts[sconv]["static_weight"].dim == 1
+    assert inkling2.local_sizes[sconv] == {"num_heads": 2}  # of 4 kv heads; conv_kernel_size (also 4) whole
+    assert "model.layers.2.self_attn.v_proj.norm" not in inkling2.styles  # per head (head_dim 16), not the width
     zaya = plans["zaya"]
     assert zaya.local_sizes["model.layers.1.self_attn.qkv_proj.conv_qk_grouped"] == {"groups": 3}  # of 6 heads
     assert zaya.sliced["model.layers.1.self_attn.qkv_proj.v_proj_current"] == [[(0, 16)], [(0, 0)]]

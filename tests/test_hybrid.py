@@ -465,6 +465,28 @@ def test_a_misfit_keeps_only_itself_whole(tmp_path):
         assert (plan.styles[f"{ff}.key"], plan.styles[f"{ff}.value"]) == ("colwise", "rowwise")
 
 
+def test_a_transposed_parameter_follows_along_the_dim_that_meets_the_channels():
+    """Inkling 2's dynamic conv: taps stored [kernel, channels], transposed and viewed [heads, head_dim, kernel],
+    added to per-token taps [.., heads, 1, kernel] split by heads: the taps follow along dim 1 (its channels),
+    not dim 0 (the kernel), even where kernel and heads are both 4 (the tiny config's)."""
+    import torch
+
+    from shardlm.parallel.infer.tracker import ShardTracker
+
+    tracker = ShardTracker()
+    dynamic = torch.empty(1, 13, 16, device="meta")  # weight_proj's output: 4 heads x kernel 4
+    tracker.mark(dynamic, frozenset({"weight_proj"}))
+    tracker.layouts[id(dynamic)], tracker.widths["weight_proj"] = (-1, (16,)), 16
+    taps = torch.nn.Parameter(torch.empty(4, 64, device="meta"))  # [kernel, 4 heads x head_dim 16]
+    tracker.params = {id(taps): taps}
+    with tracker:
+        viewed = taps.float().T.view(4, -1, 4)
+        _ = viewed + dynamic.view(1, 13, 4, 1, 4)
+    assert tracker.param_dims[id(viewed)] == (1, 1, 0)  # heads and head_dim from the channels, then the kernel
+    assert tracker.follows == {id(taps): (frozenset({"weight_proj"}), (64,))} and not tracker.violations
+    assert tracker.follow_dims == {id(taps): 1}
+
+
 def test_a_buffer_of_the_split_width_follows_its_linear_a_scalar_one_does_not():
     """Falcon-H1's ``mup_vector`` ([1, 1, width], multiplied into in_proj's output) follows in_proj's
     rows; a 0-dim buffer (Apertus's XIELU ``beta``) scales every channel alike and follows nothing."""

@@ -472,7 +472,7 @@ def _assemble(
             plan.row_reads[user] = emb
         else:
             traced.foreign.setdefault(owner, user)
-    place_channels(model, plan, traced.follows, traced.foreign, tp)
+    place_channels(model, plan, traced.follows, traced.foreign, tp, traced.follow_dims)
     place_direct(model, plan, traced.direct)  # Mamba's dt_proj, multiplied directly by the mixer
     place_summed(model, plan, traced.summed, traced.summed_readers)  # Mamba's x_proj
     whole, split = used_only(traced.int_uses, "whole"), used_only(traced.int_uses, "split")

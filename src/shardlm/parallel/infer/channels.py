@@ -36,10 +36,10 @@ import torch.nn as nn
 
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.hf import all_head_widths, out_features, weight_kernel, weight_kernels_available
-from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.channels import channel_dim, param_rows
 from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.rows import lead_dim, local_width, rank_rows
+from shardlm.parallel.plan.rows import local_width, rank_rows
 from shardlm.parallel.plan.styles import ExpertParam, Style
 
 
@@ -49,12 +49,14 @@ def place_channels(
     follows: dict[str, tuple[frozenset[str], tuple[int, ...] | None]],
     foreign: dict[str, str],
     tp: int,
+    dims: dict[str, int] | None = None,
 ) -> None:
     """Give the ``per_channel`` style to the owners of the parameters in ``follows`` (parameter
     fqn -> the linears whose channels it acts on and the parts of their layout, from the trace)
     and to the modules using them directly (``foreign``: owner -> user), recording each
     parameter's source in ``plan.channels`` and, where it is not one linear's whole output, its
-    parts in ``plan.channel_parts``."""
+    parts in ``plan.channel_parts``; ``dims``: a parameter's dim along the channels, where not its first
+    (``plan.channel_dims``)."""
     for pfqn, (sources, layout) in sorted(follows.items()):
         owner, _, pname = pfqn.rpartition(".")
         if any(
@@ -64,6 +66,8 @@ def place_channels(
         if any(s in plan.sliced and layout is not None and not _chunked(plan, s, tp) for s in sources):
             continue  # rows picked per rank (fewer kv heads than tp) under a reshaped layout: kept whole
         (source, *_) = sorted(sources)
+        if pfqn in (dims or {}) and (any(plan.whole_parts.get(pfqn, [])) or source in plan.sliced):
+            continue  # rows shared by ranks along a later dim: kept whole (its module then fails the dry run)
         width = out_features(model.get_submodule(source))
         parts = list(layout) if layout is not None else plan.parts.get(source, [width])
         whole = plan.whole_parts.get(pfqn, [False] * len(parts))  # held whole on every rank (Mamba-2's B, C)
@@ -77,6 +81,8 @@ def place_channels(
         plan.channels.setdefault(owner, {})[pname] = " + ".join(sorted(sources))
         if layout is not None:
             plan.channel_parts[pfqn] = list(layout)
+        if pfqn in (dims or {}):
+            plan.channel_dims[pfqn] = dims[pfqn]
         buffer = pname in dict(model.get_submodule(owner).named_buffers(recurse=False))
         if any(whole) or (buffer and source not in plan.sliced):  # else the source's rows (``param_rows``)
             plan.channel_rows[pfqn] = [rank_rows(parts, r, tp, whole) for r in range(tp)]
@@ -142,7 +148,7 @@ def channel_placements(model: nn.Module, plan: Plan) -> dict[str, dict[str, Expe
             parts = plan.channel_parts.get(f"{fqn}.{pname}")
             if parts is None and plan.styles[source] == Style.PACKED_COLWISE:
                 parts = plan.parts[source]
-            dim = lead_dim(getattr(model.get_submodule(fqn), pname))  # its dim along the channels
+            dim = channel_dim(plan, fqn, pname, getattr(model.get_submodule(fqn), pname))  # along the channels
             if param_rows(plan, fqn, pname) is not None:
                 placements[fqn][pname] = ExpertParam(None)  # stored whole, each rank uses its rows
             elif parts is not None:

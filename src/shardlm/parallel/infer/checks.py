@@ -19,6 +19,7 @@ import torch.nn as nn
 from shardlm.parallel.infer.broadcast import ELEMENTWISE, broadcast_over_split
 from shardlm.parallel.infer.follow import buffer_follows, follows
 from shardlm.parallel.infer.head_inputs import meets_split
+from shardlm.parallel.infer.layouts import split_last
 from shardlm.parallel.infer.narrowed import candidate
 
 # ops that reduce along a dim: over the split width of a flat column-parallel output, each rank
@@ -103,7 +104,8 @@ def check_reduction(tracker, name: str, args: tuple, kwargs: dict, sources: froz
         return
     t = args[0]
     layout = tracker.layouts.get(id(t)) if tracker.deferred else None  # inside a deferred module: any split dim
-    full = bool(t.dim()) and t.shape[-1] in {tracker.widths.get(src) for src in sources}
+    widths = {tracker.widths.get(src) for src in sources}
+    full = bool(t.dim()) and split_last(tracker.layouts, t) and t.shape[-1] in widths
     if not t.dim() or not (full or layout):
         return
     if name in ("layer_norm", "rms_norm", "group_norm"):

@@ -19,12 +19,11 @@ from shardlm.parallel.infer.trace import Traced, meta_forward
 from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
 from shardlm.parallel.model.meta import build_meta
-from shardlm.parallel.plan.channels import param_rows
+from shardlm.parallel.plan.channels import channel_dim, param_rows
 from shardlm.parallel.plan.head_inputs import slice_head_inputs
 from shardlm.parallel.plan.local_geometry import WIDTH_ATTRS, localize_geometry, localize_geometry_of, own_geometry
 from shardlm.parallel.plan.local_reshape import asks_whole_width, reshape_locally
 from shardlm.parallel.plan.plan import Plan
-from shardlm.parallel.plan.rows import lead_dim
 from shardlm.parallel.plan.styles import SPLIT_LINEAR
 
 
@@ -132,7 +131,7 @@ def _run(
             for pname in plan.channels.get(fqn, {}):
                 shape = list(getattr(module, pname).shape)
                 rows = param_rows(plan, fqn, pname)
-                d = lead_dim(getattr(module, pname))
+                d = channel_dim(plan, fqn, pname, getattr(module, pname))
                 shape[d] = sum(b - a for a, b in rows[0]) if rows is not None else shape[d] // tp
                 setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     stack: list[str] = []

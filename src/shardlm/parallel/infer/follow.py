@@ -40,6 +40,7 @@ def follows(
     param = tracker.params.get(pid)
     if param is None or not param.dim() or not t.dim() or tracker.owner(pid) in tracker.legit:
         return False  # a split linear's (or norm's) own parameters: its style places them
+    dims = tracker.param_dims.get(id(t))  # a transposed parameter: its dim behind each of t's
     if name in ("conv1d", "conv2d", "convolution"):
         groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
         x = args[0] if args else kwargs.get("input")
@@ -67,13 +68,14 @@ def follows(
     layout = found.pop() if len(found) == 1 else None
     origin = None
     per = 1
-    if name not in _CATS and layout is not None and layout[0] == dim and t.shape[tdim] != param.shape[lead_dim(param)]:
-        per = _per_head(t, tdim, met)  # a view of it into heads
+    pdim = dims[tdim] if dims and dims[tdim] is not None else lead_dim(param)  # the parameter's channel dim
+    if name not in _CATS and layout is not None and layout[0] == dim and t.shape[tdim] != param.shape[pdim]:
+        per = _per_head(t, tdim, met) if dims is None else _rows_per_index(t, dims, tdim)  # a view into heads
     if (
         layout is not None
         and layout[0] == dim
         and sum(layout[1]) == t.shape[tdim]
-        and t.shape[tdim] * per == param.shape[lead_dim(param)]
+        and t.shape[tdim] * per == param.shape[pdim]
     ):
         parts = tuple(p * per for p in layout[1])  # in the parameter's rows
         whole = len(sources) == 1 and parts == (tracker.widths.get(next(iter(sources))),)
@@ -93,6 +95,8 @@ def follows(
     if tracker.follows.get(pid, follow) != follow:
         return False
     tracker.follows[pid] = follow
+    if pdim != lead_dim(param):
+        tracker.follow_dims[pid] = pdim
     if origin is not None:
         tracker.follow_origins[pid] = origin
     return True
@@ -161,6 +165,13 @@ def _per_head(t: torch.Tensor, tdim: int, met: list[torch.Tensor]) -> int:
     return math.prod(trailing)
 
 
+def _rows_per_index(t: torch.Tensor, dims: tuple[int | None, ...], tdim: int) -> int:
+    """The rows of a transposed parameter behind ``t`` per index of its split dim ``tdim``: the product of
+    ``t``'s later dims viewed out of the same parameter dim (Inkling 2's static taps [kernel, channels],
+    transposed and viewed [heads, head_dim, kernel]: head_dim rows per head)."""
+    return math.prod(t.shape[d] for d in range(tdim + 1, t.dim()) if dims[d] == dims[tdim])
+
+
 def _heads_alike(trailing: tuple, per_head: tuple) -> bool:
     """``t``'s per-head dims against a split tensor's: equal, or 1 where it broadcasts (Dory's ``sqk`` viewed
     [heads, 1, head_dim] against q's [heads, seq, head_dim])."""
@@ -197,3 +208,61 @@ def declare_follow_records(tracker) -> None:
     # the parts of their channel layout, or None: the one linear's whole output)
     tracker.follows: dict[int, tuple[frozenset[str], tuple[int, ...] | None]] = {}
     tracker.follow_origins: dict[int, tuple[str, int]] = {}  # id(param) -> origin of the channels it follows
+    # a tensor computed from one parameter alone through a transpose (``record_param_dims``) -> the parameter's
+    # dim behind each of its dims (None: made of several); and a following parameter -> its dim along the
+    # channels where that is not its first dim longer than 1 (Inkling 2's static taps [kernel, channels]: 1)
+    tracker.param_dims: dict[int, tuple[int | None, ...]] = {}
+    tracker.follow_dims: dict[int, int] = {}
+
+
+_TRANSPOSED = {"transpose", "swapaxes", "swapdims", "t", "permute"}
+_TRANSPOSED_VIEWS = (torch._C.TensorBase.T, torch._C.TensorBase.mT)  # ``p.T`` reaches the mode as their ``__get__``
+_VIEWS = {"view", "reshape"}
+
+
+def record_param_dims(tracker, func, name: str, args: tuple, out) -> None:
+    """For a tensor computed from one parameter alone, once it is transposed (``p.T``, ``transpose``,
+    ``permute``), the parameter's dim behind each of its dims, through later views, casts and elementwise
+    ops (``param_dims``): ``follows`` then splits the parameter along the dim that meets the channels, not its
+    first (Inkling 2's ``static_weight.T.view(heads, -1, kernel)``, [kernel, channels] stored)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or len(tracker.param_ids(x)) != 1:
+        return
+    dims = tracker.param_dims.get(id(x))
+    transposed = name in _TRANSPOSED or getattr(func, "__self__", None) in _TRANSPOSED_VIEWS
+    if dims is None and not transposed:
+        return  # never transposed: its first long dim is its channel dim (``lead_dim``)
+    dims = dims or tuple(range(x.dim()))
+    if transposed:
+        order = _transposed_order(func, name, args, x.dim())
+        tracker.param_dims[id(out)] = tuple(dims[d] for d in order)
+    elif name in _VIEWS:
+        tracker.param_dims[id(out)] = _viewed_dims(dims, tuple(x.shape), tuple(out.shape))
+    elif out.shape == x.shape:
+        tracker.param_dims[id(out)] = dims  # a cast, elementwise math
+
+
+def _transposed_order(func, name: str, args: tuple, ndim: int) -> list[int]:
+    """The input's dims in the output's order, for a transposing op."""
+    order = list(range(ndim))
+    if name == "permute":
+        given = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        return [d % ndim for d in given]
+    if getattr(func, "__self__", None) is torch._C.TensorBase.T:
+        return order[::-1]
+    a, b = (args[1] % ndim, args[2] % ndim) if name not in ("t",) and len(args) > 2 else (ndim - 2, ndim - 1)
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _viewed_dims(dims: tuple[int | None, ...], shape: tuple[int, ...], new: tuple[int, ...]) -> tuple:
+    """A view's dims, each the parameter dim of the input dim it is cut from (its stretch of the flat
+    elements inside that dim's), None where it spans several input dims or is of size 1."""
+    new = tuple(math.prod(shape) // -math.prod(new) if n == -1 else n for n in new)
+    inner = [math.prod(shape[d + 1 :]) for d in range(len(shape))]  # elements per index of each input dim
+    out: list[int | None] = []
+    for k, n in enumerate(new):
+        lo = math.prod(new[k + 1 :])
+        within = [d for d in range(len(shape)) if shape[d] > 1 and inner[d] <= lo and lo * n <= inner[d] * shape[d]]
+        out.append(dims[within[0]] if n > 1 and within else None)
+    return tuple(out)

@@ -56,6 +56,14 @@ _RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 _CATS = {"cat", "concat", "concatenate"}
 
 
+def split_last(layouts: dict[int, Layout], t: torch.Tensor) -> bool:
+    """Whether split ``t`` may be a flat column-parallel output: its layout, where known, splits its last dim
+    (not viewed into heads along an earlier one, whatever its last dim's size: Inkling 2's head_dim 16 against
+    its conv taps' projection of 16 outputs)."""
+    layout = layouts.get(id(t))
+    return layout is None or not t.dim() or layout[0] % t.dim() == t.dim() - 1
+
+
 _REDUCED = {"sum", "mean", "logsumexp", "amax", "amin", "prod", "norm"}  # over ``dim``, not kept: one dim fewer
 
 

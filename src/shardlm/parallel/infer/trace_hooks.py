@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.head_inputs import record_inputs
+from shardlm.parallel.infer.layouts import split_last
 from shardlm.parallel.infer.narrowed import mark, record
 from shardlm.parallel.infer.sizes import record_linear_input
 from shardlm.parallel.infer.summed import track_output
@@ -121,11 +122,13 @@ class TraceHooks:
                         (across and len(params) == 1)
                         or heads_shaped(self.tracker, args[0], params)
                         or per_channel_module(module, params, self.tracker.heads)
+                        or channels_inside(params, width)
                     ):
                         # perhaps a norm over groups that the split keeps whole (Mamba-2's gated norm at
                         # n_groups divisible by tp), parameters per head and channel (Inkling 2's L2 clip's
                         # scale), a convolution per channel or per head, a scale per head (Zaya's CCA conv
-                        # and key temperature): its ops decide (``ShardTracker.deferred``)
+                        # and key temperature), taps per channel stored [kernel, channels] (Inkling 2's dynamic
+                        # conv): its ops decide (``ShardTracker.deferred``)
                         self.tracker.deferred.append((name, why, len(self.tracker.violations)))
                     else:
                         self.tracker.violations.append(why)
@@ -134,9 +137,11 @@ class TraceHooks:
 
     def _weightless_norm(self, module: nn.Module, x: torch.Tensor, sources: frozenset[str]) -> bool:
         """Whether ``module`` is a parameter-free norm (``hf.weightless_norm``) over the whole width of a
-        column-parallel output (not one head's: Dory's per-head q_norm reduces within each rank's heads)."""
+        column-parallel output (not one head's: Dory's per-head q_norm reduces within each rank's heads; nor
+        one split along an earlier dim, its heads, whatever its last dim's size: Inkling 2's value heads)."""
         return (
             x.dim() > 0
+            and split_last(self.tracker.layouts, x)
             and x.shape[-1] in {self.tracker.widths.get(s) for s in sources}
             and bool(weightless_norm(module))
         )
@@ -156,7 +161,7 @@ class TraceHooks:
             if self.tracker.deferred and self.tracker.deferred[-1][0] == name:
                 _, why, start = self.tracker.deferred.pop()
                 if len(self.tracker.violations) > start or any(
-                    id(p) not in self.tracker.follows for p in module.parameters()
+                    id(p) not in self.tracker.follows for p in _unplaced(module, name, self.styles)
                 ):
                     self.tracker.violations.insert(start, why)
             self.tracker.returned |= {id(t) for t in tree_flatten(out)[0] if isinstance(t, nn.Parameter)}
@@ -214,3 +219,16 @@ def per_channel_module(module: nn.Module, params: list[nn.Parameter], heads: set
     if isinstance(module, nn.modules.conv._ConvNd):
         return True
     return bool(params) and all(p.dim() == 1 and p.numel() in heads for p in params)
+
+
+def channels_inside(params: list[nn.Parameter], width: int) -> bool:
+    """Whether every parameter has the split width as a later dim, not its first (Inkling 2's dynamic
+    conv's static taps [kernel, channels]): per channel, transposed, so its ops decide (``follow.py``)."""
+    return bool(params) and all(p.dim() >= 2 and width in p.shape[1:] for p in params)
+
+
+def _unplaced(module: nn.Module, name: str, styles: dict[str, str]) -> list[nn.Parameter]:
+    """The parameters of ``module`` and of its children not placed by a style of their own (Inkling 2's dynamic
+    conv's ``weight_proj``, a column-parallel linear): those a deferred module's ops must have seen follow."""
+    placed = {id(p) for child, m in module.named_modules(prefix=name) if child in styles for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in placed]

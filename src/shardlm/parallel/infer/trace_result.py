@@ -62,6 +62,8 @@ class Traced:
     ran: frozenset[str] = frozenset()  # modules whose forward ran (``unrun``)
     # linears' whole outputs concatenated, then viewed into heads of so many channels (``layouts.Cuts``)
     head_views: frozenset[tuple[tuple[tuple[str, int], ...], int]] = frozenset()
+    # following parameter fqn -> its dim along the channels, where not its first longer than 1 (``follow.py``)
+    follow_dims: dict[str, int] | None = None
 
 
 def collect(
@@ -138,4 +140,5 @@ def collect(
         dict(tracker.misfits),
         frozenset(hooks.ran),
         frozenset(tracker.cuts.head_views),
+        {names[pid]: dim for pid, dim in tracker.follow_dims.items()},
     )

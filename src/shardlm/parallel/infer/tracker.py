@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_emptied, check_reduction
-from shardlm.parallel.infer.follow import declare_follow_records
+from shardlm.parallel.infer.follow import declare_follow_records, record_param_dims
 from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product, whole_use
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
@@ -236,6 +236,7 @@ class ShardTracker(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.from_params[id(t)] = owners
                     self.from_param_ids[id(t)] = ids
+            record_param_dims(self, func, name, args, out)  # a transposed parameter's dims (Inkling 2's taps)
         elif inputs and not sources:
             record_whole_use(self, inputs)
         if name in SPLIT_OPS and len(sources) == 1 and args and isinstance(args[0], torch.Tensor):

@@ -1,11 +1,15 @@
 """The plan's answers about ``per_channel`` parameters (``infer/channels.py`` places them): every rank's
 rows of one stored whole (``param_rows``) and the local views a ``per_channel`` module runs with
-(``local_views``), read by the runtime style, the dry run, the plan table and the estimate.
+(``local_views``), the dim each is split along (``channel_dim``), read by the runtime style, the dry run, the
+plan table and the estimate.
 """
 
 from __future__ import annotations
 
+import torch
+
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.plan.rows import lead_dim
 
 
 def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] | None:
@@ -15,6 +19,12 @@ def param_rows(plan: Plan, fqn: str, pname: str) -> list[list[tuple[int, int]]] 
     if key in plan.channel_rows or key in plan.channel_parts:
         return plan.channel_rows.get(key)
     return plan.sliced.get(plan.channels[fqn][pname])
+
+
+def channel_dim(plan: Plan, fqn: str, pname: str, param: torch.Tensor) -> int:
+    """The dim of ``per_channel`` parameter ``fqn.pname`` (``param``) along the channels it meets: its first
+    longer than 1, or the one the trace found (``Plan.channel_dims``: Inkling 2's taps [kernel, channels])."""
+    return plan.channel_dims.get(f"{fqn}.{pname}", lead_dim(param))
 
 
 def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:

@@ -39,6 +39,9 @@ class Plan:
     # and, where those parts are unequal, every rank's rows of it (stored whole, each rank using its rows)
     channel_parts: dict[str, list[int]] = field(default_factory=dict)
     channel_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    # ``per_channel`` parameter fqn -> its dim along the channels where that is not its first dim longer than 1
+    # (``rows.lead_dim``): Inkling 2's dynamic conv taps, stored [kernel, channels], split along dim 1
+    channel_dims: dict[str, int] = field(default_factory=dict)
     # module fqn -> {int attribute its forward reads: its value on one rank} (a mixer's ``key_dim``)
     local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     # MLA (``latent.py``): module reading a low-rank latent kept whole (a column-parallel up-projection,
