@@ -42,6 +42,7 @@ FSDP_SUBSET = [
     "qwen3_next", "olmo_hybrid", "lfm3",  # mixers split by heads (parallel/infer/channels.py)
     "jamba", "mamba", "falcon_mamba",  # Mamba-1 mixers split by channels (parallel/infer/summed.py)
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",  # Mamba-2 mixers (n_groups=1 < tp: B, C whole)
+    "zaya",  # its value projections stored by the rows each rank computes (``shards.RowsShard``): FSDP chunks them
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 
