@@ -83,8 +83,9 @@ def test_round_trip_matches_one_process(trained, name, capsys):
     # seen: 2.4e-7; Qwen3.5 4.1e-6 on in_proj_a (weights ~0.06; every other tensor <= 1.1e-6, in_proj_qkv
     # 4.2e-7): 10 AdamW steps of the decay gate, whose gradient passes exp and softplus, from fp32 sums in
     # another order at tp=2 (its losses match one process to 1e-5: test_checkpoint); rows put in the wrong
-    # place would differ by ~0.1
-    atol = 1e-5 if name == "qwen3_5_text" else 2e-6
+    # place would differ by ~0.1. Zaya 2.5e-6 on q_proj/k_proj (weights ~0.09; its value projections, stored by rows,
+    # under 1e-6): the same 10 steps through its L2 qk norm and convs, its losses matching one process to 1e-5
+    atol = 1e-5 if name in ("qwen3_5_text", "zaya") else 2e-6
     for key, param in model.named_parameters():
         torch.testing.assert_close(param, ref_params[key], rtol=1e-5, atol=atol, msg=key)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
