@@ -46,6 +46,7 @@ FSDP_SUBSET = [
     "zamba",  # a shared transformer called by several hybrid layers: its own FSDP group
     "big_bird",  # its attention built again in the forward, localized then (parallel/plan/local_geometry.py)
     "inkling2_text", "inkling2_loop_text",  # full attention's dynamic conv taps [kernel, channels] split along dim 1
+    "zaya",  # its value projections stored by the rows each rank computes (``shards.RowsShard``): FSDP chunks them
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

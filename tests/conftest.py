@@ -12,7 +12,7 @@ from __future__ import annotations
 import pool
 import pytest
 import torch.distributed as dist
-from families import write_tiny_dir
+from families import write_tiny_config, write_tiny_dir
 from helpers import plain_reference, run_ranks, train_jobs, write_gemma3, write_model_dir
 
 from shardlm import init_distributed
@@ -33,25 +33,28 @@ def tp2_runs(tmp_path_factory) -> dict:
     """One 2-rank spawn shared by test_checkpoint.py and test_consolidate.py (a spawn costs ~10 s):
     uninterrupted tp=2 runs of a GQA Llama, a tied-embedding MHA Llama, Kimi-Linear (delta
     attention split by heads, its ``A_log`` [1, 1, heads, 1] on dim 2; MLA; MoE) and Qwen3.5 text
-    (Gated DeltaNet: ``in_proj_qkv`` of unequal parts and the conv over it, ``PartsShard``) (saves
-    at 5 and 10), then resumes from step-5: the GQA one at tp=2 and at fsdp=2, the tied one at
+    (Gated DeltaNet: ``in_proj_qkv`` of unequal parts and the conv over it, ``PartsShard``) and Zaya
+    (its value projections stored by the rows each rank computes, ``RowsShard``: rank 0 all of one, none
+    of the other) (saves at 5 and 10), then resumes from step-5: the GQA one at tp=2 and at fsdp=2, the tied one at
     fsdp=2."""
     root = tmp_path_factory.mktemp("ckpt")
     model = write_model_dir(str(root / "llama"), "llama")
     tied = write_model_dir(str(root / "tied"), "llama", num_key_value_heads=4, tie_word_embeddings=True)
     kimi = write_tiny_dir(str(root / "kimi"), "kimi_linear")
     qwen35 = write_tiny_dir(str(root / "qwen35"), "qwen3_5_text")
+    zaya = write_tiny_config(str(root / "zaya"), "zaya")
     step5, tied5 = (str(root / run / "checkpoints" / "step-5") for run in ("a", "t"))
     jobs = [
         (model, "tp2", str(root / "a")),
         (tied, "tp2", str(root / "t")),
         (kimi, "tp2", str(root / "k")),
         (qwen35, "tp2", str(root / "q")),
+        (zaya, "tp2", str(root / "z")),
         (model, "tp2", str(root / "b"), {"resume": step5}),
         (model, "fsdp2", str(root / "c"), {"resume": step5}),
         (tied, "fsdp2", str(root / "tc"), {"resume": tied5}),
     ]
-    full, tied_full, kimi_full, qwen35_full, same, fsdp, tied_fsdp = run_ranks(train_jobs, 2, jobs)
+    full, tied_full, kimi_full, qwen35_full, zaya_full, same, fsdp, tied_fsdp = run_ranks(train_jobs, 2, jobs)
     return dict(
         root=root,
         model=model,
@@ -60,6 +63,8 @@ def tp2_runs(tmp_path_factory) -> dict:
         kimi_full=kimi_full,
         qwen35=qwen35,
         qwen35_full=qwen35_full,
+        zaya=zaya,
+        zaya_full=zaya_full,
         step5=step5,
         full=full,
         same=same,

@@ -265,6 +265,7 @@ def test_attention_split_in_the_planned_types(dirs):
     ``make test``, not the fast tier)."""
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
+    from shardlm.parallel.plan.kept_whole import attention_bytes
 
     plans = {t: infer_plan(build_meta_model(dirs[t]), 2) for t in PLANNED}
     for model_type, (attention, linears) in PLANNED.items():
@@ -285,7 +286,14 @@ def test_attention_split_in_the_planned_types(dirs):
     assert "model.layers.2.self_attn.v_proj.norm" not in inkling2.styles  # per head (head_dim 16), not the width
     zaya = plans["zaya"]
     assert zaya.local_sizes["model.layers.1.self_attn.qkv_proj.conv_qk_grouped"] == {"groups": 3}  # of 6 heads
-    assert zaya.sliced["model.layers.1.self_attn.qkv_proj.v_proj_current"] == [[(0, 16)], [(0, 0)]]
+    # its value, cat(v_proj_current, v_proj_delayed) viewed into 2 kv heads: rank 0 stores and computes all of the
+    # first, rank 1 all of the second (``shards.RowsShard``); stored whole on both, the attention was 0.565 a rank
+    assert zaya.stored_rows["model.layers.1.self_attn.qkv_proj.v_proj_current"] == [[(0, 16)], [(0, 0)]]
+    assert zaya.stored_rows["model.layers.1.self_attn.qkv_proj.v_proj_delayed"] == [[(0, 0)], [(0, 16)]]
+    assert not zaya.sliced
+    # per block: q/o [64, 64], k [32, 64], the value's two [16, 64], the convs' [96, 1, 2] and [96, 16, 2] + biases,
+    # qk_norm's temp [2]: 15746 elements, 7873 on each rank (0.500)
+    assert attention_bytes(build_meta_model(dirs["zaya"]), zaya, 2) == (2 * 4 * 7873, 2 * 4 * 15746)
     assert zaya.styles["model.layers.1.self_attn.qk_norm"] == "per_channel"
     assert plans["blt"].styles["model.local_decoder.cross_attn_layers.1.q_proj"] == "colwise"
     assert 0 in plans["reformer"].dropout_sites  # the rotations randn(heads, ...): sharded along the heads

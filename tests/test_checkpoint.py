@@ -64,40 +64,46 @@ def test_resume_on_other_layouts(tp2_runs, one_process):
     one = train(tp2_runs["model"], "one", str(tp2_runs["root"] / "d"), resume=tp2_runs["step5"])
     assert_close(one, tp2_runs["full"][5:], 1e-5)
     root = tp2_runs["root"]
-    qwen_step5 = str(root / "q" / "checkpoints" / "step-5")
-    four, qwen = run_ranks(
+    step5 = {run: str(root / run / "checkpoints" / "step-5") for run in ("q", "z")}
+    four, qwen, zaya = run_ranks(
         train_jobs,
         4,
         [
             (tp2_runs["model"], "tp2_fsdp2", str(root / "e"), {"resume": tp2_runs["step5"]}),
-            (tp2_runs["qwen35"], "tp2_fsdp2", str(root / "qe"), {"resume": qwen_step5}),
+            (tp2_runs["qwen35"], "tp2_fsdp2", str(root / "qe"), {"resume": step5["q"]}),
+            (tp2_runs["zaya"], "tp2_fsdp2", str(root / "ze"), {"resume": step5["z"]}),
         ],
     )
     assert_close(four, tp2_runs["full"][5:], 1e-5)
-    # Qwen3.5: PartsShard under FSDP's chunks, loaded from tp=2 and saved again at tp=2 x fsdp=2 (step 10):
-    # its consolidation equals the tp=2 run's
+    # Qwen3.5: PartsShard under FSDP's chunks; Zaya: RowsShard under them (rank 0's v_proj_current chunked over
+    # FSDP, its v_proj_delayed empty); each loaded from tp=2 and saved again at tp=2 x fsdp=2 (step 10): its
+    # consolidation equals the tp=2 run's
     assert_close(qwen, tp2_runs["qwen35_full"][5:], 1e-5)
+    assert_close(zaya, tp2_runs["zaya_full"][5:], 1e-5)
     from safetensors.torch import load_file
 
     from shardlm.checkpoint import export
 
-    weights = []
-    for run in ("q", "qe"):
-        export.consolidate(str(root / run), str(root / f"hf-{run}-10"))
-        weights.append(load_file(str(root / f"hf-{run}-10" / "model.safetensors")))
-    assert weights[0].keys() == weights[1].keys()
-    for key, tensor in weights[0].items():
-        torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    for runs in (("q", "qe"), ("z", "ze")):
+        weights = []
+        for run in runs:
+            export.consolidate(str(root / run), str(root / f"hf-{run}-10"))
+            weights.append(load_file(str(root / f"hf-{run}-10" / "model.safetensors")))
+        assert weights[0].keys() == weights[1].keys()
+        for key, tensor in weights[0].items():
+            torch.testing.assert_close(weights[1][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("model", ["kimi", "qwen35"])
+@pytest.mark.parametrize("model", ["kimi", "qwen35", "zaya"])
 def test_hybrid_tp2_checkpoint_resumes_in_one_process(tp2_runs, one_process, model):
     """A tp=2 save continues in one process. Kimi-Linear: delta attention split by heads (its
     ``A_log`` [1, 1, heads, 1] sharded on dim 2, the gates' latents whole), MLA and experts.
     Qwen3.5 text: ``in_proj_qkv`` (q|k|v of unequal widths) and the conv over it hold each rank's
     chunk of every part (``PartsShard``), parameters and AdamW states saved at their HF rows (a
-    state saved at the wrong rows would change every step after the resume)."""
-    run = {"kimi": "k", "qwen35": "q"}[model]
+    state saved at the wrong rows would change every step after the resume). Zaya: its value projections
+    stored by the rows each rank computes (``RowsShard``: rank 0 all of ``v_proj_current``, none of
+    ``v_proj_delayed``), read back whole."""
+    run = {"kimi": "k", "qwen35": "q", "zaya": "z"}[model]
     step5 = str(tp2_runs["root"] / run / "checkpoints" / "step-5")
     one = train(tp2_runs[model], "one", str(tp2_runs["root"] / f"{run}1"), resume=step5)
     assert_close(one, tp2_runs[f"{model}_full"][5:], 1e-5)
@@ -112,11 +118,18 @@ def test_state_dicts_get_their_parameters_placements_back(one_process):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from shardlm.distributed.shards import PartsShard, is_packed, keep_placements_in
+    from shardlm.distributed.shards import PartsShard, RowsShard, is_packed, keep_placements_in
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    placements = {"m.in_proj.weight": PartsShard(0, (2, 2, 4)), "m.gate.weight": Shard(0), "m.norm": Replicate()}
+    rows = RowsShard(0, (((0, 8),),))  # Zaya's value projections: the rows each rank computes
+    placements = {
+        "m.in_proj.weight": PartsShard(0, (2, 2, 4)),
+        "m.gate.weight": Shard(0),
+        "m.norm": Replicate(),
+        "m.v.weight": rows,
+    }
     given = {
+        "state.m.v.weight.exp_avg": PartsShard(0, (4, 4)),
         "m.in_proj.weight": Shard(0),
         "state.m.in_proj.weight.exp_avg": Shard(0),
         "state.m.out_proj.weight.exp_avg": Shard(0),
@@ -126,7 +139,8 @@ def test_state_dicts_get_their_parameters_placements_back(one_process):
     }
     state = {k: DTensor.from_local(torch.zeros(8, 3), mesh, [p], run_check=False) for k, p in given.items()}
     keep_placements_in(state, placements)
-    assert [is_packed(v) for v in state.values()] == [True, True, False, False, False, False]
+    assert [is_packed(v) for v in state.values()] == [True, True, True, False, False, False, False]
+    assert state["state.m.v.weight.exp_avg"].placements[0].rows == rows.rows
     assert state["state.m.in_proj.weight.exp_avg"].placements[0].parts == (2, 2, 4)
     assert [type(state[k].placements[0]) for k in ("m.gate.weight", "state.m.gate.weight.exp_avg_sq")] == [Shard] * 2
 

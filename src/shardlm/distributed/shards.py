@@ -4,14 +4,16 @@ One rule, used for init, HF loading and checkpoints alike: placements apply righ
 first, then FSDP2's chunking of the TP-local tensor (how FSDP2 shards a TP DTensor). On the TP
 mesh dim a ``_StridedShard`` (P equal parts) or a ``PartsShard`` (parts of any sizes) is a packed
 projection (``linear.PackedColwiseParallel``) or what acts on its channels: each of its parts is
-chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``. ``packed_placement`` picks one.
+chunked on its own, so rank r holds rows ``[q_r; k_r; v_r]``. ``packed_placement`` picks one. A
+``RowsShard`` gives each rank the rows it computes, of any number (``linear.Colwise`` of ``Plan.stored_rows``).
 
 Every local piece is one box of the global tensor except a packed projection's, which is P boxes
-(one per part). DCP addresses a DTensor shard as one box (FSDP-over-TP ``_StridedShard`` on the
-FSDP dim included: torch's ``compute_local_shape_and_global_offset`` gets those right), so
-``PackedShards`` presents a packed DTensor to DCP as its P boxes, views of the local tensor: it
-is saved and loaded in place, by every rank at once, and never gathered whole (what the earlier
-``full_tensor()`` on every save did, per parameter and per optimizer state).
+(one per part), and a ``RowsShard``'s, one per range (none where the rank holds no row). DCP
+addresses a DTensor shard as one box (FSDP-over-TP ``_StridedShard`` on the FSDP dim included:
+torch's ``compute_local_shape_and_global_offset`` gets those right), so ``PackedShards`` presents
+such a DTensor to DCP as its boxes, views of the local tensor: it is saved and loaded in place, by
+every rank at once, and never gathered whole (what the earlier ``full_tensor()`` on every save
+did, per parameter and per optimizer state).
 
 ``LocalParams``: a module's DTensor parameters seen as their local tensors while it runs (the
 styles that run a module's own forward on local pieces: ``replicate_local``, ``per_channel``,
@@ -73,6 +75,33 @@ class PartsShard(Shard):
         return f"PartsShard(dim={self.dim}, parts={self.parts})"
 
 
+class RowsShard(Shard):
+    """``Shard(dim)`` where rank r holds the global rows ``rows[r]`` (ranges ``(start, stop)``, in
+    order), as many as it computes, none at all included: Zaya's value ``cat(v_proj_current,
+    v_proj_delayed)`` viewed into kv heads (``infer/joined_heads.py``) gives rank 0 at tp=2 all of
+    ``v_proj_current`` and none of ``v_proj_delayed``, which no chunking of either expresses.
+
+    Like ``PartsShard`` it compares equal to ``Shard(dim)`` (same caveats, same ``keep_placement``),
+    but its local pieces are of unequal sizes: what holds them needs no shape from the placement
+    (the styles compute on the local tensors, FSDP2 chunks the TP-local tensor it is given, clipping
+    and the optimizer act on local pieces); every place that asks which rows a rank holds reads
+    ``local_index``, and DCP sees its boxes (``PackedShards``), not torch's chunk arithmetic."""
+
+    def __init__(self, dim: int, rows: tuple[tuple[tuple[int, int], ...], ...]):
+        super().__init__(dim)
+        self.rows = tuple(tuple((int(a), int(b)) for a, b in rank) for rank in rows)
+
+    def __hash__(self) -> int:  # as ``PartsShard.__hash__``
+        return hash((self.dim, self.rows))
+
+    def __repr__(self) -> str:
+        return f"RowsShard(dim={self.dim}, rows={self.rows})"
+
+    def local_rows(self, index: torch.Tensor, coord: int) -> torch.Tensor:
+        """Rank ``coord``'s entries of ``index`` (positions along the dim)."""
+        return torch.cat([index[a:b] for a, b in self.rows[coord]])
+
+
 def packed_placement(dim: int, parts: list[int] | tuple[int, ...]) -> Placement:
     """The TP placement of a ``dim`` made of ``parts`` (sizes), each split over TP on its own."""
     if len(parts) == 1:
@@ -83,13 +112,16 @@ def packed_placement(dim: int, parts: list[int] | tuple[int, ...]) -> Placement:
 
 
 def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src: int | None) -> DTensor:
-    """``distribute_tensor`` on a 1-D mesh, ``PartsShard`` included (torch's own turns it into a
-    plain ``Shard``): each rank cuts its rows of every part from its own copy (no scatter;
+    """``distribute_tensor`` on a 1-D mesh, ``PartsShard`` and ``RowsShard`` included (torch's own turns
+    them into a plain ``Shard``): each rank cuts its rows from its own copy (no scatter;
     shardlm builds parameters on meta and fills them after, ``fill_from_full``)."""
-    if not isinstance(placement, PartsShard):
+    n, coord, dim = mesh.size(), mesh.get_local_rank(), getattr(placement, "dim", 0)
+    if isinstance(placement, RowsShard):
+        local = torch.cat([tensor.detach().narrow(dim, a, b - a) for a, b in placement.rows[coord]], dim)
+    elif isinstance(placement, PartsShard):
+        local = torch.cat([part.chunk(n, dim)[coord] for part in tensor.detach().split(placement.parts, dim)], dim)
+    else:
         return distribute_tensor(tensor, mesh, [placement], src_data_rank=src)
-    n, coord, dim = mesh.size(), mesh.get_local_rank(), placement.dim
-    local = torch.cat([part.chunk(n, dim)[coord] for part in tensor.detach().split(placement.parts, dim)], dim)
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
@@ -131,15 +163,18 @@ def tp_placements(model: nn.Module) -> dict[str, Placement]:
     return found
 
 
+def _rows_key(placement: Placement) -> tuple:
+    """What tells apart placements that compare equal (``Shard``, ``PartsShard``, ``RowsShard`` of a dim)."""
+    return type(placement), getattr(placement, "parts", None), getattr(placement, "rows", None)
+
+
 def keep_placement(t: torch.Tensor, placement: Placement) -> None:
     """Put ``placement`` back on the TP mesh dim of ``t`` (in place; the local tensor is unchanged)
-    where a DTensor op gave it one that compares equal but holds other rows (``PartsShard``)."""
+    where a DTensor op gave it one that compares equal but holds other rows (``PartsShard``, ``RowsShard``)."""
     if (mesh_dim := _tp_dim(t)) is None:
         return
     now = t.placements[mesh_dim]
-    if now == placement and (
-        type(now) is not type(placement) or getattr(now, "parts", None) != getattr(placement, "parts", None)
-    ):
+    if now == placement and _rows_key(now) != _rows_key(placement):
         placements = (*t.placements[:mesh_dim], placement, *t.placements[mesh_dim + 1 :])
         t._spec = dataclasses.replace(t._spec, placements=placements)  # DTensor keeps its spec in this slot
 
@@ -174,10 +209,20 @@ def _tp_parts(param: DTensor, mesh_dim: int) -> tuple[int, ...] | None:
     return None
 
 
+def _tp_rows(param: DTensor, mesh_dim: int) -> RowsShard | None:
+    """The ``RowsShard`` on the TP mesh dim (None: another placement)."""
+    placement = param.placements[mesh_dim]
+    return (
+        placement if isinstance(placement, RowsShard) and param.device_mesh.mesh_dim_names[mesh_dim] == "tp" else None
+    )
+
+
 def is_packed(param: torch.Tensor) -> bool:
-    """A packed projection's parameter (or its optimizer state): ``_StridedShard`` or
-    ``PartsShard`` on the TP dim."""
-    return isinstance(param, DTensor) and any(_tp_parts(param, d) for d in range(param.device_mesh.ndim))
+    """A parameter (or its optimizer state) whose local piece is not torch's chunk of it: ``_StridedShard``,
+    ``PartsShard`` or ``RowsShard`` on the TP dim (a packed projection, rows given per rank)."""
+    return isinstance(param, DTensor) and any(
+        _tp_parts(param, d) or _tp_rows(param, d) for d in range(param.device_mesh.ndim)
+    )
 
 
 def local_index(param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -191,7 +236,9 @@ def local_index(param: torch.Tensor, dim: int) -> torch.Tensor:
         strided = isinstance(placement, _StridedShard)  # not a Shard subclass in torch 2.13
         if not (strided or placement.is_shard()) or placement.dim % param.ndim != dim:
             continue
-        if parts := _tp_parts(param, mesh_dim):
+        if rows := _tp_rows(param, mesh_dim):
+            index = rows.local_rows(index, coord)
+        elif parts := _tp_parts(param, mesh_dim):
             index = torch.cat([part.chunk(n)[coord] for part in index.split(parts)])
         else:
             chunks = index.chunk(n)

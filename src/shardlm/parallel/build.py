@@ -93,11 +93,21 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
         apply_sequence_parallel(model, plan, tp_mesh)
 
 
+def held_nothing(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of which this TP rank holds no element (a ``RowsShard`` of no row for it: Zaya's
+    ``v_proj_delayed`` on rank 0 at tp=2). FSDP leaves them alone: torch's reduce-scatter refuses an empty
+    gradient (``_chunk_cat``), and there is nothing to shard or to reduce over the data-parallel ranks, which
+    hold the same empty piece (they share the TP coordinate). Not cast under mixed precision either:
+    ``linear.held_rows_linear`` casts them to their input's dtype."""
+    return {p for p in model.parameters() if isinstance(p, DTensor) and p.to_local().numel() == 0}
+
+
 def apply_fsdp(
     model: nn.Module, mesh: Mesh, mp_policy: MixedPrecisionPolicy | None = None, ignored: set | None = None
 ) -> None:
     """FSDP2 over the data-parallel mesh: one group per decoder block, the rest at the root;
-    ``ignored``: parameters FSDP leaves alone (the experts under EP, ``parallel/runtime/ep.py``).
+    ``ignored``: parameters FSDP leaves alone (the experts under EP, ``parallel/runtime/ep.py``; pieces of no
+    element, ``held_nothing``).
 
     Gradients are summed, not averaged, across data-parallel ranks (divide factor 1): the loss is
     already normalized by the global token count, see ``train/loss.py``.
@@ -298,7 +308,8 @@ def parallelize(
     if mesh.shards_parameters:
         # under pp the stage is FSDP's root: its forward unshards what the stage holds outside the blocks,
         # and torch's schedules then reduce the gradients once per step (``PipelineStage`` knows FSDPModule)
-        apply_fsdp(stage if stage is not None else model, mesh, mp_policy, {model.get_parameter(n) for n in experts})
+        ignored = {model.get_parameter(n) for n in experts} | held_nothing(model)
+        apply_fsdp(stage if stage is not None else model, mesh, mp_policy, ignored)
     _materialize(model, mesh)
     keep_placements(model, placements)
     with torch.no_grad():

@@ -109,7 +109,8 @@ def _run(
         module = meta.get_submodule(fqn)
         conv1d = is_conv1d(module)
         if style in ("colwise", "packed_colwise") and is_linear(module):
-            rows = sum(b - a for a, b in plan.sliced[fqn][0]) if fqn in plan.sliced else out_features(module) // tp
+            held = plan.sliced.get(fqn) or plan.stored_rows.get(fqn)  # rank 0's rows where they are given
+            rows = sum(b - a for a, b in held[0]) if held else out_features(module) // tp
             shape = list(module.weight.shape)
             shape[1 if conv1d else 0] = rows
             module.weight = nn.Parameter(torch.empty(shape, device="meta"))

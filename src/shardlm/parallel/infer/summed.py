@@ -118,7 +118,7 @@ def place_summed(model: nn.Module, plan: Plan, summed: set[str], readers: dict[s
         if not rows:
             continue
         style = plan.styles.get(fqn)
-        if style == Style.COLWISE and fqn not in plan.sliced:
+        if style == Style.COLWISE and fqn not in plan.sliced and fqn not in plan.stored_rows:
             plan.latent_readers[fqn] = min(rows)
         elif style == Style.REPLICATE:
             plan.styles[fqn] = Style.REPLICATE_GRAD_ALLREDUCE.value
@@ -133,7 +133,7 @@ def place_direct(model: nn.Module, plan: Plan, direct: set[str]) -> None:
     """The linears multiplied directly by their parent (``direct_product``): ``per_channel``, weight
     and bias split by rows (their own channels)."""
     for fqn in sorted(direct):
-        if plan.styles.get(fqn) == Style.COLWISE and fqn not in plan.sliced:
+        if plan.styles.get(fqn) == Style.COLWISE and fqn not in plan.sliced and fqn not in plan.stored_rows:
             plan.styles[fqn] = Style.PER_CHANNEL.value
             plan.channels[fqn] = {n: fqn for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)}
 

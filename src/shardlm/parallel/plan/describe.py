@@ -3,7 +3,7 @@
 Per module: its style, global and per-rank parameter shapes and fp32 bytes (rank 0's, the largest, where a
 vocabulary tp does not divide is split in torch's chunks: the rows of each rank are named), and where the decision
 came from (the trace, cross-checked against the model's own ``base_model_tp_plan``; tied, kept
-replicated with its sub-block, experts, channels followed, rows sliced, latents, summed outputs),
+replicated with its sub-block, experts, channels followed, rows sliced or stored by rank, latents, summed outputs),
 so a user can read what each rank will hold before training (``cli.py``).
 """
 
@@ -53,6 +53,11 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             else:
                 used = used[0] if len(used) == 1 else " or ".join(map(str, used))
                 source += f"; stored replicated, each rank computes {used} of its rows, grads summed over TP"
+        if fqn in plan.stored_rows:  # Zaya's value projections: rank 0's rows shown, as rank 0's chunk elsewhere
+            held = plan.stored_rows[fqn]
+            local = {n: (sum(b - a for a, b in held[0]), *p.shape[1:]) for n, p in params}
+            ranks = ", ".join(" ".join(f"{a}:{b}" for a, b in rows if b > a) or "none" for rows in held)
+            source += f"; stored by the rows each rank computes (its heads'): {ranks} (rank 0's shown)"
         if fqn in plan.latent_readers:
             source += f"; reads the latent of {plan.latent_readers[fqn].rpartition('.')[2]}, whose input sums its grads"
         if fqn in plan.summed:

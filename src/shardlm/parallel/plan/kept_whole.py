@@ -61,8 +61,6 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
             why = "a low-rank latent (MLA), read whole by every head"
         elif any(plan.whole_parts.get(fqn, [])):
             why = "parts every rank needs whole (groups fewer than tp)"
-        elif kv >= len(plan.sliced[fqn]):  # ``infer/joined_heads.py``: Zaya's value of two projections
-            why = "heads made of several projections' outputs: each rank computes its heads' rows"
         else:
             why = f"{kv} kv head(s) for tp ranks: each computes its query rows and its kv head"
         found[f"{_any_block(fqn)}: stored whole ({why})"] = None

@@ -22,6 +22,10 @@ class Plan:
     agrees_with_hf: dict[str, bool] = field(default_factory=dict)  # fqn -> same direction as HF plan
     # fqn -> per TP rank, the (start, stop) output rows it computes; parameters stored replicated
     sliced: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    # colwise fqn -> per TP rank, the (start, stop) output rows it computes and stores, where they are not its
+    # chunk of the output (Zaya's value of two projections viewed into heads: ``infer/joined_heads.py``); a rank
+    # may hold all of a linear, part of it, or none (``shards.RowsShard``)
+    stored_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
     kv_heads: tuple[int, int] = (0, 0)  # (global kv heads, kv heads per rank) of attention modules
     # linear fqn -> why its sub-block stays replicated (a layer inside it cannot be split yet)
     replicated: dict[str, str] = field(default_factory=dict)

@@ -26,6 +26,9 @@ checkpoints keep their HF layout. More styles:
   rank r holds rows ``[q_r; k_r; v_r]``, whole heads of every part, while the DTensor's global
   view stays in HF order (consolidation and resharding need no permutation). The matmul runs on
   local tensors.
+* ``colwise`` of the plan's ``stored_rows`` entries (Zaya's value of two projections viewed into heads):
+  ``Colwise`` whose weight and bias are ``RowsShard``, each rank storing the rows it computes (all of
+  one linear, part of it, or none).
 * ``SlicedColwise`` (the plan's ``sliced`` entries: k/v with fewer kv heads than tp, packed
   projections with a part every rank needs whole or a replicated kv head): parameters replicated
   on the TP mesh, each rank multiplies only its rows; their gradients are summed over TP like
@@ -55,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shardlm.distributed.shards import LocalParams, local_view, packed_placement, parameter
+from shardlm.distributed.shards import LocalParams, RowsShard, local_view, packed_placement, parameter
 from shardlm.parallel.model.hf import extra_params, is_conv1d
 from shardlm.parallel.runtime.regions import (
     copy_to_region,
@@ -117,11 +120,13 @@ class Colwise(ParallelStyle):
     computed on local tensors (Megatron's ``ColumnParallelLinear``): the replicated input enters the
     region shared with its column-parallel siblings (``column_input``).
     The output is this rank's columns, a plain tensor; the LM head's is wrapped as a ``Shard(-1)``
-    DTensor (its loss: ``cross_entropy.py``). Parameters stay DTensors (FSDP, clipping, checkpoints)."""
+    DTensor (its loss: ``cross_entropy.py``). Parameters stay DTensors (FSDP, clipping, checkpoints).
+    ``rows``: the plan's ``stored_rows`` entry, each rank's output rows where they are not its chunk
+    (``shards.RowsShard``: Zaya's value projections); computed the same way, on what the rank holds."""
 
-    def __init__(self, sharded_output: bool = False):
+    def __init__(self, sharded_output: bool = False, rows: list[list[tuple[int, int]]] | None = None):
         super().__init__()
-        self.sharded_output = sharded_output
+        self.sharded_output, self.rows = sharded_output, rows
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         dim = 1 if is_conv1d(module) else 0
@@ -129,9 +134,14 @@ class Colwise(ParallelStyle):
         # (``infer/vocab_head.py`` checked that each acts on its own columns)
         own = {n: Shard(0) for n in extra_params(module)}
         own = own if self.sharded_output else {}  # a colwise layer with more than weight/bias: not placed
-        shard_params(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0), **own}, self.src_data_rank)
+        weight, bias = (
+            (Shard(dim), Shard(0)) if self.rows is None else (RowsShard(dim, self.rows), RowsShard(0, self.rows))
+        )
+        shard_params(module, device_mesh, {"weight": weight, "bias": bias, **own}, self.src_data_rank)
         if own:
             module.forward = functools.partial(_own_head_forward, module, device_mesh, type(module).forward)
+        elif self.rows is not None:
+            module.forward = functools.partial(_held_rows_forward, module, device_mesh)
         else:
             module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
         return module
@@ -140,6 +150,21 @@ class Colwise(ParallelStyle):
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
     out = local_linear(module, column_input(x, mesh))
     return sharded_logits(out, module.weight.shape[1 if is_conv1d(module) else 0], mesh) if sharded_output else out
+
+
+def _held_rows_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    return held_rows_linear(module, column_input(x, mesh))
+
+
+def held_rows_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Linear on the rows this rank holds of a ``RowsShard`` weight and bias (``Plan.stored_rows``). A rank
+    holding none computes an empty output from its empty piece, which FSDP leaves alone
+    (``build.held_nothing``) and so does not cast under mixed precision: cast to ``x``'s dtype here."""
+    weight = local_view(module.weight)
+    bias = local_view(module.bias) if module.bias is not None else None
+    if weight.numel() == 0:
+        weight, bias = weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None
+    return nn.functional.linear(x, weight, bias)
 
 
 def _own_head_forward(module: nn.Module, mesh: DeviceMesh, forward, x: torch.Tensor) -> DTensor:

@@ -41,13 +41,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm.config import LoraConfig
-from shardlm.distributed.shards import as_local, fill_from_full, local_view, packed_placement
+from shardlm.distributed.shards import RowsShard, as_local, fill_from_full, local_view, packed_placement
 from shardlm.errors import ConfigError
 from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer, peft_key
 from shardlm.parallel.model.hf import is_conv1d
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
-from shardlm.parallel.runtime.linear import column_input, local_linear, shard_params, sliced_linear
+from shardlm.parallel.runtime.linear import column_input, held_rows_linear, local_linear, shard_params, sliced_linear
 from shardlm.parallel.runtime.plan_styles import make_style, plan_styles
 from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_to_sequence_region
 
@@ -181,14 +181,22 @@ class LoraParallel(ParallelStyle):
     a part every rank needs whole): base and ``lora_B`` stay replicated and each rank computes only
     its rows, as ``linear.SlicedColwise`` does; both adapter matrices then get their gradients summed
     over TP. ``scattered``: a row-parallel base under sequence parallelism, whose partial sum is
-    reduce-scattered to the sequence slices (``plan.sequence.scattered_rows``).
+    reduce-scattered to the sequence slices (``plan.sequence.scattered_rows``). ``stored_rows``: the plan's
+    ``stored_rows`` entry of a colwise base (Zaya's value projections): base and ``lora_B`` held by those
+    rows (``shards.RowsShard``), computed as any colwise base.
     """
 
     def __init__(
-        self, base_style: str, parts: list[int] | None = None, rows: list | None = None, scattered: bool = False
+        self,
+        base_style: str,
+        parts: list[int] | None = None,
+        rows: list | None = None,
+        scattered: bool = False,
+        stored_rows: list | None = None,
     ):
         super().__init__()
         self.base_style, self.parts, self.rows, self.scattered = base_style, parts, rows, scattered
+        self.stored_rows = stored_rows
 
     def _split(self, module: nn.Module, param: str | None = None, dim: int | None = None):
         """The TP placement of ``module.<param>`` under the base style (or of dim ``dim``): a packed
@@ -196,6 +204,8 @@ class LoraParallel(ParallelStyle):
         dim = sharded_dim(self.base_style, module, param) if dim is None else dim
         if dim is None:
             return Replicate()
+        if self.stored_rows is not None:
+            return RowsShard(dim, self.stored_rows)
         packed = self.base_style == Style.PACKED_COLWISE
         return packed_placement(dim, self.parts) if packed else Shard(dim)
 
@@ -214,14 +224,15 @@ class LoraParallel(ParallelStyle):
         shard_params(base, mesh, {"weight": self._split(base, "weight"), "bias": self._split(base, "bias")}, None)
         shard_params(lora_a, mesh, {"weight": self._split(lora_a, dim=a_dim)}, None)
         shard_params(lora_b, mesh, {"weight": self._split(lora_b, dim=b_dim)}, None)
+        linear = held_rows_linear if self.stored_rows is not None else local_linear  # the output rows it holds
         if a_dim is not None:  # the base reads a sharded input: partial sums, reduced with the adapter's
             base.forward = lambda x: local_linear(base, x, with_bias=False)
             module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh, self.scattered))
         else:  # the base reads a replicated input and writes its own output rows
-            base.forward = lambda x: local_linear(base, x)
+            base.forward = lambda x: linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
         lora_a.forward = lambda x: local_linear(lora_a, x)
-        lora_b.forward = lambda x: local_linear(lora_b, x)
+        lora_b.forward = lambda x: linear(lora_b, x)
         return module
 
 
@@ -265,7 +276,8 @@ def lora_styles(model: nn.Module, plan: Plan, scattered: set[str] | frozenset = 
                     f"lora.target_modules: '{fqn}' is a {style} layer under tensor parallelism, which LoRA "
                     f"cannot adapt (only {', '.join(SPLIT_LINEAR)} layers); remove it from target_modules"
                 )
-            styles[fqn] = LoraParallel(style, plan.parts.get(fqn), scattered=fqn in scattered)
+            stored = plan.stored_rows.get(fqn)
+            styles[fqn] = LoraParallel(style, plan.parts.get(fqn), scattered=fqn in scattered, stored_rows=stored)
         elif _is_modules_to_save(module):
             if fqn in plan.sliced or style == Style.REPLICATE_GRAD_ALLREDUCE or _tied(model, module):
                 why = "is tied to another module" if _tied(model, module) else f"is a {style} layer computed per rank"
@@ -274,7 +286,11 @@ def lora_styles(model: nn.Module, plan: Plan, scattered: set[str] | frozenset = 
                     "as a separate copy; remove it from modules_to_save or use parallel.fsdp instead of tp"
                 )
             del styles[fqn]
-            kept = {"parts": plan.parts.get(fqn), "sequence_parallel": fqn in scattered}
+            kept = {
+                "parts": plan.parts.get(fqn),
+                "sequence_parallel": fqn in scattered,
+                "stored_rows": plan.stored_rows.get(fqn),
+            }
             styles[f"{fqn}.original_module"] = make_style(style, **kept)
             styles[f"{fqn}.modules_to_save.{ADAPTER}"] = make_style(style, **kept)
     return styles

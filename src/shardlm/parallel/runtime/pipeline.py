@@ -74,9 +74,9 @@ def keep_stage(model: nn.Module, layout: StageLayout, stage: int) -> None:
 # the plan's fields keyed (or listed) by a module or parameter fqn; the others (``dropout_sites``, by call order,
 # ``kv_heads``, ``geometry``) are the whole model's and hold on every stage as they are
 _FQN_FIELDS = (
-    "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "replicated", "experts", "channels",
-    "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs", "partial_grads",
-    "indexers", "direct_reads", "narrowed", "unrun", "shared_kv", "local_reshapes",
+    "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "stored_rows", "replicated", "experts",
+    "channels", "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs",
+    "partial_grads", "indexers", "direct_reads", "narrowed", "unrun", "shared_kv", "local_reshapes",
 )  # fmt: skip
 
 

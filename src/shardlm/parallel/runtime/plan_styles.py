@@ -32,6 +32,7 @@ def make_style(
     summed: bool = False,
     sequence_parallel: bool = False,
     narrowed: bool = False,
+    stored_rows: list | None = None,
 ) -> ParallelStyle:
     """The torch style for one word of the plan vocabulary (``styles.Style``; what each shards:
     ``styles.PLACEMENTS``); ``rows``: the plan's ``sliced`` entry (replicated parameters, per-rank
@@ -41,12 +42,13 @@ def make_style(
     ``rowwise`` layer's output gradient is summed over TP (``Plan.summed``); ``sequence_parallel``: a
     ``rowwise`` layer's output (an ``embedding``'s partial sums) is reduce-scattered over the sequence
     (``runtime/sequence.py``); ``narrowed``: a ``rowwise`` layer's output narrowed to this rank's heads'
-    columns (``Plan.narrowed``)."""
+    columns (``Plan.narrowed``); ``stored_rows``: a ``colwise`` layer's per-rank rows, stored by them
+    (``Plan.stored_rows``)."""
     if rows is not None:
         return SlicedColwise(rows)
     match Style(style):
         case Style.COLWISE:
-            return LatentColwise() if latent_input else Colwise()
+            return LatentColwise() if latent_input else Colwise(rows=stored_rows)
         case Style.ROWWISE:
             if sequence_parallel:
                 return Rowwise("scattered")
@@ -91,6 +93,7 @@ def plan_styles(plan: Plan, scattered: set[str] | frozenset = frozenset()) -> di
             fqn in plan.summed,
             fqn in scattered,
             fqn in plan.narrowed,
+            plan.stored_rows.get(fqn),
         )
         for fqn, s in plan.styles.items()
     }
