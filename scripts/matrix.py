@@ -45,6 +45,7 @@ FSDP_SUBSET = [
     "zamba2", "deepseek_v4", "jetmoe", "blt", "reformer", "trocr",  # attention split in issue 27's last rounds
     "zamba",  # a shared transformer called by several hybrid layers: its own FSDP group
     "big_bird",  # its attention built again in the forward, localized then (parallel/plan/local_geometry.py)
+    "xlnet",  # attention of einsums of per-head parameters, split by heads (parallel/infer/head_einsums.py)
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

@@ -4,7 +4,7 @@ following split channels with their parts, the int attributes read, latents, sum
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -62,6 +62,8 @@ class Traced:
     ran: frozenset[str] = frozenset()  # modules whose forward ran (``unrun``)
     # linears' whole outputs concatenated, then viewed into heads of so many channels (``layouts.Cuts``)
     head_views: frozenset[tuple[tuple[tuple[str, int], ...], int]] = frozenset()
+    # module -> {per-head parameter: its role in the einsums reading it} (``head_einsums.py``: XLNet's attention)
+    head_einsums: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def collect(
@@ -138,4 +140,5 @@ def collect(
         dict(tracker.misfits),
         frozenset(hooks.ran),
         frozenset(tracker.cuts.head_views),
+        {m: dict(roles) for m, roles in tracker.head_einsums.items()},
     )
