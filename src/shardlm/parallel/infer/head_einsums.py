@@ -117,9 +117,10 @@ def _split_at(tracker, spec: str, t, letter: str) -> bool:
 
 
 def heads_aligned(tracker, t: torch.Tensor, sharded: list[torch.Tensor]) -> bool:
-    """Whether per-head parameter ``t`` meets split activations at their split dim with its head dim
-    (``q_head + r_w_bias``: ``[.., heads, head_dim]`` broadcast over ``[i, b, heads, head_dim]``)."""
-    if id(t) not in tracker.head_params:
+    """Whether per-head parameter ``t``, of a module whose einsums split its heads already, meets split
+    activations at their split dim with its head dim (``q_head + r_w_bias``: ``[.., heads, head_dim]``
+    broadcast over ``[i, b, heads, head_dim]``)."""
+    if id(t) not in tracker.head_params or tracker.head_params[id(t)][0] not in tracker.head_einsums:
         return False
     dim = tracker.head_params[id(t)][2] - t.dim()  # counted from the end, as layouts are
     return all(tracker.layouts.get(id(s), (None,))[0] == dim for s in sharded)
