@@ -47,6 +47,7 @@ FSDP_SUBSET = [
     "big_bird",  # its attention built again in the forward, localized then (parallel/plan/local_geometry.py)
     "inkling2_text", "inkling2_loop_text",  # full attention's dynamic conv taps [kernel, channels] split along dim 1
     "zaya",  # its value projections stored by the rows each rank computes (``shards.RowsShard``): FSDP chunks them
+    "xlnet",  # attention of einsums of per-head parameters, split by heads (parallel/infer/head_einsums.py)
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

@@ -253,8 +253,9 @@ KEEP_TWICE = {"zamba": "hybrid", "zamba2": "hybrid"}
 # Types no tiny config can make trainable on text rows in one process, and the transformers-side
 # or package reason (the matrix records it as the row's build result).
 NOT_BUILDABLE = {
-    "gemma3n": "Gemma3nForConditionalGeneration's vision tower is a TimmWrapperModel: it needs the timm package "
-    "(and torchvision), not in shardlm's dependencies; its text model is gemma3n_text",
+    "gemma3n": "Gemma3nForConditionalGeneration's vision tower is a TimmWrapperModel: it needs the timm package, "
+    "which imports torchvision, whose PyPI wheels do not load beside the CPU build of torch make setup installs "
+    "(each wants its own CUDA torch, several GB), so neither is a dependency; its text model is gemma3n_text",
     "gemma4_assistant": "a speculative-decoding drafter: its forward takes the target model's inputs_embeds and "
     "shared_kv_states (every layer reuses the target's KV cache), so it cannot run on token ids alone",
     "gemma4_unified_assistant": "a speculative-decoding drafter: its forward takes the target model's inputs_embeds "

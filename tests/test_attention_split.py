@@ -114,6 +114,9 @@ PLANNED = {
     # its forward swaps in a BigBirdSelfAttention built from the whole config below its block-sparse length:
     # localized when its parent runs (``plan/local_geometry.localize_rebuilt``)
     "big_bird": ("bert.encoder.layer.1.attention", ("self.query", "self.key", "self.value", "output.dense")),
+    # no linear: einsums of per-head parameters [d_model, heads, head_dim], read like column-parallel linears (q, k,
+    # v, r) and summed over the heads like a row-parallel one (o), its biases with the heads (``infer/head_einsums``)
+    "xlnet": ("transformer.layer.1.rel_attn", ("q", "k", "v", "r", "o")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -225,7 +228,8 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     vocabulary with the weight (a probe checked it acts per column: ``infer/vocab_head.py``). CPM-Ant:
     the position bias it looks up once in a parameter table and hands to every block is sliced to each
     rank's heads, the table's gradient summed over TP (``infer/head_inputs.py``). Doge: its dt_proj's
-    output narrowed to each rank's kv heads (``infer/narrowed.py``). XLNet: what is stored whole is said.
+    output narrowed to each rank's kv heads (``infer/narrowed.py``). XLNet: its per-head parameters split by
+    heads, the biases [heads, head_dim] and segment table [2, heads, head_dim] too, nothing kept whole.
     Plans only: their parity is the matrix's rows."""
     from shardlm.parallel.infer.autotp import infer_plan
     from shardlm.parallel.model.meta import build_meta_model
@@ -251,11 +255,15 @@ def test_norms_scales_and_biases_of_the_heads_follow_them(tmp_path):
     plan = infer_plan(build_meta_model(str(tmp_path / "doge")), 2)
     assert not plan.replicated and plan.narrowed == [f"model.layers.{i}.self_attn.dt_proj" for i in range(2)]
     assert plan.channels["model.layers.0.self_attn"] == {"A": "model.layers.0.self_attn.dt_proj"}
-    # XLNet's attention: einsum of parameters of its own, no linear layer: what is stored whole is said
+    # XLNet's attention: einsums of parameters of its own, no linear layer: split by heads (``infer/head_einsums.py``)
     tiny_config("xlnet").save_pretrained(tmp_path / "xlnet")
     meta = build_meta_model(str(tmp_path / "xlnet"))
-    attention = "transformer.layer.*.rel_attn.{q, k, v, o, r, r_r_bias, r_s_bias, r_w_bias, seg_embed}: stored whole"
-    assert kept_whole(infer_plan(meta, 2), meta)[0].startswith(attention)
+    plan = infer_plan(meta, 2)
+    attention = "transformer.layer.0.rel_attn"
+    assert plan.styles[attention] == "per_channel" and not plan.replicated and kept_whole(plan, meta) == []
+    dims = {name: placed.dim for name, placed in plan.experts[attention].items()}
+    assert dims == {**dict.fromkeys("qkvor", 1), "r_r_bias": 0, "r_s_bias": 0, "r_w_bias": 0, "seg_embed": 1}
+    assert plan.head_einsums[attention] == {**dict.fromkeys("qkvr", "reads_whole"), "o": "sums_heads"}
 
 
 @pytest.mark.sweep
@@ -272,6 +280,10 @@ def test_attention_split_in_the_planned_types(dirs):
         plan = plans[model_type]  # its block 1 only (other kinds of blocks may stay whole)
         kept = [f for f in plan.replicated if f.startswith(attention)]
         assert not [f for f in kept if not f.endswith(".indexer.wk")], plan.replicated
+        if attention in plan.head_einsums:  # its parameters, by the einsums reading them
+            roles = [plan.head_einsums[attention][name] for name in linears]
+            assert roles[-1] == "sums_heads" and set(roles[:-1]) == {"reads_whole"}, (model_type, roles)
+            continue
         styles = [plan.styles[f"{attention}.{name}"] for name in linears]
         assert styles[-1] == "rowwise" and all(s.endswith("colwise") for s in styles[:-1]), (model_type, styles)
     assert plans["bailing_hybrid"].styles["model.layers.1.self_attn.forget_gate"] == "per_channel"
@@ -565,6 +577,8 @@ def test_gpt_oss_lora_at_tp2_matches_one_process_peft(dirs, tmp_path):
 DROPOUT = {
     "gpt_oss": {"attention_dropout": 0.1},
     "bloom": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+    # its published dropout (0.1), one module serving the split probabilities and the whole output (summed first)
+    "xlnet": {"dropout": 0.1},
 }
 
 

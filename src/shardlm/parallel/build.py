@@ -40,6 +40,7 @@ from shardlm.parallel.runtime import lora
 from shardlm.parallel.runtime.context import check_context_parallel, enable_context_parallel
 from shardlm.parallel.runtime.ep import apply_ep
 from shardlm.parallel.runtime.grads import tp_partial_grad_params
+from shardlm.parallel.runtime.head_einsums import sum_head_einsums
 from shardlm.parallel.runtime.indexer import sum_indexer_scores
 from shardlm.parallel.runtime.pipeline import (
     PipelineStageModule,
@@ -89,6 +90,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Plan, with_lora: bool = False) 
     serve_row_reads(model, plan, tp_mesh)  # Gemma 4's pad row, read off the split embedding
     serve_direct_reads(model, plan)  # Gemma 3n's AltUp coefficients, read whole by the decoder layer
     sum_indexer_scores(model, plan, tp_mesh)  # DSA's indexer: its heads' scores summed over TP before its top-k
+    sum_head_einsums(model, plan, tp_mesh)  # XLNet's attention: its einsums' sums over TP
     if sequence:
         apply_sequence_parallel(model, plan, tp_mesh)
 

@@ -106,6 +106,7 @@ from shardlm.parallel.infer.channels import channel_placements, keep_whole_width
 from shardlm.parallel.infer.direct_reads import read_whole
 from shardlm.parallel.infer.dry_run import dry_run
 from shardlm.parallel.infer.experts import find_experts, own_forward_routers, place_experts, whole_moe_layers
+from shardlm.parallel.infer.head_einsums import head_placements, place_head_einsums
 from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.joined_heads import slice_joined_heads
 from shardlm.parallel.infer.latent import place_latents
@@ -261,6 +262,7 @@ def _infer(model: nn.Module, tp: int) -> Plan:
             if failure is None:
                 place_experts(plan, experts, model, tp)  # MoE: the trace saw the experts replicated (opaque to it)
                 plan.experts.update(channel_placements(model, plan))
+                plan.experts.update(head_placements(model, plan))  # XLNet's per-head parameters
                 _run_local(model, plan)
                 _refuse_unplaceable(model, plan, traced)
                 plan.dropout_sites = dropout_dims(model, traced, forced, probes)
@@ -463,6 +465,7 @@ def _assemble(
     # modules whose forward reshapes sharded activations into heads: parents of colwise layers
     sharded = [n for n, s in plan.styles.items() if s.endswith("colwise") and n not in (emb, head)]
     plan.attention = sorted({n.rsplit(".", 1)[0] for n in sharded})
+    place_head_einsums(model, plan, traced.head_einsums)  # XLNet's attention: einsums of per-head parameters
     _slice_shared_rows(model, plan, tp)
     slice_joined_heads(model, plan, traced.head_views, tp)  # Zaya's value of cat(v_proj_current, v_proj_delayed)
     plan.head_inputs = {m: dict(found) for m, found in traced.head_inputs.items() if m in plan.attention}

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from shardlm.parallel.infer.broadcast import ELEMENTWISE, broadcast_over_split
 from shardlm.parallel.infer.follow import buffer_follows, follows
+from shardlm.parallel.infer.head_einsums import heads_aligned
 from shardlm.parallel.infer.head_inputs import meets_split
 from shardlm.parallel.infer.layouts import split_last
 from shardlm.parallel.infer.narrowed import candidate
@@ -41,6 +42,8 @@ def check(
             continue
         if follows(tracker, name, t, sharded, args, kwargs or {}, out) or buffer_follows(tracker, t, sharded, out):
             continue
+        if heads_aligned(tracker, t, sharded):
+            continue  # a per-head parameter at the split heads (XLNet's ``r_w_bias``: ``head_einsums.py``)
         if (isinstance(t, nn.Parameter) or id(t) in tracker.from_params) and broadcast_over_split(
             tracker, name, t, sharded, sources, args
         ):

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
+from shardlm.parallel.infer.head_einsums import head_placements
 from shardlm.parallel.infer.trace import Traced, meta_forward
 from shardlm.parallel.infer.tracker import ShardTracker
 from shardlm.parallel.model.hf import is_conv1d, is_linear, out_features
@@ -105,6 +106,12 @@ def _run(
     slice_head_inputs(meta, plan, tp, 0)  # before the local head counts (``build.apply_tp``)
     localize_geometry(meta, plan, tp)
     reshape_locally(meta, plan, tp)
+    for fqn, params in head_placements(meta, plan).items():  # XLNet's per-head parameters: their heads
+        module = meta.get_submodule(fqn)
+        for pname, placed in params.items():
+            shape = list(getattr(module, pname).shape)
+            shape[placed.dim] //= tp
+            setattr(module, pname, nn.Parameter(torch.empty(shape, device="meta")))
     for fqn, style in plan.styles.items():
         module = meta.get_submodule(fqn)
         conv1d = is_conv1d(module)

@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardlm.parallel.infer.head_einsums import per_head_modules, watch_per_head
 from shardlm.parallel.infer.probe import RunWhole
 from shardlm.parallel.infer.sizes import holds_linear, watch_reads
 from shardlm.parallel.infer.trace_hooks import TraceHooks
@@ -144,6 +145,7 @@ def trace_model(
     tracker.embedding_params = {id(p) for p in meta.get_input_embeddings().parameters()}  # ``head_inputs.py``
     hooks = TraceHooks(tracker, forced, latents, all_head_widths(meta.config), legit)
     hooks.block_prefixes = tuple(f"{name}." for name, m in meta.named_modules() if isinstance(m, nn.ModuleList))
+    watch_per_head(tracker, meta, per_head_modules(meta, hooks.block_prefixes, forced))  # XLNet's einsums
     tracker.direct_weights = {
         id(m.weight): name
         for name, m in meta.named_modules()

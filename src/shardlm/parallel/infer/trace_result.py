@@ -4,7 +4,7 @@ following split channels with their parts, the int attributes read, latents, sum
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -64,6 +64,8 @@ class Traced:
     head_views: frozenset[tuple[tuple[tuple[str, int], ...], int]] = frozenset()
     # following parameter fqn -> its dim along the channels, where not its first longer than 1 (``follow.py``)
     follow_dims: dict[str, int] | None = None
+    # module -> {per-head parameter: its role in the einsums reading it} (``head_einsums.py``: XLNet's attention)
+    head_einsums: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def collect(
@@ -141,4 +143,5 @@ def collect(
         frozenset(hooks.ran),
         frozenset(tracker.cuts.head_views),
         {names[pid]: dim for pid, dim in tracker.follow_dims.items()},
+        {m: dict(roles) for m, roles in tracker.head_einsums.items()},
     )

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from shardlm.parallel.infer.broadcast import declare_broadcast_records, record_whole_use
 from shardlm.parallel.infer.checks import check, check_emptied, check_reduction
 from shardlm.parallel.infer.follow import declare_follow_records, record_param_dims
+from shardlm.parallel.infer.head_einsums import declare_head_einsum_records, head_einsum
 from shardlm.parallel.infer.head_inputs import declare_head_input_records, per_rank_product, whole_use
 from shardlm.parallel.infer.head_inputs import follow as follow_head_input
 from shardlm.parallel.infer.latent import check_latent, declare_latent_records
@@ -121,6 +122,7 @@ class ShardTracker(TorchFunctionMode):
         declare_head_input_records(self)
         declare_broadcast_records(self)
         declare_narrowed_records(self, frozenset())
+        declare_head_einsum_records(self)
 
     def _record_dropout(self, func, args, kwargs) -> None:
         """A call site (``call_sites.is_call_site``: dropout, a random draw): is its input sharded, its
@@ -214,6 +216,8 @@ class ShardTracker(TorchFunctionMode):
             self.keep.append(out)
         if direct_product(self, name, args, out):
             return out  # a linear's column-parallel output (``summed.py``)
+        if name == "einsum" and head_einsum(self, args, out):
+            return out  # an einsum of a per-head parameter, split by heads like a linear (``head_einsums.py``)
         if name in _VIEW_OPS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             self.first_view.setdefault(id(args[0]), tuple(out.shape))
             record_head_view(self, args[0], out)

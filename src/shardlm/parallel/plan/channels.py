@@ -30,7 +30,7 @@ def channel_dim(plan: Plan, fqn: str, pname: str, param: torch.Tensor) -> int:
 def local_views(plan: Plan, fqn: str) -> dict[str, dict[str, list[list[tuple[int, int]]]]]:
     """For ``per_channel`` module ``fqn``: the ``per_channel`` modules it runs (itself: "", and
     those under it, by path relative to it), each with, per whole-stored parameter, every rank's rows."""
-    views = {}
+    views = {"": {}} if fqn in plan.head_einsums else {}  # XLNet's attention: its own per-head parameters
     for name, params in plan.channels.items():
         if name == fqn or name.startswith(f"{fqn}."):
             path = name[len(fqn) + 1 :]

@@ -35,7 +35,10 @@ def describe_plan(model: nn.Module, plan: Plan, tp: int) -> list[dict]:
             source = "inferred, agrees with HF plan" if plan.agrees_with_hf[fqn] else "inferred, DIFFERS from HF plan"
         if fqn in plan.replicated:
             source += "; its sub-block is kept replicated (listed below)"
-        if fqn in plan.experts and (style == "experts" or (style == "per_channel" and fqn not in plan.channels)):
+        if fqn in plan.head_einsums:  # XLNet's attention (``infer/head_einsums.py``)
+            roles = ", ".join(f"{n} {r}" for n, r in plan.head_einsums[fqn].items())
+            source += f"; per-head parameters split by heads, their einsums: {roles}"
+        elif fqn in plan.experts and (style == "experts" or (style == "per_channel" and fqn not in plan.channels)):
             source += f"; {describe_experts(plan.experts[fqn])}"  # MoE (a per_channel one: DBRX's stacked experts)
         if set(plan.channels.get(fqn, {}).values()) == {fqn}:  # ``summed.place_direct``: its own rows
             source += "; column-parallel, its weight multiplied directly by its parent (split by rows, local views)"

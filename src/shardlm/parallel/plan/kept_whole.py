@@ -7,7 +7,8 @@ reason the trace gave), projections stored whole of which each rank computes its
 fewer than tp, MQA's one k/v head, Mamba-2's B and C at fewer groups than tp, MLA's latents),
 per-channel parameters whose channels ranks share, parameters of one value broadcast over the
 split heads (DiffLlama's lambdas) or of a per-head table each rank reads its heads' rows of (CPM-Ant's
-position bias), the parameters of an attention that holds no linear layer (XLNet's, by ``einsum``), and
+position bias), the parameters of an attention that holds no linear layer, by ``einsum``, where the trace did
+not split them by heads (XLNet's, split: ``infer/head_einsums.py``), and
 parameters another module's forward reads directly around split layers (``Plan.direct_reads``: Gemma 3n's
 AltUp coefficients), and modules whose forward never runs on text rows (``Plan.unrun``: a decoder-only class's
 cross-attention, without encoder states, where it is not split like its self-attention (``infer/unrun.py``); a
@@ -119,22 +120,19 @@ def _unrun(plan: Plan, model: nn.Module | None) -> list[str]:
 
 def _no_linears(model: nn.Module, plan: Plan) -> list[str]:
     """The attention modules (``_tops``) that hold no linear layer, computing on per-head parameters of
-    their own (XLNet's relative attention: ``einsum`` of its q, k, v, o, r [d_model, heads, d_head] and
-    per-head biases): one entry per kind. A parameter of [heads, head_dim] says per-head (not Inkling's
-    attention residuals' queries). Its property: XLNet's ``post_attention`` projects the heads' output
-    (``einsum("ibnd,hnd->ibh", attn_vec, o)``), applies dropout and adds the residual in one method, so a
-    rank's partial sum over its heads has no boundary (a module's output) where it could be all-reduced
-    before the dropout (the dropout module is the one the attention probabilities pass through too, so a
-    hook on it cannot tell the two apart); the query side alone split would leave ``o`` reading every head."""
+    their own, which the plan did not split (``Plan.head_einsums``: XLNet's relative attention, its
+    ``einsum`` of q, k, v, o, r [d_model, heads, d_head], is split by heads, ``infer/head_einsums.py``):
+    one entry per kind. A parameter of [heads, head_dim] says per-head (not Inkling's attention residuals'
+    queries)."""
     found: dict[str, None] = {}
     heads, width = plan.geometry.heads, plan.geometry.head_dim
     for fqn in _tops(model):
         module = model.get_submodule(fqn)
         own = [n for n, _ in module.named_parameters(recurse=False)]
         per_head = any(heads in p.shape and width in p.shape for p in module.parameters(recurse=False))
-        if own and per_head and not any(is_linear(m) for m in module.modules()):
+        if own and per_head and fqn not in plan.head_einsums and not any(is_linear(m) for m in module.modules()):
             names = ", ".join(own)
-            why = "its output projection (einsum), dropout and residual add in one method: no point to sum the heads"
+            why = "einsums of per-head parameters the trace did not split by heads"
             found[f"{_any_block(fqn)}.{{{names}}}: stored whole ({why})"] = None
     return list(found)
 

@@ -82,6 +82,10 @@ class Plan:
     # split attention module -> the whole width its forward reshapes its heads' output to, read off its whole
     # input's size() (TrOCR's ``embed_dim``): each rank reshapes to its share (``plan/local_reshape.py``)
     local_reshapes: dict[str, int] = field(default_factory=dict)
+    # attention computing with einsums of per-head parameters, no linear (XLNet's; ``infer/head_einsums.py``) ->
+    # {parameter: ``reads_whole`` (its einsum reads a whole input: that input's gradient summed over TP) or
+    # ``sums_heads`` (its einsum sums over the heads: the ranks' partial outputs summed over TP)}
+    head_einsums: dict[str, dict[str, str]] = field(default_factory=dict)
     # the outermost modules whose forwards never ran in the trace (``infer/unrun.py``): stored whole on every rank,
     # or split like a traced attention of their class (``split_like``)
     unrun: list[str] = field(default_factory=list)

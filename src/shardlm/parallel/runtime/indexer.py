@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from shardlm.parallel.plan.plan import Plan
+from shardlm.parallel.runtime.modes import while_running
 from shardlm.parallel.runtime.regions import all_reduce
 
 
@@ -39,13 +40,4 @@ def sum_indexer_scores(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     for fqn, heads in plan.indexers.items():
         module = model.get_submodule(fqn)
         mode = _SummedTopk(mesh, (module.n_heads / heads) ** 0.5)  # n_heads: local (``localize_geometry``)
-        module.register_forward_pre_hook(lambda m, args, mode=mode: _enter(mode))
-        module.register_forward_hook(lambda m, args, out, mode=mode: _exit(mode), always_call=True)
-
-
-def _enter(mode: _SummedTopk) -> None:
-    mode.__enter__()  # its return value (the mode) would replace the module's arguments
-
-
-def _exit(mode: _SummedTopk) -> None:
-    mode.__exit__(None, None, None)
+        while_running(module, mode)

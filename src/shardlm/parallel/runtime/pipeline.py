@@ -77,6 +77,7 @@ _FQN_FIELDS = (
     "styles", "parts", "whole_parts", "attention", "agrees_with_hf", "sliced", "stored_rows", "replicated", "experts",
     "channels", "channel_parts", "channel_rows", "local_sizes", "latent_readers", "summed", "head_inputs",
     "partial_grads", "indexers", "direct_reads", "narrowed", "unrun", "shared_kv", "local_reshapes",
+    "head_einsums", "channel_dims",
 )  # fmt: skip
 
 
