@@ -109,9 +109,11 @@ def shardlm_losses(
     steps: int = 5,
     train: dict | None = None,
     vocab: int = VOCAB,
+    seq: int = SEQ,
 ) -> dict:
     """Rank body: train each model with shardlm's API on this rank's layout; (loss, grad_norm) per step;
-    ``train``: ``TrainConfig`` values other than ``train_config``'s; ``vocab``: the data's ids (``token_dataset``)."""
+    ``train``: ``TrainConfig`` values other than ``train_config``'s; ``vocab``, ``seq``: the data's ids and
+    tokens a sample (``token_dataset``)."""
     from shardlm import Trainer, build_mesh, init_distributed, parallelize
 
     init_distributed()
@@ -120,7 +122,7 @@ def shardlm_losses(
         cfg = train_config(path, layout, per_device, accum, steps, **(train or {}))
         mesh = build_mesh(cfg.parallel)
         model = parallelize(path, mesh, seed=cfg.train.seed)
-        history = Trainer(model, cfg, token_dataset(vocab=vocab), mesh).train()
+        history = Trainer(model, cfg, token_dataset(vocab=vocab, seq=seq), mesh).train()
         out[path] = [(h["loss"], h["grad_norm"]) for h in history]
     return out
 
@@ -150,6 +152,7 @@ def plain_reference(
     dropout=False,
     router_losses: list | None = None,
     vocab: int = VOCAB,
+    seq: int = SEQ,
     **train,
 ) -> list[tuple[float, float]]:
     """One process, no shardlm training code: transformers model (its seeded init values from
@@ -160,9 +163,9 @@ def plain_reference(
     (``shardlm.parallel.runtime.dropout``, keyed by seed, step and the sample's position in the global batch);
     otherwise torch's own (use it only with dropout 0). A model whose config turns the router's
     load-balancing loss on (``output_router_logits``) adds ``router_aux_loss_coef * outputs.aux_loss``,
-    as transformers does; ``router_losses`` collects that term per step. ``vocab``: the data's ids
-    (``token_dataset``). ``train``: ``TrainConfig`` values other than ``train_config``'s (as ``shardlm_losses``
-    takes them)."""
+    as transformers does; ``router_losses`` collects that term per step. ``vocab``, ``seq``: the data's ids
+    and tokens a sample (``token_dataset``). ``train``: ``TrainConfig`` values other than ``train_config``'s
+    (as ``shardlm_losses`` takes them)."""
     from contextlib import nullcontext
 
     from transformers import get_scheduler
@@ -187,7 +190,7 @@ def plain_reference(
     else:
         opt = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
     sched = get_scheduler(t.lr_scheduler_type, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    data = token_dataset(vocab=vocab)
+    data = token_dataset(vocab=vocab, seq=seq)
     order = GlobalBatchOrder(len(data), global_batch, t.seed)
     out = []
     for step in range(steps):
