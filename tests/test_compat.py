@@ -8,15 +8,11 @@ Accepted plans train at tp=2 exactly like one process (ten of them, in one spawn
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from families import write_tiny_config
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from tiny import tiny_config  # noqa: E402
 
 # name -> (model type, overrides of its defaults)
 MODELS = {
@@ -78,14 +74,8 @@ EXPECT = {
 
 
 def _write(root: Path, name: str) -> str:
-    model_type, overrides = MODELS.get(name, (name, {}))
-    config = tiny_config(model_type)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config = type(config).from_dict(config.to_dict())  # re-derived (layer types, kv heads)
-    path = root / name
-    config.save_pretrained(path)
-    return str(path)
+    model_type, overrides = MODELS.get(name, (name, {}))  # round trip: layer types, kv heads re-derived
+    return write_tiny_config(str(root / name), model_type, overrides, round_trip=True)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from families import write_tiny_config
 from helpers import assert_parity, plain_reference, run_ranks, shardlm_losses
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -60,12 +61,8 @@ def _write(root: Path, model_type: str) -> str:
     """The tiny config, its positions (128 in ``scripts/tiny.py``) raised to cover the samples."""
     length, _ = WINDOWS[model_type]
     config = tiny_config(model_type)
-    for name in POSITIONS:
-        if isinstance(getattr(config, name, None), int):
-            setattr(config, name, max(getattr(config, name), 2 * length))
-    path = root / model_type
-    config.save_pretrained(path)
-    return str(path)
+    positions = {n: max(v, 2 * length) for n in POSITIONS if isinstance(v := getattr(config, n, None), int)}
+    return write_tiny_config(str(root / model_type), model_type, positions)
 
 
 @pytest.fixture(scope="module")
