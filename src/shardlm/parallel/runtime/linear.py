@@ -159,11 +159,12 @@ def _held_rows_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) -> 
 def held_rows_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Linear on the rows this rank holds of a ``RowsShard`` weight and bias (``Plan.stored_rows``). A rank
     holding none computes an empty output from its empty piece, which FSDP leaves alone
-    (``build.held_nothing``) and so does not cast under mixed precision: cast to ``x``'s dtype here."""
+    (``build.held_nothing``), so neither casts it under mixed precision nor moves it to the device under
+    ``fsdp_offload=cpu``: made ``x``'s dtype and device here."""
     weight = local_view(module.weight)
     bias = local_view(module.bias) if module.bias is not None else None
     if weight.numel() == 0:
-        weight, bias = weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None
+        weight, bias = weight.to(x), bias.to(x) if bias is not None else None
     return nn.functional.linear(x, weight, bias)
 
 
