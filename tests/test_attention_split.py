@@ -102,7 +102,8 @@ PLANNED = {
         "model.layers.1.self_attn",
         ("qkv_proj.q_proj", "qkv_proj.k_proj", "qkv_proj.v_proj_current", "qkv_proj.v_proj_delayed", "o_proj"),
     ),
-    # BLT: each stack's attention reads its own sub-config's head count (the top-level config names none)
+    # BLT: each stack's attention reads its own sub-config's head count (the top-level config names none); its
+    # patcher's too: only its tail (entropies -> patch lengths, after its logits) runs whole (``infer/probe.py``)
     "blt": ("model.global_transformer.layers.1.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
     # Reformer's LSH layer: buckets and offsets made at the local head count, its rotations drawn per rank's heads
     "reformer": (
@@ -308,6 +309,8 @@ def test_attention_split_in_the_planned_types(dirs):
     assert attention_bytes(build_meta_model(dirs["zaya"]), zaya, 2) == (2 * 4 * 7873, 2 * 4 * 15746)
     assert zaya.styles["model.layers.1.self_attn.qk_norm"] == "per_channel"
     assert plans["blt"].styles["model.local_decoder.cross_attn_layers.1.q_proj"] == "colwise"
+    patcher = {f: plans["blt"].styles[f"model.patcher.layers.0.{f}"] for f in ("self_attn.o_proj", "mlp.up_proj")}
+    assert patcher == {"self_attn.o_proj": "rowwise", "mlp.up_proj": "colwise"} and not plans["blt"].replicated
     assert 0 in plans["reformer"].dropout_sites  # the rotations randn(heads, ...): sharded along the heads
     assert plans["trocr"].local_reshapes["model.decoder.layers.1.self_attn"] == 64
 

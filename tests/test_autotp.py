@@ -411,8 +411,9 @@ def test_plan_cli_json_table_and_cross_check(dirs, capsys, tmp_path):
 def test_a_module_whose_forward_reads_values_is_kept_whole(tmp_path):
     """XMOD's per-language adapters pick rows by a boolean mask (``x[lang_ids == i]``), which has no shape
     on meta: that module of every block is kept whole, its linears listed with the reason, and traced on
-    a CPU copy (``infer/probe.py``); the attention still splits. (Both it and BLT's patcher train at tp=2
-    with parity: ``make matrix``.)"""
+    a CPU copy (``infer/probe.py``): its adapters run after the mask, on the rows it picks, so it is no mere
+    tail (BLT's patcher is: ``test_attention_split``). The attention still splits. (Both train at tp=2 with
+    parity: ``make matrix``.)"""
     import sys
     from pathlib import Path
 

@@ -111,7 +111,7 @@ from shardlm.parallel.infer.indexer import split_indexers
 from shardlm.parallel.infer.joined_heads import slice_joined_heads
 from shardlm.parallel.infer.latent import place_latents
 from shardlm.parallel.infer.narrowed import narrowable
-from shardlm.parallel.infer.probe import WHY, depends_on_values, materialize
+from shardlm.parallel.infer.probe import WHY, NotTail, Probe, depends_on_values, materialize
 from shardlm.parallel.infer.properties import model_property
 from shardlm.parallel.infer.refusals import FSDP_TRAINS_IT, any_block, cannot_split, not_splittable
 from shardlm.parallel.infer.shared_kv import split_shared_kv
@@ -290,15 +290,18 @@ def _infer(model: nn.Module, tp: int) -> Plan:
     )
 
 
-def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, nn.Module], reasons: dict) -> set[str]:
+def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, Probe], reasons: dict) -> set[str]:
     """The module whose forward raised ``exc`` (the trace's note names it), where its forward depends on
-    tensor values (``probe.depends_on_values``), and the same module of every block: kept whole, run on
-    CPU tensors in later traces (added to ``probes``); returns the linears under them, kept replicated
-    (with the reason in ``reasons``). Any other exception, one from a module kept whole already or from
-    one holding most of the model, is raised again (``_infer_or_refuse`` refuses the model with it)."""
+    tensor values (``probe.depends_on_values``), and the same module of every block: traced again with only
+    its tail run on CPU tensors (added to ``probes``, ``probe.run_tail``); where that tail is not after all
+    its parameters (``probe.NotTail``), kept whole, run on CPU tensors in later traces: returns the linears
+    under them, kept replicated (with the reason in ``reasons``). Any other exception, one from a module kept
+    whole already or from one holding most of the model, is raised again (``_infer_or_refuse`` refuses the
+    model with it)."""
     notes = [n[len(RUNNING_NOTE) :] for n in getattr(exc, "__notes__", ()) if n.startswith(RUNNING_NOTE)]
-    running = notes[0].rsplit(" (", 1)[0] if notes else ""
-    if not running or running in probes or not depends_on_values(exc):
+    whole = isinstance(exc, NotTail)
+    running = exc.name if whole else notes[0].rsplit(" (", 1)[0] if notes else ""
+    if not whole and (not running or running in probes or not depends_on_values(exc)):
         raise exc
     size = sum(p.numel() for p in model.get_submodule(running).parameters())
     if 2 * size > sum(p.numel() for p in model.parameters()):
@@ -308,9 +311,9 @@ def _keep_whole_on_values(model: nn.Module, exc: Exception, probes: dict[str, nn
     why = f"{any_block(running)} ({type(model.get_submodule(running)).__name__}): {WHY}"
     linears: set[str] = set()
     for fqn in found:
-        probes[fqn] = materialize(model.get_submodule(fqn))
+        probes[fqn] = Probe(materialize(model.get_submodule(fqn)), whole)
         for name, module in model.get_submodule(fqn).named_modules():
-            if is_linear(module):
+            if whole and is_linear(module):
                 linears.add(f"{fqn}.{name}")
                 reasons.setdefault(f"{fqn}.{name}", why)
     return linears
