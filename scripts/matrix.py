@@ -48,6 +48,7 @@ FSDP_SUBSET = [
     "inkling2_text", "inkling2_loop_text",  # full attention's dynamic conv taps [kernel, channels] split along dim 1
     "zaya",  # its value projections stored by the rows each rank computes (``shards.RowsShard``): FSDP chunks them
     "xlnet",  # attention of einsums of per-head parameters, split by heads (parallel/infer/head_einsums.py)
+    "qwen4_exp_text", "qwen4_exp",  # the QSA indexer's query heads split, scores summed before its top-k
 ]  # fmt: skip
 CHUNK_TIMEOUT_S = 420
 

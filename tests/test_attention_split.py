@@ -118,6 +118,9 @@ PLANNED = {
     # no linear: einsums of per-head parameters [d_model, heads, head_dim], read like column-parallel linears (q, k,
     # v, r) and summed over the heads like a row-parallel one (o), its biases with the heads (``infer/head_einsums``)
     "xlnet": ("transformer.layer.1.rel_attn", ("q", "k", "v", "r", "o")),
+    # the indexed_attention layer 2: its QSA indexer's fused index_qk_proj [4 query heads | 1 key head] x 16 packed,
+    # the query heads split, the key head whole on every rank, scores summed over TP before the top-k over blocks
+    "qwen4_exp_text": ("model.layers.2.self_attn", ("q_proj", "k_proj", "v_proj", "indexer.index_qk_proj", "o_proj")),
 }
 # per model type: the attention's parameter elements, whole, and held by each rank at tp=2
 ATTENTION_ELEMENTS = {
@@ -313,6 +316,11 @@ def test_attention_split_in_the_planned_types(dirs):
     assert patcher == {"self_attn.o_proj": "rowwise", "mlp.up_proj": "colwise"} and not plans["blt"].replicated
     assert 0 in plans["reformer"].dropout_sites  # the rotations randn(heads, ...): sharded along the heads
     assert plans["trocr"].local_reshapes["model.decoder.layers.1.self_attn"] == 64
+    qwen4, qsa = plans["qwen4_exp_text"], "model.layers.2.self_attn.indexer"
+    assert qwen4.indexers == {qsa: 1.0} and qwen4.local_sizes[qsa] == {"index_n_heads": 2}  # plain sums: factor 1
+    fused = f"{qsa}.index_qk_proj"
+    assert qwen4.parts[fused] == [64, 16] and qwen4.whole_parts[fused] == [False, True]
+    assert qwen4.sliced[fused] == [[(0, 32), (64, 80)], [(32, 64), (64, 80)]]  # its query heads' rows and the key's
 
 
 @pytest.mark.sweep  # a plan and a CPU model: 0.6 s idle, out of the fast tier
@@ -383,7 +391,7 @@ def test_indexer_heads_split_with_the_attention(dirs):
     plan = infer_plan(meta, 2)
     indexer, linears = INDEXED["deepseek_v32"]
     assert [plan.styles[f"{indexer}.{name}"] for name in linears] == ["colwise", "colwise"]
-    assert plan.indexers[indexer] == 4 and plan.local_sizes[indexer] == {"n_heads": 2}
+    assert plan.indexers[indexer] == 2**-0.5 and plan.local_sizes[indexer] == {"n_heads": 2}  # 4 ** -0.5 / 2 ** -0.5
     assert plan.styles["model.layers.0.self_attn.o_proj"] == "rowwise"
     assert [f for f in plan.replicated if ".layers.0." in f] == [f"{indexer}.wk"]
     assert kept_whole(plan)[0] == (

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from shardlm.parallel.infer.indexer import is_indexer
+from shardlm.parallel.infer.indexer import is_indexer, is_qsa_indexer
 
 _INDEXER = "one key head; the weighted scores of all its heads summed before a top-k over tokens"
 
 _PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")  # Gemma 3n's and Gemma 4's
 
 _INDEXER_KEY = "the indexer's one key head, read by all its query heads"
+
+# Qwen4-Exp's QSA indexer, whole where tp does not divide its query heads (``infer/indexer.py`` splits them otherwise)
+_QSA = "one key head fused with its query heads; the scores of all its heads summed before a top-k over blocks"
 
 PROPERTIES = {
     # DeepSeek-V4's CSA compressor's indexer (``infer/shared_kv.py``): computed whole beside the shared key=value head
@@ -68,6 +71,8 @@ def model_property(model: nn.Module, fqn: str) -> str | None:
             # DeepSeek Sparse Attention's indexer, found by its structure: its one key head, whole on every rank;
             # all of it where tp does not divide its query heads (``infer/indexer.py`` splits them otherwise)
             return _INDEXER_KEY if below == "wk" else _INDEXER
+        if is_qsa_indexer(holder):
+            return _QSA
         for key in (f"{owner}.{below}", owner):
             if key in PROPERTIES:
                 return PROPERTIES[key]

@@ -60,6 +60,8 @@ def kept_whole(plan: Plan, model: nn.Module | None = None) -> list[str]:
             why = _SHARED_KV
         elif fqn in latents:
             why = "a low-rank latent (MLA), read whole by every head"
+        elif fqn.rpartition(".")[0] in plan.indexers:  # Qwen4-Exp's QSA: [query heads | key head] fused
+            why = "the indexer's one key head, fused with its query heads: each rank computes its heads and the key"
         elif any(plan.whole_parts.get(fqn, [])):
             why = "parts every rank needs whole (groups fewer than tp)"
         else:

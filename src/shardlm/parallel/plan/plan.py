@@ -70,9 +70,10 @@ class Plan:
     # module kept whole -> (the module whose forward reads its parameters directly, around split layers, and
     # why it is whole): local views of them while that module runs (``parallel/infer/direct_reads.py``)
     direct_reads: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # DeepSeek Sparse Attention's indexer (``parallel/infer/indexer.py``) -> its global head count: its query
-    # heads split, each rank's sum of its heads' scores all-reduced over TP before its top-k (``runtime/indexer.py``)
-    indexers: dict[str, int] = field(default_factory=dict)
+    # a sparse-attention indexer (DSA's, Qwen4-Exp's QSA: ``parallel/infer/indexer.py``) -> the factor its summed
+    # scores take: its query heads split, each rank's sum of its heads' scores all-reduced over TP and multiplied
+    # by it before its top-k (``runtime/indexer.py``), one process's scores (DSA's: tp ** -0.5; QSA's: 1)
+    indexers: dict[str, float] = field(default_factory=dict)
     # attentions of one shared key=value head (DeepSeek-V4's, ``parallel/infer/shared_kv.py``): their query heads
     # split, the key=value head and its compressor whole on every rank, their gradients summed over TP
     shared_kv: list[str] = field(default_factory=list)
