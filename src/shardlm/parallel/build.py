@@ -100,7 +100,7 @@ def held_nothing(model: nn.Module) -> set[nn.Parameter]:
     ``v_proj_delayed`` on rank 0 at tp=2). FSDP leaves them alone: torch's reduce-scatter refuses an empty
     gradient (``_chunk_cat``), and there is nothing to shard or to reduce over the data-parallel ranks, which
     hold the same empty piece (they share the TP coordinate). Not cast under mixed precision either:
-    ``linear.held_rows_linear`` casts them to their input's dtype."""
+    ``linear.local_linear`` makes them their input's dtype and device."""
     return {p for p in model.parameters() if isinstance(p, DTensor) and p.to_local().numel() == 0}
 
 

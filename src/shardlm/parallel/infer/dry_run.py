@@ -10,7 +10,9 @@ projections grouped by a count the checkpoint fixes (CodeGen's ``mp_num`` groups
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -67,6 +69,19 @@ def dry_run(
     return owner, (
         f"{fused} is fused in {groups} groups of {size} columns fixed by the checkpoint, which tp={tp} does not divide"
     )
+
+
+def split_if_exact(model: nn.Module, plan: Plan, tp: int, traced: Traced, place: Callable[[], object]) -> bool:
+    """Apply ``place`` (a split set on ``plan``'s tables after the trace: an indexer's heads, a shared key=value
+    attention's query heads) and keep it where the dry run accepts it; else put every table of the plan back
+    as it was (each copied one level deep: ``place`` adds entries, it does not edit those already there)."""
+    saved = {f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(plan)}
+    place()
+    if dry_run(model, plan, tp, traced) is None:
+        return True
+    for name, table in saved.items():
+        setattr(plan, name, table)
+    return False
 
 
 def _reshapes_whole(model: nn.Module, plan: Plan, tp: int, failure: tuple[str, str]) -> bool:

@@ -22,9 +22,11 @@ trace, the split checked by the dry run at one rank's shapes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn as nn
 
-from shardlm.parallel.infer.dry_run import dry_run
+from shardlm.parallel.infer.dry_run import split_if_exact
 from shardlm.parallel.infer.trace import Traced
 from shardlm.parallel.model.hf import is_linear, out_features
 from shardlm.parallel.plan.plan import Plan
@@ -67,25 +69,21 @@ def find_indexers(model: nn.Module, tp: int) -> list[str]:
     return [name for name, m in found if _heads(m) % tp == 0]
 
 
-def _split_dsa(plan: Plan, name: str, m: nn.Module, tp: int) -> float:
-    """``wq_b`` and ``weights_proj`` column-parallel, ``n_heads`` local; the factor of the summed scores: each
-    rank scales its sum by ``local ** -0.5``, one process by ``n_heads ** -0.5``."""
+def _split_dsa(plan: Plan, name: str, m: nn.Module, tp: int) -> None:
+    """``wq_b`` and ``weights_proj`` column-parallel, ``n_heads`` local."""
     for child in _HEADS:
         plan.styles[f"{name}.{child}"] = "colwise"
     plan.local_sizes[name] = {"n_heads": m.n_heads // tp}
-    return tp**-0.5
 
 
-def _split_qsa(plan: Plan, name: str, m: nn.Module, tp: int) -> float:
+def _split_qsa(plan: Plan, name: str, m: nn.Module, tp: int) -> None:
     """``index_qk_proj`` packed as [query heads | key head], the key part whole on every rank (its parameters
-    stored whole, each rank computing its query rows and the key's: ``Plan.sliced``), ``index_n_heads`` local;
-    the scores are plain sums over the heads (factor 1)."""
+    stored whole, each rank computing its query rows and the key's: ``Plan.sliced``), ``index_n_heads`` local."""
     fqn, queries, key = f"{name}.{_QSA_FUSED}", m.index_n_heads * m.index_head_dim, m.index_head_dim
     plan.styles[fqn] = "packed_colwise"
     plan.parts[fqn], plan.whole_parts[fqn] = [queries, key], [False, True]
     plan.sliced[fqn] = [[(r * queries // tp, (r + 1) * queries // tp), (queries, queries + key)] for r in range(tp)]
     plan.local_sizes[name] = {"index_n_heads": m.index_n_heads // tp}
-    return 1.0
 
 
 def split_indexers(model: nn.Module, plan: Plan, tp: int, traced: Traced, forced: frozenset[str]) -> frozenset[str]:
@@ -93,15 +91,14 @@ def split_indexers(model: nn.Module, plan: Plan, tp: int, traced: Traced, forced
     kept whole returned. An indexer whose split the dry run refuses stays whole."""
     for name in find_indexers(model, tp):
         m = model.get_submodule(name)
-        linears = {f"{name}.{c}" for c in (_HEADS if is_indexer(m) else (_QSA_FUSED,))}
+        dsa = is_indexer(m)
+        linears = {f"{name}.{c}" for c in (_HEADS if dsa else (_QSA_FUSED,))}
         if not linears <= forced:
             continue
-        kept = {t: dict(getattr(plan, t)) for t in ("styles", "parts", "whole_parts", "sliced", "local_sizes")}
-        factor = (_split_dsa if is_indexer(m) else _split_qsa)(plan, name, m, tp)
-        if dry_run(model, plan, tp, traced) is not None:
-            for table, before in kept.items():
-                setattr(plan, table, before)
+        if not split_if_exact(model, plan, tp, traced, partial(_split_dsa if dsa else _split_qsa, plan, name, m, tp)):
             continue
-        plan.indexers[name] = factor
+        # the factor of the summed scores: DSA's ranks each scale their sums by ``local ** -0.5``, one process
+        # by ``n_heads ** -0.5``; QSA's scores are plain sums over the heads
+        plan.indexers[name] = tp**-0.5 if dsa else 1.0
         forced = forced - linears
     return forced

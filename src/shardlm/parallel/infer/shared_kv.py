@@ -23,9 +23,11 @@ modules kept replicated, with that property: ``properties.py``) and needs no sum
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn as nn
 
-from shardlm.parallel.infer.dry_run import dry_run
+from shardlm.parallel.infer.dry_run import split_if_exact
 from shardlm.parallel.infer.trace import Traced
 from shardlm.parallel.model.hf import is_linear, out_features
 from shardlm.parallel.plan.plan import Plan
@@ -67,10 +69,7 @@ def split_shared_kv(model: nn.Module, plan: Plan, tp: int, traced: Traced, force
         under = {f"{name}.{n}" for n, m in attn.named_modules() if n and is_linear(m)}
         if not under <= forced:
             continue
-        saved = _save(plan)
-        _place(model, plan, name, tp)
-        if dry_run(model, plan, tp, traced) is not None:
-            _restore(plan, saved)
+        if not split_if_exact(model, plan, tp, traced, partial(_place, model, plan, name, tp)):
             continue
         plan.shared_kv.append(name)
         forced = forced - {f for f in under if ".indexer." not in f}  # the indexer stays whole: no gradient
@@ -122,16 +121,3 @@ def _place_compressor(plan: Plan, name: str, compressor: nn.Module, tp: int) -> 
         plan.sliced[f"{name}.{child}"] = [[(0, out_features(getattr(compressor, child)))] for _ in range(tp)]
     plan.styles[f"{name}.kv_norm"] = "replicate_grad_allreduce"
     plan.latent_readers[f"{name}.kv_norm"] = f"{name}.kv_proj"
-
-
-def _save(plan: Plan) -> dict:
-    fields = ("styles", "sliced", "latent_readers", "experts", "channels", "local_sizes")  # what ``_place`` sets
-    return {f: dict(getattr(plan, f)) for f in fields} | {
-        "attention": list(plan.attention),
-        "partial_grads": list(plan.partial_grads),
-    }
-
-
-def _restore(plan: Plan, saved: dict) -> None:
-    for f, v in saved.items():
-        setattr(plan, f, v)

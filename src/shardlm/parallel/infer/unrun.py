@@ -43,17 +43,8 @@ def split_like(model: nn.Module, plan: Plan) -> None:
                 continue
             styles = {n: plan.styles.get(f"{traced}.{n}" if n else traced) for n, _ in other.named_modules()}
             plain = all(s in (None, "colwise", "rowwise", "replicate") for s in styles.values())
-            own = [
-                f
-                for f in (
-                    *plan.sliced,
-                    *plan.stored_rows,
-                    *plan.channels,
-                    *plan.local_sizes,
-                    *plan.head_inputs,
-                    *plan.replicated,
-                )
-            ]
+            tables = (plan.sliced, plan.stored_rows, plan.channels, plan.local_sizes, plan.head_inputs, plan.replicated)
+            own = [f for table in tables for f in table]
             if plain and not any(f == traced or f.startswith(f"{traced}.") for f in own):
                 for n, style in styles.items():
                     if style is not None:

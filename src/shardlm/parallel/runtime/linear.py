@@ -140,8 +140,6 @@ class Colwise(ParallelStyle):
         shard_params(module, device_mesh, {"weight": weight, "bias": bias, **own}, self.src_data_rank)
         if own:
             module.forward = functools.partial(_own_head_forward, module, device_mesh, type(module).forward)
-        elif self.rows is not None:
-            module.forward = functools.partial(_held_rows_forward, module, device_mesh)
         else:
             module.forward = functools.partial(_colwise_forward, module, device_mesh, self.sharded_output)
         return module
@@ -150,22 +148,6 @@ class Colwise(ParallelStyle):
 def _colwise_forward(module: nn.Module, mesh: DeviceMesh, sharded_output: bool, x: torch.Tensor) -> torch.Tensor:
     out = local_linear(module, column_input(x, mesh))
     return sharded_logits(out, module.weight.shape[1 if is_conv1d(module) else 0], mesh) if sharded_output else out
-
-
-def _held_rows_forward(module: nn.Module, mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
-    return held_rows_linear(module, column_input(x, mesh))
-
-
-def held_rows_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Linear on the rows this rank holds of a ``RowsShard`` weight and bias (``Plan.stored_rows``). A rank
-    holding none computes an empty output from its empty piece, which FSDP leaves alone
-    (``build.held_nothing``), so neither casts it under mixed precision nor moves it to the device under
-    ``fsdp_offload=cpu``: made ``x``'s dtype and device here."""
-    weight = local_view(module.weight)
-    bias = local_view(module.bias) if module.bias is not None else None
-    if weight.numel() == 0:
-        weight, bias = weight.to(x), bias.to(x) if bias is not None else None
-    return nn.functional.linear(x, weight, bias)
 
 
 def _own_head_forward(module: nn.Module, mesh: DeviceMesh, forward, x: torch.Tensor) -> DTensor:
@@ -233,9 +215,14 @@ def _rowwise_forward(module: nn.Module, mesh: DeviceMesh, output: str, x: torch.
 
 
 def local_linear(module: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias."""
+    """Linear/Conv1D on the local pieces of the module's (DTensor) weight and bias. A rank holding no row
+    of a ``RowsShard`` weight (``Plan.stored_rows``) computes an empty output from its empty piece, which
+    FSDP leaves alone (``build.held_nothing``), so neither casts it under mixed precision nor moves it to
+    the device under ``fsdp_offload=cpu``: made ``x``'s dtype and device here."""
     weight = local_view(module.weight)
     bias = local_view(module.bias) if with_bias and module.bias is not None else None
+    if weight.numel() == 0:
+        weight, bias = weight.to(x), bias.to(x) if bias is not None else None
     if is_conv1d(module):
         flat = x.reshape(-1, x.shape[-1])
         out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight

@@ -47,7 +47,7 @@ from shardlm.parallel.model.adapters import ADAPTER, is_lora_layer, peft_key
 from shardlm.parallel.model.hf import is_conv1d
 from shardlm.parallel.plan.plan import Plan
 from shardlm.parallel.plan.styles import SPLIT_LINEAR, Style, lora_dims, sharded_dim
-from shardlm.parallel.runtime.linear import column_input, held_rows_linear, local_linear, shard_params, sliced_linear
+from shardlm.parallel.runtime.linear import column_input, local_linear, shard_params, sliced_linear
 from shardlm.parallel.runtime.plan_styles import make_style, plan_styles
 from shardlm.parallel.runtime.regions import reduce_from_region, reduce_scatter_to_sequence_region
 
@@ -224,15 +224,14 @@ class LoraParallel(ParallelStyle):
         shard_params(base, mesh, {"weight": self._split(base, "weight"), "bias": self._split(base, "bias")}, None)
         shard_params(lora_a, mesh, {"weight": self._split(lora_a, dim=a_dim)}, None)
         shard_params(lora_b, mesh, {"weight": self._split(lora_b, dim=b_dim)}, None)
-        linear = held_rows_linear if self.stored_rows is not None else local_linear  # the output rows it holds
         if a_dim is not None:  # the base reads a sharded input: partial sums, reduced with the adapter's
             base.forward = lambda x: local_linear(base, x, with_bias=False)
             module.register_forward_hook(lambda mod, args, out: _reduce_add_bias(out, base.bias, mesh, self.scattered))
         else:  # the base reads a replicated input and writes its own output rows
-            base.forward = lambda x: linear(base, x)
+            base.forward = lambda x: local_linear(base, x)
             module.register_forward_pre_hook(lambda mod, args: (column_input(args[0], mesh), *args[1:]))
         lora_a.forward = lambda x: local_linear(lora_a, x)
-        lora_b.forward = lambda x: linear(lora_b, x)
+        lora_b.forward = lambda x: local_linear(lora_b, x)
         return module
 
 
